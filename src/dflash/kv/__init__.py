@@ -1,0 +1,1 @@
+"""Key/value caches: the static per-sequence cache and (later) the prefix cache."""

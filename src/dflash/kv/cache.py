@@ -1,0 +1,84 @@
+"""Static KV cache written by index, with crop and compact for speculative rollback.
+
+One tensor pair holds every layer: `keys`/`values` are [layers, batch, kv_heads, capacity, head_dim]. Each slot
+also records the RoPE position of the token stored there (`positions`, [batch, capacity]), so attention masks are
+built from positions: this lets tree verification place sibling nodes at the same position in different slots.
+All rows of a batch share one `length` (the number of valid slots).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.errors import GenerationError
+
+
+class KVCache:
+    """Pre-allocated cache; slots [0, length) are committed, the rest is scratch."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.positions = torch.zeros((batch, capacity), dtype=torch.long, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    @property
+    def batch(self) -> int:
+        return int(self.keys.shape[1])
+
+    def reserve(self, new_tokens: int) -> None:
+        """Check that `new_tokens` more slots fit (called before a forward writes them)."""
+        if self.length + new_tokens > self.capacity:
+            raise GenerationError(
+                f"KV cache full: {self.length} + {new_tokens} tokens exceed its capacity of {self.capacity}"
+            )
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new K/V after the committed slots; return views over every slot a query may read.
+
+        keys/values: [batch, kv_heads, new, head_dim] -> returned views: [batch, kv_heads, length + new, head_dim]
+        """
+        end = self.length + keys.shape[2]
+        self.keys[layer, :, :, self.length : end] = keys
+        self.values[layer, :, :, self.length : end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def write_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Record the positions of the new tokens; return key positions [batch, length + new]."""
+        end = self.length + positions.shape[1]
+        self.positions[:, self.length : end] = positions
+        return self.positions[:, :end]
+
+    def advance(self, new_tokens: int) -> None:
+        self.length += new_tokens
+
+    def crop(self, length: int) -> None:
+        """Forget every slot from `length` on (rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+    def compact(self, start: int, keep_slots: torch.Tensor) -> None:
+        """Move the slots `keep_slots` (ascending, all >= start) to start, start+1, ... and crop after them.
+
+        Used after tree verification: the accepted path's rows become contiguous after the committed prefix.
+        """
+        count = int(keep_slots.numel())
+        if count:
+            dest = slice(start, start + count)
+            self.keys[:, :, :, dest] = self.keys[:, :, :, keep_slots]
+            self.values[:, :, :, dest] = self.values[:, :, :, keep_slots]
+            self.positions[:, dest] = self.positions[:, keep_slots]
+        self.length = start + count

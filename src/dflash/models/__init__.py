@@ -1,0 +1,1 @@
+"""Model runtime: configuration-driven decoder-only transformers with hidden-state capture."""

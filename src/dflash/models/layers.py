@@ -1,0 +1,116 @@
+"""Building blocks shared by every family: RMSNorm, attention over the static cache, gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import ModelConfig
+from dflash.kv.cache import KVCache
+from dflash.models.rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; Gemma scales by (1 + weight), the others by weight."""
+
+    def __init__(self, dim: int, eps: float, adds_one: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if adds_one else torch.ones(dim))
+        self.eps = eps
+        self.adds_one = adds_one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.adds_one:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def activation(name: str) -> nn.Module:
+    if name == "silu":
+        return nn.SiLU()
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return nn.GELU(approximate="tanh")
+    if name == "gelu":
+        return nn.GELU()
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused in one matrix."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+        self.intermediate = intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with fused QKV, optional per-head q/k norm, writing into a KVCache."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_adds_one)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_adds_one)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+    ) -> torch.Tensor:
+        """x: [batch, seq, hidden]; mask: [batch, 1, seq, keys] bool (True = visible) or None (all visible)."""
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, head_dim]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [batch, kv_heads, seq, head_dim]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.write(self.layer_index, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (Llama, Qwen3)."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,177 @@
+"""The decoder-only causal LM shared by every family, with hidden-state capture.
+
+A forward takes token ids and their RoPE positions, writes K/V into an optional `KVCache`, and can return the
+residual stream after chosen decoder layers (before the final norm): DFlash drafters are conditioned on them.
+Family files (`llama.py`, `qwen3.py`, `gemma3.py`) only choose the decoder layer and the RoPE bases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from dflash.config import SLIDING_ATTENTION, ModelConfig
+from dflash.errors import ModelLoadError
+from dflash.kv.cache import KVCache
+from dflash.models.layers import DecoderLayer, RMSNorm
+from dflash.models.rope import Rotary
+
+LogitsMode = Literal["all", "last", "none"]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [batch, seq or 1, vocab]
+    features: torch.Tensor | None  # [batch, seq, len(capture) * hidden]: captured layer outputs, concatenated
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; subclasses pick the layer type."""
+
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        local_theta = config.rope_local_theta
+        self.rotary_local = Rotary(config.head_dim, local_theta) if local_theta is not None else self.rotary
+        self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
+
+    # ---- the small interface a drafter uses -------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [batch, seq] -> [batch, seq, hidden], with the family's embedding scale applied."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [..., hidden] -> logits [..., vocab] (soft-capped where the family does)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        param = self.embed_tokens.weight
+        return KVCache(
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            capacity,
+            batch=batch,
+            dtype=param.dtype,
+            device=param.device,
+        )
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        capture: Sequence[int] = (),
+        logits: LogitsMode = "all",
+    ) -> ForwardOutput:
+        """input_ids, positions: [batch, seq]; attn_mask: optional [batch or 1, seq, keys] bool (True = visible),
+        where keys = cache.length + seq (the committed slots then the new tokens). Without a mask attention is
+        causal by position. The cache length advances by seq."""
+        batch, seq = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
+        if cache is not None:
+            cache.reserve(seq)
+            key_positions = cache.write_positions(positions)
+        else:
+            key_positions = positions
+        full_mask, sliding_mask = self._masks(positions, key_positions, attn_mask)
+        dtype = self.embed_tokens.weight.dtype
+        cos, sin = self.rotary.cos_sin(positions, dtype)
+        local_cos, local_sin = (cos, sin) if self.rotary_local is self.rotary else self.rotary_local.cos_sin(positions, dtype)
+        wanted = {layer: i for i, layer in enumerate(capture)}
+        captured: list[torch.Tensor | None] = [None] * len(capture)
+        x = self.embed(input_ids)
+        for index, layer in enumerate(self.layers):
+            if self.sliding[index]:
+                x = layer(x, local_cos, local_sin, sliding_mask, cache)
+            else:
+                x = layer(x, cos, sin, full_mask, cache)
+            if index in wanted:
+                captured[wanted[index]] = x
+        if cache is not None:
+            cache.advance(seq)
+        features = torch.cat([c for c in captured if c is not None], dim=-1) if capture else None
+        if logits == "none":
+            return ForwardOutput(None, features)
+        if logits == "last":
+            x = x[:, -1:]
+        return ForwardOutput(self.project_logits(self.norm(x)), features)
+
+    def _masks(
+        self, positions: torch.Tensor, key_positions: torch.Tensor, attn_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Boolean masks [batch, 1, seq, keys] for full-attention and sliding-window layers (None = all visible)."""
+        batch, seq = positions.shape
+        full: torch.Tensor | None
+        if attn_mask is not None:
+            full = attn_mask.view(-1, 1, seq, key_positions.shape[1])
+        elif batch == 1 and seq == 1:
+            full = None  # the newest token sees every committed slot
+        else:
+            full = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
+        sliding = None
+        window = self.config.sliding_window
+        if window is not None and any(self.sliding):
+            in_window = (positions[:, :, None] - key_positions[:, None, :] < window)[:, None]
+            sliding = in_window if full is None else full & in_window
+        return full, sliding
+
+    # ---- weights -----------------------------------------------------------------------------------------
+    def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """Copy Hugging Face-named tensors into the fused modules (q/k/v and gate/up are concatenated)."""
+        own = self.state_dict()
+        fused: dict[str, torch.Tensor] = {}
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            attn = [weights.get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            if all(t is not None for t in attn):
+                fused[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(attn, dim=0)  # type: ignore[arg-type]
+            bias = [weights.get(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            if all(t is not None for t in bias):
+                fused[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(bias, dim=0)  # type: ignore[arg-type]
+            mlp = [weights.get(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            if all(t is not None for t in mlp):
+                fused[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(mlp, dim=0)  # type: ignore[arg-type]
+        fused_parts = (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj.", ".mlp.gate_proj.", ".mlp.up_proj.")
+        for name, tensor in weights.items():
+            if not any(part in name for part in fused_parts):
+                fused.setdefault(name.removeprefix("model."), tensor)
+        if self.config.tie_word_embeddings:
+            fused.pop("lm_head.weight", None)
+            own.pop("lm_head.weight", None)
+        missing = sorted(set(own) - set(fused))
+        if missing:
+            raise ModelLoadError(f"{source}: missing weights {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for key, target in own.items():
+                value = fused[key]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ModelLoadError(
+                        f"{source}: tensor {key} has shape {tuple(value.shape)}, expected {tuple(target.shape)}"
+                    )
+                target.copy_(value.to(target.dtype))

@@ -1,0 +1,39 @@
+"""Architecture name -> model class, and construction of a ready model from a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.config import ModelConfig
+from dflash.models.gemma3 import Gemma3ForCausalLM
+from dflash.models.llama import LlamaForCausalLM
+from dflash.models.model import CausalLM
+from dflash.models.qwen3 import Qwen3ForCausalLM
+from dflash.models.rope import Rotary
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+}
+
+
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    source: str = "checkpoint",
+) -> CausalLM:
+    """Instantiate the family's model on `device` without random init, load `weights`, set eval mode."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.architecture](config)
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, Rotary):  # buffers are not in checkpoints: compute them on the real device
+            module.recompute()
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(weights, source)
+    return model.eval().requires_grad_(False)

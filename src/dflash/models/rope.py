@@ -1,0 +1,62 @@
+"""Rotary position embeddings (rotate-half layout) with the RoPE scaling types real checkpoints use."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dflash.errors import ModelLoadError
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, adjusted for `scaling` (linear, llama3)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq
+    assert scaling is not None
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class Rotary(torch.nn.Module):
+    """Computes cos/sin for given positions and rotates query/key heads."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling), persistent=False)
+
+    def recompute(self) -> None:
+        """Refill the frequency buffer in place (after a model was materialised from the meta device)."""
+        fresh = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+        self.inv_freq = fresh.to(self.inv_freq.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [batch, seq] -> cos, sin: [batch, 1, seq, head_dim]"""
+        freqs = positions[..., None].float() * self.inv_freq  # [batch, seq, head_dim/2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim] rotated by position (rotate-half pairing j with j + head_dim/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

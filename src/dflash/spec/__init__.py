@@ -1,0 +1,1 @@
+"""Speculative decoding: draft trees (DDTree) and their verification."""
