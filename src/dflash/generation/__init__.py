@@ -1,0 +1,1 @@
+"""Decoding: sampling rules, stop conditions, plain autoregressive generation and the engine front."""

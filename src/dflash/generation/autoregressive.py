@@ -1,0 +1,54 @@
+"""Plain autoregressive decoding with the static KV cache: the reference every speculative path must equal."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from dflash.generation.output import OutputSink
+from dflash.generation.prefill import chunked_prefill
+from dflash.generation.request import GenerationRequest, GenerationStats
+from dflash.generation.selection import TokenChooser
+from dflash.models.model import CausalLM
+
+
+@torch.inference_mode()
+def decode_autoregressive(
+    model: CausalLM,
+    request: GenerationRequest,
+    sink: OutputSink,
+    chooser: TokenChooser,
+    *,
+    prefill_chunk: int,
+    should_stop: Callable[[], bool] | None = None,
+) -> GenerationStats:
+    """Prefill the prompt, then one target step per token until the sink finishes."""
+    device = model.embed_tokens.weight.device
+    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
+    stats = GenerationStats(prompt_tokens=prompt.shape[1])
+    cache = model.new_cache(prompt.shape[1] + request.max_new_tokens + 1)
+    started = time.perf_counter()
+    logits, _ = chunked_prefill(model, cache, prompt, chunk=prefill_chunk, should_stop=should_stop)
+    if logits is None:
+        sink.finish_cancelled()
+        return stats
+    stats.prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    step_input = torch.empty((1, 1), dtype=torch.long, device=device)
+    while True:
+        token = int(chooser.choose(logits, len(sink.token_ids))[0])
+        chooser.observe([token])
+        if sink.push(token):
+            break
+        if should_stop is not None and should_stop():
+            sink.finish_cancelled()
+            break
+        step_input[0, 0] = token
+        out = model(step_input, cache=cache)
+        assert out.logits is not None
+        logits = out.logits[:, -1]
+    stats.decode_s = time.perf_counter() - started
+    stats.completion_tokens = len(sink.token_ids)
+    return stats

@@ -1,0 +1,42 @@
+"""Chunked prefill: the prompt goes through the target in pieces of at most `chunk` tokens.
+
+Features of every chunk are concatenated (never overwritten), so a drafter sees every prompt position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM
+
+
+def chunked_prefill(
+    model: CausalLM,
+    cache: KVCache,
+    input_ids: torch.Tensor,
+    *,
+    chunk: int,
+    capture: Sequence[int] = (),
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """input_ids: [1, prompt] -> (last-position logits [1, vocab], features [1, prompt, n*hidden] or None).
+
+    Returns (None, None) when `should_stop` asks to abandon the prefill between chunks.
+    """
+    total = input_ids.shape[1]
+    features: list[torch.Tensor] = []
+    logits: torch.Tensor | None = None
+    for lo in range(0, total, max(1, chunk)):
+        if should_stop is not None and should_stop():
+            return None, None
+        last = lo + chunk >= total
+        out = model(input_ids[:, lo : lo + chunk], cache=cache, capture=capture, logits="last" if last else "none")
+        if out.features is not None:
+            features.append(out.features)
+        if last:
+            assert out.logits is not None
+            logits = out.logits[:, -1]
+    return logits, (torch.cat(features, dim=1) if features else None)

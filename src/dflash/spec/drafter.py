@@ -1,0 +1,303 @@
+"""The DFlash drafter: a few Qwen3-style layers that fill a block of MASK tokens in one pass.
+
+The drafter is conditioned on target features (the residual stream after chosen target layers). Those are
+projected once per round, `ctx = hidden_norm(fc(features))`, and enter every drafter layer only as extra
+keys/values in front of the block's own keys/values; only block rows are queries. Full-attention layers are
+non-causal (the block sees itself both ways); sliding-window layers are causal inside their window.
+The drafter borrows the target's embedding and LM head through the `TargetModel` interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import SLIDING_ATTENTION
+from dflash.errors import ModelLoadError
+from dflash.kv.cache import KVCache
+from dflash.models.layers import RMSNorm, activation
+from dflash.models.rope import Rotary, apply_rotary
+
+
+class TargetModel(Protocol):
+    """What a drafter may use of its target."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """Evenly spaced from layer 1 to L-3 (the published rule); one feature takes the middle layer."""
+    if num_features == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 32768
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+        """Read the published layout; DFlash fields may be nested under `dflash_config` or at top level."""
+        nested = raw.get("dflash_config") or {}
+        try:
+            layers = int(raw["num_hidden_layers"])
+            num_target_layers = int(raw.get("num_target_layers") or nested.get("num_target_layers"))
+            mask_id = nested.get("mask_token_id", raw.get("mask_token_id"))
+            if mask_id is None:
+                raise KeyError("mask_token_id")
+            layer_ids = nested.get("target_layer_ids", raw.get("target_layer_ids"))
+            if layer_ids is None:
+                layer_ids = default_target_layer_ids(num_target_layers, layers)
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            layer_types = tuple(raw.get("layer_types") or ("full_attention",) * layers)
+            return cls(
+                block_size=int(raw.get("block_size", nested.get("block_size", 16))),
+                mask_token_id=int(mask_id),
+                target_layer_ids=tuple(int(i) for i in layer_ids),
+                num_target_layers=num_target_layers,
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                vocab_size=int(raw["vocab_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_scaling=raw.get("rope_scaling") or None,
+                max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+                layer_types=layer_types,
+                sliding_window=int(raw["sliding_window"]) if raw.get("sliding_window") else None,
+                hidden_act=str(raw.get("hidden_act", "silu")),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{source}: not a DFlash drafter config (missing or bad field: {exc})") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The published (z-lab) config layout."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "hidden_act": self.hidden_act,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+        }
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the concatenated target features the drafter reads (the fc input)."""
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [batch, rows, hidden] -> normed, rotated keys and values [batch, kv_heads, rows, head_dim]."""
+        batch, rows, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch, rows, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, rows, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k.transpose(1, 2), cos, sin), v
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """h: normed block rows [batch, block, hidden]; context_k/v: [batch, kv_heads, context, head_dim]."""
+        batch, rows, _ = h.shape
+        q = self.q_norm(self.q_proj(h).view(batch, rows, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        block_k, block_v = self.keys_values(h, cos, sin)
+        k = torch.cat((context_k, block_k), dim=2)
+        v = torch.cat((context_v, block_v), dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(config)
+        self.mlp = DrafterMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Module tree mirrors the published checkpoint names (fc, hidden_norm, layers.N..., norm)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types] or [False] * config.num_layers
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        """Context K/V of committed positions, one slot per position."""
+        weight = self.fc.weight
+        return KVCache(
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            capacity,
+            batch=batch,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [batch, rows, n*target_hidden] -> ctx [batch, rows, hidden]."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def draft_hidden(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        new_features: torch.Tensor,
+        new_positions: torch.Tensor,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """One inference round. Appends the new context rows to `cache` (they are committed positions), then
+        runs the block. block_embeds: [batch, block, hidden]; block_positions: [batch, block];
+        new_features: [batch, new, n*target_hidden]; new_positions: [batch, new] -> final-normed [batch, block, hidden].
+        `window` limits attention to the last `window` context positions."""
+        dtype = self.fc.weight.dtype
+        new_rows = new_features.shape[1]
+        if new_rows:
+            cache.reserve(new_rows)
+            ctx = self.context(new_features)
+            ctx_cos, ctx_sin = self.rotary.cos_sin(new_positions, dtype)
+            key_positions = cache.write_positions(new_positions)
+        else:
+            key_positions = cache.positions[:, : cache.length]
+        first = max(0, key_positions.shape[1] - window) if window else 0
+        masks = self._inference_masks(block_positions, key_positions[:, first:])
+        cos, sin = self.rotary.cos_sin(block_positions, dtype)
+        x = block_embeds.to(dtype)
+        for index, layer in enumerate(self.layers):
+            if new_rows:
+                k, v = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
+                context_k, context_v = cache.write(index, k, v)
+            else:
+                context_k = cache.keys[index, :, :, : cache.length]
+                context_v = cache.values[index, :, :, : cache.length]
+            x = layer(x, cos, sin, context_k[:, :, first:], context_v[:, :, first:], masks[self.sliding[index]])
+        cache.advance(new_rows)
+        return self.norm(x)
+
+    def _inference_masks(self, block_positions: torch.Tensor, context_positions: torch.Tensor) -> dict[bool, torch.Tensor | None]:
+        """{sliding?: mask [batch, 1, block, context + block] or None (everything visible)}."""
+        masks: dict[bool, torch.Tensor | None] = {False: None, True: None}
+        if any(self.sliding):
+            keys = torch.cat((context_positions, block_positions), dim=1)
+            query = block_positions[:, :, None]
+            visible = (keys[:, None, :] <= query) & (query - keys[:, None, :] < (self.config.sliding_window or 1 << 30))
+            masks[True] = visible[:, None]
+        return masks
+
+    def draft_logits(
+        self,
+        target: TargetModel,
+        pending_token: int,
+        start: int,
+        new_features: torch.Tensor,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Block [pending, MASK x (B-1)] at positions start.. -> logits [B-1, vocab] for positions start+1..
+
+        `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
+        """
+        device = self.fc.weight.device
+        block = torch.full((1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = pending_token
+        block_positions = torch.arange(start, start + self.config.block_size, device=device)[None]
+        new_positions = torch.arange(cache.length, cache.length + new_features.shape[1], device=device)[None]
+        hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache, window=window)
+        return target.project_logits(hidden[0, 1:])
