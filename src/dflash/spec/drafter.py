@@ -270,6 +270,30 @@ class DFlashDrafter(nn.Module):
         cache.advance(new_rows)
         return self.norm(x)
 
+    def forward_blocks(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        features: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training forward over many blocks at once, each seeing its own context prefix.
+
+        block_embeds: [batch, blocks*B, hidden]; block_positions: [batch, blocks*B]; features: [batch, seq,
+        n*target_hidden] at positions 0..seq-1; mask: [batch, 1, blocks*B, seq + blocks*B] bool -> final-normed
+        hidden [batch, blocks*B, hidden]. Full-attention layers only (sliding drafters use the inference path).
+        """
+        ctx = self.context(features)
+        seq = features.shape[1]
+        ctx_positions = torch.arange(seq, device=features.device).expand(features.shape[0], seq)
+        ctx_cos, ctx_sin = self.rotary.cos_sin(ctx_positions, ctx.dtype)
+        cos, sin = self.rotary.cos_sin(block_positions, ctx.dtype)
+        x = block_embeds.to(ctx.dtype)
+        for layer in self.layers:
+            context_k, context_v = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
+            x = layer(x, cos, sin, context_k, context_v, mask)
+        return self.norm(x)
+
     def _inference_masks(self, block_positions: torch.Tensor, context_positions: torch.Tensor) -> dict[bool, torch.Tensor | None]:
         """{sliding?: mask [batch, 1, block, context + block] or None (everything visible)}."""
         masks: dict[bool, torch.Tensor | None] = {False: None, True: None}

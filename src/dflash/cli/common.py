@@ -1,0 +1,52 @@
+"""Options shared by several commands: model selection, decoding strategy, sampling."""
+
+from __future__ import annotations
+
+import argparse
+
+from dflash.engine.engine import Engine, EngineOptions
+from dflash.generation.sampling import SamplingParams
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default="default", help="HF folder, GGUF file, or 'default' (SmolLM2-135M-Instruct)")
+    group.add_argument(
+        "--draft", default=None,
+        help="DFlash drafter folder, 'default' (the shipped drafter of the default model) or 'none'; "
+        "the default model uses its shipped drafter unless 'none' is given",
+    )
+    group.add_argument("--spec", default="linear", choices=["none", "linear", "ddtree"], help="decoding strategy")
+    group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
+    group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
+    group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
+    group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
+    group.add_argument("--ddtree-budget", type=int, default=16, help="tree nodes verified per round (--spec ddtree)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed
+    )
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    from dflash.engine.loading import load_engine
+
+    options = EngineOptions(
+        spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
+        ddtree_budget=args.ddtree_budget,
+    )
+    return load_engine(args.model, args.draft, options=options, device=args.device, dtype=args.dtype)

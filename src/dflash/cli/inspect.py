@@ -1,0 +1,38 @@
+"""`dflash inspect`: print what a model file or drafter folder contains (config, tokenizer, sizes)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("inspect", help="describe a model or drafter", description=__doc__)
+    parser.add_argument("path", nargs="?", default="default", help="HF folder, GGUF file, drafter folder or 'default'")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if path.is_dir() and (path / "config.json").is_file():
+        raw = json.loads((path / "config.json").read_text())
+        if "DFlashDraftModel" in raw.get("architectures", []) or "dflash_config" in raw:
+            from dflash.spec.drafter import DrafterConfig
+
+            print(json.dumps({"kind": "dflash-drafter", **dataclasses.asdict(DrafterConfig.from_dict(raw))}, indent=2))
+            return 0
+    from dflash.models.resolve import load_checkpoint
+
+    checkpoint = load_checkpoint(args.path)
+    params = sum(t.numel() for t in checkpoint.weights.values())
+    info: dict[str, Any] = {"kind": "target", "source": str(checkpoint.source), "parameters": params}
+    info["config"] = dataclasses.asdict(checkpoint.config)
+    if checkpoint.tokenizer is not None:
+        tok = checkpoint.tokenizer
+        info["tokenizer"] = {"vocab_size": tok.vocab_size, "eos_token_ids": list(tok.eos_token_ids),
+                             "bos_token_id": tok.bos_token_id, "has_chat_template": tok.chat_template is not None}
+    print(json.dumps(info, indent=2, default=str))
+    return 0

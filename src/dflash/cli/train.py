@@ -1,0 +1,146 @@
+"""`dflash train`: train a DFlash drafter for a target we support.
+
+    dflash train data   --model M --prompts FILE.jsonl[.gz] --out DATA.jsonl.gz   # the target answers prompts
+    dflash train fit    --model M --data DATA.jsonl.gz --out RUN_DIR             # resumable training
+    dflash train export --model M --run RUN_DIR --out DRAFTER_DIR                # published layout, 15 MiB shards
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.errors import DFlashError
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("train", help="train a DFlash drafter", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    steps = parser.add_subparsers(dest="train_command", required=True)
+
+    data = steps.add_parser("data", help="answer prompts with the target to build training data")
+    _target_options(data)
+    data.add_argument("--prompts", type=Path, required=True, action="append", help="prompt JSONL (repeatable)")
+    data.add_argument("--out", type=Path, required=True)
+    data.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    data.add_argument("--batch-size", type=int, default=64)
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--max-prompt-tokens", type=int, default=512)
+    data.add_argument("--max-minutes", type=float, default=None, help="stop after this long (resumable)")
+    data.set_defaults(run=run_data)
+
+    fit = steps.add_parser("fit", help="train (or resume training) a drafter")
+    _target_options(fit)
+    fit.add_argument("--data", type=Path, required=True, action="append")
+    fit.add_argument("--out", type=Path, required=True, help="run folder (checkpoint, history, loss.png)")
+    fit.add_argument("--layers", type=int, default=4)
+    fit.add_argument("--block-size", type=int, default=16)
+    fit.add_argument("--mask-token", default=None, help="token text or id used as MASK (default: picked)")
+    fit.add_argument("--steps", type=int, default=3000)
+    fit.add_argument("--batch-size", type=int, default=16)
+    fit.add_argument("--max-length", type=int, default=768)
+    fit.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence")
+    fit.add_argument("--lr", type=float, default=6e-4)
+    fit.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for B=16, 4 for B=8)")
+    fit.add_argument("--random-init", action="store_true", help="do not copy the target's last layers")
+    fit.add_argument("--max-minutes", type=float, default=None, help="stop and checkpoint after this long")
+    fit.add_argument("--seed", type=int, default=0)
+    fit.set_defaults(run=run_fit)
+
+    export = steps.add_parser("export", help="write the trained drafter in the published layout")
+    _target_options(export)
+    export.add_argument("--run", type=Path, required=True)
+    export.add_argument("--out", type=Path, required=True)
+    export.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    export.set_defaults(run=run_export)
+
+
+def _target_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+
+
+def _load_target(args: argparse.Namespace) -> tuple[Any, Any]:
+    from dflash.engine.devices import pick_device, pick_dtype
+    from dflash.models.registry import build_model
+    from dflash.models.resolve import load_checkpoint
+
+    device = pick_device(args.device)
+    checkpoint = load_checkpoint(args.model)
+    model = build_model(checkpoint.config, checkpoint.weights, device=device, dtype=pick_dtype(args.dtype, device))
+    return model, checkpoint.tokenizer
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from dflash.training.datagen import generate_training_data
+    from dflash.training.prompts import read_prompt_file
+
+    model, tokenizer = _load_target(args)
+    prompts: list[str] = []
+    for path in args.prompts:
+        prompts += [chat[-1]["content"] for chat in read_prompt_file(path) if chat and chat[-1]["role"] == "user"]
+    prompts = prompts[: args.limit] if args.limit else prompts
+    count = generate_training_data(
+        model, tokenizer, prompts, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, max_minutes=args.max_minutes,
+    )
+    print(json.dumps({"examples": count, "out": str(args.out)}))
+    return 0
+
+
+def pick_mask_token(tokenizer: Any, requested: str | None) -> int:
+    """A token id whose (frozen) embedding serves as MASK: requested, or a rarely used special token."""
+    if requested is not None:
+        token_id = int(requested) if requested.isdigit() else tokenizer.token_to_id(requested)
+        if token_id is None:
+            raise DFlashError(f"--mask-token {requested!r} is not in the vocabulary")
+        return int(token_id)
+    for candidate in ("<empty_output>", "<jupyter_output>", "<|reserved_special_token_0|>", "<unused0>", "<mask>"):
+        token_id = tokenizer.token_to_id(candidate)
+        if token_id is not None:
+            return int(token_id)
+    return int(tokenizer.vocab_size - 1)
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    from dflash.training.datagen import read_examples
+    from dflash.training.trainer import DrafterTrainer, TrainSettings, init_drafter, new_drafter_config
+
+    model, tokenizer = _load_target(args)
+    examples = [ex for path in args.data for ex in read_examples(path)]
+    if not examples:
+        raise DFlashError("no training examples found in --data")
+    config = new_drafter_config(
+        model, layers=args.layers, block_size=args.block_size, mask_token_id=pick_mask_token(tokenizer, args.mask_token)
+    )
+    gamma = args.gamma or (7.0 if args.block_size >= 16 else 4.0)
+    settings = TrainSettings(
+        steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, anchors_per_sequence=args.anchors,
+        lr=args.lr, gamma=gamma, seed=args.seed,
+    )
+    drafter = init_drafter(config, model, from_target_layers=not args.random_init, seed=args.seed)
+    drafter = drafter.to(model.embed_tokens.weight.device)
+    trainer = DrafterTrainer(model, drafter, examples, settings, args.out)
+    resumed = trainer.try_resume()
+    print(f"{len(examples)} examples; {'resuming at step ' + str(trainer.step) if resumed else 'starting'}; "
+          f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters", flush=True)
+    history = trainer.train(max_minutes=args.max_minutes)
+    print(json.dumps({"step": trainer.step, "loss": history.loss[-1:], "est_acceptance": history.est_acceptance[-1:]}))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+    from dflash.training.export import export_drafter
+
+    state = torch.load(args.run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(state["drafter_config"]))
+    drafter.load_state_dict(state["drafter"])
+    paths = export_drafter(drafter, args.out, dtype=getattr(torch, args.export_dtype))
+    print(json.dumps({"files": [str(p) for p in paths], "step": state["step"]}))
+    return 0

@@ -1,0 +1,1 @@
+"""The engine: a loaded target (and drafter) serving generation requests one at a time."""

@@ -1,0 +1,165 @@
+"""`Engine`: one target model, its tokenizer and optionally a DFlash drafter, generating one request at a time.
+
+It chooses the decoding strategy per request (plain, or speculative when a drafter is loaded and the request
+allows it), checks the context budget, and keeps the safety net: a speculative generation that ends with no
+visible text is retried once with plain decoding, logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.errors import DFlashError, GenerationError
+from dflash.generation.autoregressive import decode_autoregressive
+from dflash.generation.output import OutputSink
+from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
+from dflash.generation.selection import TokenChooser
+from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
+from dflash.tokenizer import Tokenizer
+
+log = logging.getLogger("dflash.engine")
+
+SPEC_MODES = ("none", "linear", "ddtree")
+
+
+@dataclass
+class EngineOptions:
+    spec: str = "linear"  # "none" | "linear" | "ddtree"
+    prefill_chunk: int = 256
+    max_ctx: int | None = None  # defaults to the model's max positions
+    draft_window: int | None = None
+    ddtree_budget: int = 16
+
+
+class Engine:
+    def __init__(
+        self,
+        target: CausalLM,
+        tokenizer: Tokenizer,
+        drafter: DFlashDrafter | None = None,
+        options: EngineOptions | None = None,
+        *,
+        model_name: str = "model",
+    ) -> None:
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.options = options or EngineOptions()
+        if self.options.spec not in SPEC_MODES:
+            raise DFlashError(f"unknown --spec {self.options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
+        if self.options.spec != "none" and drafter is None:
+            self.options.spec = "none"
+        self.model_name = model_name
+        self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
+        self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.embed_tokens.weight.device
+
+    # ---- prompts -----------------------------------------------------------------------------------------
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                        add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        bos = self.tokenizer.bos_token_id
+        if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    # ---- generation --------------------------------------------------------------------------------------
+    def check_request(self, request: GenerationRequest) -> None:
+        if not request.prompt_ids:
+            raise GenerationError("the prompt is empty")
+        if request.max_new_tokens < 1:
+            raise GenerationError(f"max tokens must be at least 1, got {request.max_new_tokens}")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise GenerationError(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab}")
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if total > self.max_ctx:
+            raise GenerationError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max tokens ({request.max_new_tokens}) = {total} "
+                f"exceeds the context limit of {self.max_ctx} tokens"
+            )
+
+    def spec_mode_for(self, request: GenerationRequest, spec: str | None) -> str:
+        mode = spec or self.options.spec
+        if mode not in SPEC_MODES:
+            raise GenerationError(f"unknown spec mode {mode!r}")
+        if self.drafter is None or request.sampling.penalised:
+            return "none"  # penalties depend on every earlier token: plain decoding applies them exactly
+        return mode
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        on_text: TokenCallback | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        spec: str | None = None,
+    ) -> GenerationResult:
+        self.check_request(request)
+        mode = self.spec_mode_for(request, spec)
+        result = self._run(request, mode, on_text, should_stop)
+        if mode != "none" and result.finish_reason != "cancelled" and not result.text.strip():
+            log.warning("speculative generation produced no visible text; retrying with plain decoding")
+            retry = self._run(request, "none", on_text, should_stop)
+            retry.stats.fallbacks = result.stats.fallbacks + 1
+            retry.stats.rounds = result.stats.rounds
+            return retry
+        return result
+
+    def _run(
+        self,
+        request: GenerationRequest,
+        mode: str,
+        on_text: TokenCallback | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> GenerationResult:
+        eos = () if request.ignore_eos else (*self.eos_ids, *request.stop_token_ids)
+        sink = OutputSink(
+            self.tokenizer.decode, eos_ids=eos, max_new_tokens=request.max_new_tokens, stop=request.stop,
+            on_text=on_text,
+        )
+        chooser = TokenChooser(
+            request.sampling, eos_ids=eos, min_tokens=request.min_tokens,
+            vocab_size=self.target.config.vocab_size, device=self.device,
+        )
+        stats = self._decode(mode, request, sink, chooser, should_stop)
+        assert sink.finish_reason is not None
+        return GenerationResult(
+            text=sink.text, token_ids=sink.token_ids, finish_reason=sink.finish_reason, stats=stats,
+            stop_reason=sink.stop_reason,
+        )
+
+    def _decode(
+        self,
+        mode: str,
+        request: GenerationRequest,
+        sink: OutputSink,
+        chooser: TokenChooser,
+        should_stop: Callable[[], bool] | None,
+    ) -> GenerationStats:
+        chunk = self.options.prefill_chunk
+        if mode == "none" or self.drafter is None:
+            return decode_autoregressive(self.target, request, sink, chooser, prefill_chunk=chunk, should_stop=should_stop)
+        if mode == "linear":
+            from dflash.spec.linear import decode_linear
+
+            return decode_linear(
+                self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
+                draft_window=self.options.draft_window, should_stop=should_stop,
+            )
+        raise GenerationError(f"spec mode {mode!r} is not available in this build")
+

@@ -1,0 +1,61 @@
+"""Build an `Engine` from user-facing names: `--model default|PATH`, `--draft default|PATH|none`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from dflash.engine.devices import pick_device, pick_dtype
+from dflash.engine.engine import Engine, EngineOptions
+from dflash.errors import DFlashError
+from dflash.models.registry import build_model
+from dflash.models.resolve import load_checkpoint, resolve_model_path
+from dflash.spec.drafter_loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter
+
+log = logging.getLogger("dflash.loading")
+
+
+def is_default_model(name: str | None) -> bool:
+    return name in (None, "", "default")
+
+
+def default_drafter_available() -> bool:
+    return (PACKAGED_DRAFTERS / DEFAULT_DRAFTER / "config.json").is_file()
+
+
+def load_engine(
+    model: str | None = "default",
+    draft: str | None = None,
+    *,
+    options: EngineOptions | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> Engine:
+    """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
+    present; `draft="none"` disables speculative decoding."""
+    options = options or EngineOptions()
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    started = time.perf_counter()
+    checkpoint = load_checkpoint(model or "default")
+    if checkpoint.tokenizer is None:
+        raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
+    target = build_model(
+        checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype, source=str(checkpoint.source)
+    )
+    del checkpoint.weights
+    if draft is None and is_default_model(model) and default_drafter_available():
+        draft = "default"
+    drafter = None
+    if draft not in (None, "", "none"):
+        assert draft is not None
+        drafter = load_drafter(draft, checkpoint.config, device=torch_device, dtype=torch_dtype)
+    if drafter is None and options.spec != "none":
+        options.spec = "none"
+    name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
+    log.info("loaded %s in %.2f s on %s (%s)", name, time.perf_counter() - started, torch_device, torch_dtype)
+    return Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
+
+
+__all__ = ["load_engine", "resolve_model_path"]

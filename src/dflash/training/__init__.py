@@ -1,0 +1,1 @@
+"""Drafter training: data answered by the target itself, the anchor-block objective, checkpoints, export."""

@@ -1,0 +1,246 @@
+"""Drafter training loop: frozen target, frozen shared embedding/LM head, AdamW with warm-up and cosine decay.
+
+Each invocation trains until `steps` or a wall-clock budget, saving a resumable checkpoint (drafter,
+optimizer, step, loss history) so long runs can be split across short sessions. The loss curve is saved as PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+import torch
+
+from dflash.models.model import CausalLM
+from dflash.progress import progress_bar
+from dflash.spec.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash.training.objective import build_blocks, estimated_acceptance, sample_anchors, weighted_block_loss
+
+
+@dataclass
+class TrainSettings:
+    steps: int = 3000
+    batch_size: int = 16
+    max_length: int = 768
+    anchors_per_sequence: int = 48
+    lr: float = 6e-4
+    warmup_fraction: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    seed: int = 0
+    log_every: int = 25
+    checkpoint_every_s: float = 120.0
+
+
+@dataclass
+class TrainHistory:
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    est_acceptance: list[float] = field(default_factory=list)
+
+
+def new_drafter_config(
+    target: CausalLM, *, layers: int, block_size: int, mask_token_id: int, num_features: int | None = None
+) -> DrafterConfig:
+    """A drafter shaped like one target layer per drafter layer (hidden size and heads of the target)."""
+    t = target.config
+    return DrafterConfig(
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(default_target_layer_ids(t.num_layers, num_features or layers)),
+        num_target_layers=t.num_layers,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab_size,
+        rms_norm_eps=1e-6,
+        rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings,
+        layer_types=("full_attention",) * layers,
+    )
+
+
+def init_drafter(config: DrafterConfig, target: CausalLM, *, from_target_layers: bool, seed: int) -> DFlashDrafter:
+    """Random init (N(0, 0.02) matrices, unit norms); optionally copy the target's last layers' matrices."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+    if from_target_layers and target.config.architecture in ("llama", "qwen3"):
+        t = target.config
+        q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
+        source_layers = list(target.layers)[-config.num_layers :]
+        with torch.no_grad():
+            for mine, theirs in zip(drafter.layers, source_layers, strict=True):
+                qw, kw, vw = theirs.self_attn.qkv_proj.weight.float().split((q, kv, kv))
+                mine.self_attn.q_proj.weight.copy_(qw)
+                mine.self_attn.k_proj.weight.copy_(kw)
+                mine.self_attn.v_proj.weight.copy_(vw)
+                mine.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight.float())
+                gate, up = theirs.mlp.gate_up_proj.weight.float().split(t.intermediate_size)
+                mine.mlp.gate_proj.weight.copy_(gate)
+                mine.mlp.up_proj.weight.copy_(up)
+                mine.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight.float())
+                mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight.float())
+                mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight.float())
+            drafter.norm.weight.copy_(target.norm.weight.float())
+    return drafter
+
+
+def learning_rate(step: int, settings: TrainSettings) -> float:
+    warmup = max(1, int(settings.steps * settings.warmup_fraction))
+    if step < warmup:
+        return settings.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, settings.steps - warmup)
+    return settings.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class DrafterTrainer:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: DFlashDrafter,
+        examples: list[tuple[list[int], list[int]]],
+        settings: TrainSettings,
+        out_dir: Path,
+    ) -> None:
+        self.target, self.drafter, self.settings, self.out_dir = target, drafter, settings, out_dir
+        self.device = target.embed_tokens.weight.device
+        self.examples = [ex for ex in examples if len(ex[1]) >= 2]
+        self.optimizer = torch.optim.AdamW(
+            drafter.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
+        )
+        self.step = 0
+        self.history = TrainHistory()
+        self.checkpoint_path = out_dir / "checkpoint.pt"
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "history": asdict(self.history),
+            "settings": asdict(self.settings),
+            "drafter_config": self.drafter.config.to_dict(),
+        }
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.checkpoint_path)
+        (self.out_dir / "history.json").write_text(json.dumps(asdict(self.history)) + "\n")
+
+    def try_resume(self) -> bool:
+        if not self.checkpoint_path.exists():
+            return False
+        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.history = TrainHistory(**state["history"])
+        return True
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def _batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+        picks = [self.examples[rng.randrange(len(self.examples))] for _ in range(self.settings.batch_size)]
+        seqs = [(p + r)[: self.settings.max_length] for p, r in picks]
+        longest = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), longest), dtype=torch.long)
+        trained = torch.zeros((len(seqs), longest), dtype=torch.bool)
+        for row, ((prompt, _), seq) in enumerate(zip(picks, seqs, strict=True)):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            trained[row, len(prompt) : len(seq)] = True
+        return ids.to(self.device), trained.to(self.device)
+
+    def train_step(self, rng: random.Random, generator: torch.Generator) -> dict[str, float]:
+        config = self.drafter.config
+        ids, trained = self._batch(rng)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        with torch.no_grad(), autocast:
+            features = self.target(ids, capture=config.target_layer_ids, logits="none").features
+        assert features is not None
+        anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
+        blocks = build_blocks(
+            ids, trained, anchors, block_size=config.block_size, mask_token_id=config.mask_token_id,
+            gamma=self.settings.gamma,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.step, self.settings)
+        with autocast:
+            embeds = self.target.embed(blocks.block_ids)
+            hidden = self.drafter.forward_blocks(embeds, blocks.block_positions, features.float(), blocks.mask)
+            logits = self.target.project_logits(hidden.to(self.target.lm_head.weight.dtype))
+        loss, metrics = weighted_block_loss(logits, blocks)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.grad_clip)
+        self.optimizer.step()
+        metrics["loss"] = float(loss.item())
+        metrics["est_acceptance"] = estimated_acceptance(logits, blocks, config.block_size)
+        return metrics
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def train(self, max_minutes: float | None = None) -> TrainHistory:
+        settings = self.settings
+        deadline = time.monotonic() + max_minutes * 60 if max_minutes else None
+        last_save = time.monotonic()
+        self.drafter.train()
+        window: list[dict[str, float]] = []
+        with progress_bar("training drafter", settings.steps) as bar:
+            bar.advance(self.step)
+            while self.step < settings.steps:
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                rng = random.Random(settings.seed * 1_000_003 + self.step)
+                generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + self.step)
+                window.append(self.train_step(rng, generator))
+                self.step += 1
+                if self.step % settings.log_every == 0 or self.step == settings.steps:
+                    mean = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
+                    window.clear()
+                    self.history.steps.append(self.step)
+                    self.history.loss.append(mean["loss"])
+                    self.history.accuracy.append(mean["accuracy"])
+                    self.history.est_acceptance.append(mean["est_acceptance"])
+                    note = f"loss {mean['loss']:.3f} acc {mean['accuracy']:.3f} tau~{mean['est_acceptance']:.2f}"
+                    bar.advance(settings.log_every, note)
+                if time.monotonic() - last_save > settings.checkpoint_every_s:
+                    self.save_checkpoint()
+                    last_save = time.monotonic()
+        self.drafter.eval()
+        self.save_checkpoint()
+        plot_history(self.history, self.out_dir / "loss.png")
+        return self.history
+
+
+def plot_history(history: TrainHistory, path: Path) -> None:
+    if not history.steps:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(history.steps, history.loss)
+    left.set_xlabel("step")
+    left.set_ylabel("weighted block cross-entropy")
+    left.set_title("training loss")
+    right.plot(history.steps, history.est_acceptance, color="tab:green")
+    right.set_xlabel("step")
+    right.set_ylabel("estimated acceptance length")
+    right.set_title("teacher-forced acceptance estimate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
