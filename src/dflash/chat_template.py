@@ -52,7 +52,7 @@ def _tojson(
 class _GenerationBlock(Extension):
     """Accepts `{% generation %}...{% endgeneration %}` (used for assistant masks) and renders the body."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain set)
 
     def parse(self, parser: Parser) -> list[nodes.Node]:
         next(parser.stream)  # the `generation` name token
@@ -79,7 +79,9 @@ def _compile(template: str) -> jinja2.Template:
     try:
         return _ENV.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
-        raise GenerationError(f"chat template has a syntax error at line {exc.lineno}: {exc.message}") from None
+        raise GenerationError(
+            f"chat template has a syntax error at line {exc.lineno}: {exc.message}"
+        ) from None
 
 
 def render_chat_template(

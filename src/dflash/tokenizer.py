@@ -133,7 +133,9 @@ class Tokenizer:
             backend = _sentencepiece_backend(tokens, types, md, source)
             default_add_bos = True
         else:
-            raise ModelLoadError(f"{source}: tokenizer model {kind!r} is not supported (supported: gpt2, llama)")
+            raise ModelLoadError(
+                f"{source}: tokenizer model {kind!r} is not supported (supported: gpt2, llama)"
+            )
         template = md.get("tokenizer.chat_template")
         template = str(template) if template else None
         bos_id = _opt_int(md.get("tokenizer.ggml.bos_token_id"))
@@ -355,18 +357,20 @@ def _added_tokens(tokens: Sequence[str], types: Sequence[int], skip: set[int]) -
     return added
 
 
+def _split_merge(line: Any, source: str) -> tuple[str, str]:
+    left, sep, right = str(line).partition(" ")
+    if not sep:
+        raise ModelLoadError(f"{source}: malformed merge {line!r} in tokenizer.ggml.merges")
+    return left, right
+
+
 def _byte_level_backend(
     tokens: list[str], types: list[int], md: Mapping[str, Any], source: str
 ) -> tokenizers.Tokenizer:
     merges_raw = md.get("tokenizer.ggml.merges")
     if not isinstance(merges_raw, list):
         raise ModelLoadError(f"{source}: byte-level (gpt2) tokenizer without tokenizer.ggml.merges")
-    merges = []
-    for line in merges_raw:
-        left, sep, right = str(line).partition(" ")
-        if not sep:
-            raise ModelLoadError(f"{source}: malformed merge {line!r} in tokenizer.ggml.merges")
-        merges.append((left, right))
+    merges = [_split_merge(line, source) for line in merges_raw]
     vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
     pre = str(md.get("tokenizer.ggml.pre", "default"))
     split = _SPLIT_BY_PRE.get(pre)
@@ -404,7 +408,7 @@ def _sentencepiece_backend(
         raise ModelLoadError(f"{source}: {len(score_list)} token scores for {len(tokens)} tokens")
     merges_raw = md.get("tokenizer.ggml.merges")
     if isinstance(merges_raw, list) and merges_raw:
-        merges = [tuple(str(m).split(" ", 1)) for m in merges_raw]
+        merges = [_split_merge(m, source) for m in merges_raw]
     else:
         merges = _derive_merges(spelled, types, score_list)
     unk_id = _opt_int(md.get("tokenizer.ggml.unknown_token_id"))
@@ -424,7 +428,11 @@ def _sentencepiece_backend(
     respelled = {i for i, (a, b) in enumerate(zip(tokens, spelled, strict=True)) if a != b}
     backend.add_tokens(_added_tokens(tokens, types, skip=respelled))
     backend.add_tokens(
-        [AddedToken(spelled[i], special=False, normalized=True) for i in sorted(respelled) if types[i] == _USER_DEFINED]
+        [
+            AddedToken(spelled[i], special=False, normalized=True)
+            for i in sorted(respelled)
+            if types[i] == _USER_DEFINED
+        ]
     )
     return backend
 
@@ -443,7 +451,9 @@ def _derive_merges(tokens: list[str], types: list[int], scores: list[float]) -> 
         piece = tokens[i]
         if len(piece) < 2:
             continue
-        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in rank and piece[k:] in rank]
+        pairs = [
+            (piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in rank and piece[k:] in rank
+        ]
         if len(pairs) > 1:
             pairs.sort(key=lambda lr: (rank[lr[0]], rank[lr[1]]))
         merges.extend(pairs)

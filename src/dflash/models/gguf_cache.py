@@ -15,6 +15,7 @@ turns the cache off. Failing to write the cache is never an error: the model is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -96,7 +97,9 @@ def load_cached(path: Path) -> CachedModel | None:
     return CachedModel(config, weights, tokenizer)
 
 
-def store(path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer | None) -> Path | None:
+def store(
+    path: Path, config: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: Tokenizer | None
+) -> Path | None:
     """Write the cache entry of `path`; returns the weights file, or None if it was not written."""
     if not cache_enabled():
         return None
@@ -152,10 +155,8 @@ def _tmp_name(final: Path) -> Path:
 
 def _remove(*files: Path) -> None:
     for f in files:
-        try:
+        with contextlib.suppress(OSError):
             f.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _config_to_json(config: ModelConfig) -> dict[str, Any]:

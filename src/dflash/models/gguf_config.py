@@ -55,7 +55,11 @@ def config_from_gguf(
     if embed is None or len(embed) != 2:
         raise ModelLoadError(f"{source}: GGUF file has no 2-D token_embd.weight tensor")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    vocab = int(embed[0]) if embed[0] else (len(tokens) if isinstance(tokens, list) else int(get("vocab_size", 0)))
+    vocab = (
+        int(embed[0])
+        if embed[0]
+        else (len(tokens) if isinstance(tokens, list) else int(get("vocab_size", 0)))
+    )
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     is_gemma = arch == "gemma3"
@@ -95,7 +99,9 @@ def _uniform(value: Any, key: str, source: Path) -> int:
     if isinstance(value, list):
         distinct = set(value)
         if len(distinct) != 1:
-            raise ModelLoadError(f"{source}: {key} differs between layers ({sorted(distinct)}); not supported")
+            raise ModelLoadError(
+                f"{source}: {key} differs between layers ({sorted(distinct)}); not supported"
+            )
         value = value[0]
     return int(value)
 
@@ -105,7 +111,9 @@ def _layer_types(arch: str, layers: int, pattern: Any, source: Path) -> tuple[st
         return (FULL_ATTENTION,) * layers
     if isinstance(pattern, list):  # one flag per layer: true = sliding window
         if len(pattern) != layers:
-            raise ModelLoadError(f"{source}: sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+            raise ModelLoadError(
+                f"{source}: sliding_window_pattern has {len(pattern)} entries for {layers} layers"
+            )
         return tuple(SLIDING_ATTENTION if flag else FULL_ATTENTION for flag in pattern)
     period = int(pattern) if pattern else _GEMMA3_SLIDING_PATTERN
     return tuple(FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(layers))
@@ -123,7 +131,9 @@ def _rope_scaling(
     arch: str, metadata: Mapping[str, Any], rope_freqs: np.ndarray | None, head_dim: int, source: Path
 ) -> dict[str, Any] | None:
     if rope_freqs is not None:
-        return llama3_rope_scaling(rope_freqs, float(metadata.get(f"{arch}.rope.freq_base", 10000.0)), head_dim, source)
+        return llama3_rope_scaling(
+            rope_freqs, float(metadata.get(f"{arch}.rope.freq_base", 10000.0)), head_dim, source
+        )
     kind = metadata.get(f"{arch}.rope.scaling.type")
     factor = metadata.get(f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or not factor or float(factor) == 1.0:
@@ -156,7 +166,9 @@ def llama3_rope_scaling(
         raise ModelLoadError(f"{source}: rope_freqs has {factors.shape[0]} entries for head_dim {head_dim}")
     factor = float(factors.max())
     for low, high, original in candidates:
-        if np.allclose(llama3_factors(base, head_dim, factor, low, high, original), factors, rtol=1e-4, atol=1e-6):
+        if np.allclose(
+            llama3_factors(base, head_dim, factor, low, high, original), factors, rtol=1e-4, atol=1e-6
+        ):
             return {
                 "rope_type": "llama3",
                 "factor": factor,
@@ -170,7 +182,9 @@ def llama3_rope_scaling(
     )
 
 
-def llama3_factors(base: float, head_dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+def llama3_factors(
+    base: float, head_dim: int, factor: float, low: float, high: float, original: int
+) -> np.ndarray:
     """Per-frequency divisors of Llama 3.1 RoPE scaling (what llama.cpp stores as rope_freqs)."""
     freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / freqs

@@ -122,7 +122,9 @@ class GGUFFile:
         n_kv = int(self._scalar(GGUFValueType.UINT64))
         # Every kv and tensor entry takes at least 12 bytes: bounds the counts before looping.
         if (n_tensors + n_kv) * 12 > self.file_size:
-            raise _Truncated(f"{n_kv} metadata entries and {n_tensors} tensors cannot fit in {self.file_size} bytes")
+            raise _Truncated(
+                f"{n_kv} metadata entries and {n_tensors} tensors cannot fit in {self.file_size} bytes"
+            )
         for _ in range(n_kv):
             key = self._string()
             vtype = int(self._scalar(GGUFValueType.UINT32))

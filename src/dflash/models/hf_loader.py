@@ -32,11 +32,17 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory")
-    config = ModelConfig.from_hf(_read_json(path / "config.json", required=True), source=str(path / "config.json"))
+    config = ModelConfig.from_hf(
+        _read_json(path / "config.json", required=True), source=str(path / "config.json")
+    )
     generation = _read_json(path / "generation_config.json", required=False)
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None
 
-    eos = [*(tokenizer.eos_token_ids if tokenizer else ()), *config.eos_token_ids, *_ids(generation.get("eos_token_id"))]
+    eos = [
+        *(tokenizer.eos_token_ids if tokenizer else ()),
+        *config.eos_token_ids,
+        *_ids(generation.get("eos_token_id")),
+    ]
     config = replace(config, eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)))
     if config.bos_token_id is None and tokenizer is not None and tokenizer.bos_token_id is not None:
         config = replace(config, bos_token_id=tokenizer.bos_token_id)

