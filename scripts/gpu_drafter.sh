@@ -4,7 +4,8 @@
 #   scripts/gpu_drafter.sh data MINUTES     # the target answers the training prompts
 #   scripts/gpu_drafter.sh fit MINUTES      # train (resumes from $RUN/checkpoint.pt)
 #   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
-#   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets
+#   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets (real decoding loop)
+#   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 RUN=${RUN:-/tmp/run}
@@ -24,15 +25,19 @@ case "$1" in
     fi ;;
   data)
     $DFLASH train data --model "$MODEL" --prompts .stage/train_prompts.jsonl.gz --out "$RUN/data.jsonl.gz" \
-      --batch-size 128 --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
+      --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
   fit)
     $DFLASH train fit --model "$MODEL" --data "$RUN/data.jsonl.gz" --out "$RUN" --layers 4 --block-size 16 \
-      --steps "${STEPS:-4000}" --batch-size 16 --max-length 768 --anchors 48 --lr 6e-4 --max-minutes "$2" ;;
+      --steps "${STEPS:-5000}" --batch-size 32 --max-length 768 --anchors 48 --lr 6e-4 --max-minutes "$2" ;;
   export)
     $DFLASH train export --run "$RUN" --out "$2" ;;
   eval)
     $DFLASH bench acceptance --model "$MODEL" --draft "$2" --spec linear --max-tokens 256 \
       --prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl \
       --prompts-file benchmarks/prompts/sharegpt_heldout.jsonl --json --out "$2/../acceptance_gpu.json" ;;
+  replay)
+    $DFLASH train eval --model "$MODEL" --draft "$2" --max-tokens 256 --batch-size 512 \
+      --prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl \
+      --prompts-file benchmarks/prompts/sharegpt_heldout.jsonl --out "$2/../replay_gpu.json" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -141,7 +141,10 @@ class Tokenizer:
         bos_id = _opt_int(md.get("tokenizer.ggml.bos_token_id"))
         eos_ids = [
             i
-            for i in (_opt_int(md.get(f"tokenizer.ggml.{key}")) for key in ("eos_token_id", "eot_token_id"))
+            for i in (
+                _opt_int(md.get(f"tokenizer.ggml.{key}"))
+                for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+            )
             if i is not None
         ]
         vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}

@@ -51,9 +51,18 @@ def register(commands: Any) -> None:
     fit.add_argument("--seed", type=int, default=0)
     fit.set_defaults(run=run_fit)
 
+    evaluate = steps.add_parser("eval", help="fast greedy acceptance by exact replay (batched answers)")
+    _target_options(evaluate)
+    evaluate.add_argument("--draft", required=True)
+    evaluate.add_argument("--prompts-file", type=Path, action="append", required=True)
+    evaluate.add_argument("--max-tokens", type=int, default=256)
+    evaluate.add_argument("--batch-size", type=int, default=256)
+    evaluate.add_argument("--out", type=Path, default=None)
+    evaluate.set_defaults(run=run_eval)
+
     export = steps.add_parser("export", help="write the trained drafter in the published layout")
     _target_options(export)
-    export.add_argument("--run", type=Path, required=True)
+    export.add_argument("--run", dest="run_dir", type=Path, required=True)
     export.add_argument("--out", type=Path, required=True)
     export.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     export.set_defaults(run=run_export)
@@ -134,11 +143,43 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_eval(args: argparse.Namespace) -> int:
+    import statistics
+
+    from dflash.generation.batched import generate_batch
+    from dflash.spec.drafter_loader import load_drafter
+    from dflash.training.prompts import read_prompt_file
+    from dflash.training.replay import replay_linear
+
+    model, tokenizer = _load_target(args)
+    drafter = load_drafter(args.draft, model.config, device=model.embed_tokens.weight.device,
+                           dtype=model.embed_tokens.weight.dtype)
+    result: dict[str, Any] = {"method": "exact replay of greedy linear DFlash", "max_tokens": args.max_tokens, "sets": {}}
+    every: list[float] = []
+    for path in args.prompts_file:
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+                   for chat in read_prompt_file(path)]
+        answers: list[list[int]] = []
+        for lo in range(0, len(prompts), args.batch_size):
+            answers += generate_batch(model, prompts[lo : lo + args.batch_size], max_new_tokens=args.max_tokens,
+                                      eos_ids=tokenizer.eos_token_ids)
+        taus = [replay_linear(model, drafter, p, a).mean for p, a in zip(prompts, answers, strict=True)]
+        taus = [t for t in taus if t > 0]
+        every += taus
+        result["sets"][path.name.split(".")[0]] = {"prompts": len(taus), "acceptance_length": round(statistics.fmean(taus), 4)}
+        print(f"{path.name}: {statistics.fmean(taus):.3f} over {len(taus)} prompts", flush=True)
+    result["acceptance_length"] = round(statistics.fmean(every), 4)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
 def run_export(args: argparse.Namespace) -> int:
     from dflash.spec.drafter import DFlashDrafter, DrafterConfig
     from dflash.training.export import export_drafter
 
-    state = torch.load(args.run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    state = torch.load(args.run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
     drafter = DFlashDrafter(DrafterConfig.from_dict(state["drafter_config"]))
     drafter.load_state_dict(state["drafter"])
     paths = export_drafter(drafter, args.out, dtype=getattr(torch, args.export_dtype))

@@ -53,7 +53,7 @@ def gemma3_270m_path() -> Path | None:
     parts = [(_package_dir(pkg), filename) for pkg, filename in _GEMMA_PARTS]
     if main is None or any(d is None for d, _ in parts):
         return None
-    chunks = [d / filename for d, filename in parts if d is not None]
+    chunks = [d / "data" / filename for d, filename in parts if d is not None]
     missing = [str(c) for c in chunks if not c.is_file()]
     if missing:
         raise ModelLoadError(f"Gemma-3-270M chunk files are missing: {', '.join(missing)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +41,8 @@ def generate_training_data(
     max_new_tokens: int = 256,
     max_prompt_tokens: int = 512,
     max_minutes: float | None = None,
+    seed: int = 0,
+    window: int = 4096,
 ) -> int:
     """Answer `prompts` (skipping those already in `out_path`); return the number of examples in the file."""
     encoded = []
@@ -48,7 +51,10 @@ def generate_training_data(
         ids = tokenizer.encode(text)
         if len(ids) <= max_prompt_tokens:
             encoded.append(ids)
-    encoded.sort(key=len)  # similar lengths share a batch: less padding
+    # a fixed shuffle, then length-sorted windows: batches share lengths (less padding) while a run cut short
+    # by its time budget still covers a random sample of the prompts
+    random.Random(seed).shuffle(encoded)
+    encoded = [ids for lo in range(0, len(encoded), window) for ids in sorted(encoded[lo : lo + window], key=len)]
     done = sum(1 for _ in read_examples(out_path)) if out_path.exists() else 0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else None

@@ -52,12 +52,17 @@ def _first_user_turn(messages: Messages, max_chars: int) -> str | None:
     return content if 0 < len(content) <= max_chars else None
 
 
-def sharegpt_training_prompts(path: Path, *, max_chars: int = 3000) -> list[str]:
-    return [
-        p
-        for i, m in iter_sharegpt(path)
-        if i % HELDOUT_EVERY and (p := _first_user_turn(m, max_chars)) is not None
-    ]
+def sharegpt_training_prompts(path: Path, *, max_chars: int = 3000, all_turns: bool = True) -> list[str]:
+    """User turns of non-held-out conversations (every turn, or only the first), each as its own prompt."""
+    prompts: list[str] = []
+    for i, messages in iter_sharegpt(path):
+        if i % HELDOUT_EVERY == 0:
+            continue
+        turns = messages if all_turns else messages[:1]
+        prompts += [
+            m["content"].strip() for m in turns if m["role"] == "user" and 0 < len(m["content"].strip()) <= max_chars
+        ]
+    return prompts
 
 
 def sharegpt_heldout_prompts(path: Path, *, count: int, max_chars: int = 3000) -> list[str]:
