@@ -21,7 +21,8 @@ def load_transformers_model(model_arg: str, device: torch.device, dtype: torch.d
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(Path(path)), dtype=dtype)
-    return model.to(device).eval()
+    loaded: Any = model
+    return loaded.to(device).eval()
 
 
 @torch.inference_mode()

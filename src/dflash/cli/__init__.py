@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -16,8 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events")
     commands = parser.add_subparsers(dest="command", required=True)
     try:
-        from dflash.cli import serve
-
+        serve = importlib.import_module("dflash.cli.serve")
         serve.register(commands)
     except ImportError:  # the HTTP stack is optional; the engine works without it
         pass

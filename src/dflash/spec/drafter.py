@@ -66,7 +66,9 @@ class DrafterConfig:
         nested = raw.get("dflash_config") or {}
         try:
             layers = int(raw["num_hidden_layers"])
-            num_target_layers = int(raw.get("num_target_layers") or nested.get("num_target_layers"))
+            num_target_layers = int(raw.get("num_target_layers") or nested.get("num_target_layers") or -1)
+            if num_target_layers < 1:
+                raise KeyError("num_target_layers")
             mask_id = nested.get("mask_token_id", raw.get("mask_token_id"))
             if mask_id is None:
                 raise KeyError("mask_token_id")
@@ -259,6 +261,7 @@ class DFlashDrafter(nn.Module):
         masks = self._inference_masks(block_positions, key_positions[:, first:])
         cos, sin = self.rotary.cos_sin(block_positions, dtype)
         x = block_embeds.to(dtype)
+        layer: Any
         for index, layer in enumerate(self.layers):
             if new_rows:
                 k, v = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
@@ -289,6 +292,7 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary.cos_sin(ctx_positions, ctx.dtype)
         cos, sin = self.rotary.cos_sin(block_positions, ctx.dtype)
         x = block_embeds.to(ctx.dtype)
+        layer: Any
         for layer in self.layers:
             context_k, context_v = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
             x = layer(x, cos, sin, context_k, context_v, mask)

@@ -77,7 +77,7 @@ def sharegpt_heldout_prompts(path: Path, *, count: int, max_chars: int = 3000) -
 
 def humaneval_prompts(path: Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:  # type: ignore[operator]
+    with opener(path, "rt", encoding="utf-8") as handle:
         problems = [json.loads(line) for line in handle if line.strip()]
     return [
         "Complete the following Python function. Reply with the full function in a code block.\n\n"
@@ -95,7 +95,7 @@ def read_prompt_file(path: Path) -> list[Messages]:
     """JSONL with `prompt` or `messages` per line -> chats."""
     chats: list[Messages] = []
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:  # type: ignore[operator]
+    with opener(path, "rt", encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -115,6 +115,6 @@ def read_prompt_file(path: Path) -> list[Messages]:
 def write_prompt_file(path: Path, prompts: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wt", encoding="utf-8") as handle:  # type: ignore[operator]
+    with opener(path, "wt", encoding="utf-8") as handle:
         for prompt in prompts:
             handle.write(json.dumps({"prompt": prompt}, ensure_ascii=False) + "\n")

@@ -13,6 +13,8 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
 import torch
 
 from dflash.models.model import CausalLM
@@ -82,6 +84,8 @@ def init_drafter(config: DrafterConfig, target: CausalLM, *, from_target_layers:
         q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
         source_layers = list(target.layers)[-config.num_layers :]
         with torch.no_grad():
+            mine: Any
+            theirs: Any
             for mine, theirs in zip(drafter.layers, source_layers, strict=True):
                 qw, kw, vw = theirs.self_attn.qkv_proj.weight.float().split((q, kv, kv))
                 mine.self_attn.q_proj.weight.copy_(qw)

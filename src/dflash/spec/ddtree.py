@@ -1,0 +1,164 @@
+"""DDTree speculative decoding: draft a block once, verify a *tree* of continuations in one target pass.
+
+Per round (batch of one), with the same drafter and bookkeeping as linear DFlash (:mod:`dflash.spec.linear`):
+  1. the drafter reads the features of the newly committed positions and gives logits for the B-1 positions
+     after `pending` (the block [pending, MASK x (B-1)]);
+  2. :func:`~dflash.spec.tree.build_tree` picks the `budget` most likely token prefixes (root = `pending`);
+  3. the target runs [root, nodes...] at positions start + depth in ONE forward, every row seeing the committed
+     prefix (cache slots [0, start)) plus its own ancestors and itself, capturing features;
+  4. the target chooses a token at every node (argmax at temperature 0, one independent sample per node
+     otherwise); the walk from the root follows a child only while the target's choice at the current node is
+     that child's token; commit the visited nodes' tokens and the choice at the last visited node (bonus);
+  5. the target cache keeps only the visited rows, moved to slots start, start+1, ... (`KVCache.compact`; the
+     bonus has no K/V yet), and the captured features of the visited rows (root first) become the drafter's next
+     context rows, so drafter and target lengths move in step exactly as in linear decoding.
+
+Lossless: every committed token is the target's own choice (or an independent sample of the target's
+distribution) given the committed prefix, because a node's row sees exactly the committed prefix and its path.
+A root-only tree (budget 0) is plain decoding; a single chain is linear DFlash.
+
+End of the generation: a round commits at most ``depth + 1`` tokens, so the tree is limited to the depth that can
+still be used (``max_new_tokens - produced - 1``). This keeps every verified position below
+``prompt + max_new_tokens`` (the engine's context check) and spares useless nodes in the last rounds.
+
+``min_tokens``: the target's choice at a depth-``d`` node decides output token ``produced + d``; while EOS is still
+suppressed (``produced < min_tokens``) the rows are chosen one by one with their exact output index, otherwise in
+one call (nothing to suppress), so EOS suppression matches plain decoding exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from dflash.generation.output import OutputSink
+from dflash.generation.prefill import chunked_prefill
+from dflash.generation.request import GenerationRequest, GenerationStats
+from dflash.generation.selection import TokenChooser
+from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
+from dflash.spec.linear import SpecState
+from dflash.spec.tree import (
+    DraftTree,
+    accepted_tokens,
+    build_tree,
+    follow_tree,
+    linear_chain_tree,
+    tree_verify_inputs,
+)
+
+__all__ = ["decode_ddtree", "tree_choices"]
+
+
+def tree_choices(chooser: TokenChooser, logits: torch.Tensor, tree: DraftTree, output_index: int) -> torch.Tensor:
+    """The target's choice at every tree node: logits [n+1, vocab] (root first) -> tokens [n+1].
+
+    Row ``i`` decides output token ``output_index + depth_i``. ``TokenChooser.choose`` gives row ``i`` the index
+    ``output_index + i``, which only matters while EOS is suppressed (``min_tokens``); in that case the rows are
+    chosen one at a time with their exact index.
+    """
+    if chooser.min_tokens <= output_index or not chooser.eos.numel() or tree.num_nodes == 0:
+        return chooser.choose(logits, output_index)  # [n+1]
+    depths = [0, *tree.depths.tolist()]
+    rows = [chooser.choose(logits[i : i + 1], output_index + d) for i, d in enumerate(depths)]
+    return torch.cat(rows)  # [n+1]
+
+
+@torch.inference_mode()
+def decode_ddtree(
+    target: CausalLM,
+    drafter: DFlashDrafter,
+    request: GenerationRequest,
+    sink: OutputSink,
+    chooser: TokenChooser,
+    *,
+    prefill_chunk: int,
+    budget: int,
+    draft_window: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    seed_top1_chain: bool = False,
+) -> GenerationStats:
+    """Generate with DDTree verification; `budget` is the number of drafted tree nodes per round (root excluded)."""
+    if budget < 0:
+        raise ValueError(f"ddtree budget must be >= 0, got {budget}")
+    device = target.embed_tokens.weight.device
+    block_size = drafter.config.block_size
+    layer_ids = drafter.config.target_layer_ids
+    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
+    stats = GenerationStats(prompt_tokens=prompt.shape[1])
+    # A round verifies at most budget + 1 rows after the committed prefix; the drafter holds one row per position.
+    capacity = prompt.shape[1] + request.max_new_tokens + max(budget, block_size) + 1
+    target_cache = target.new_cache(capacity)
+    drafter_cache = drafter.new_cache(capacity)
+
+    drafting = budget > 0 and block_size > 1  # otherwise every round is a plain decoding step
+
+    started = time.perf_counter()
+    logits, features = chunked_prefill(
+        target, target_cache, prompt, chunk=prefill_chunk, capture=layer_ids, should_stop=should_stop
+    )
+    if logits is None or features is None:
+        sink.finish_cancelled()
+        return stats
+    stats.prefill_s = time.perf_counter() - started
+    started = time.perf_counter()
+    first = int(chooser.choose(logits, 0)[0])
+    chooser.observe([first])
+    state = SpecState(start=prompt.shape[1], pending=first, new_features=features)
+    finished = sink.push(first)
+    while not finished:
+        if should_stop is not None and should_stop():
+            sink.finish_cancelled()
+            break
+        produced = len(sink.token_ids)
+        # Nodes deeper than this could only yield tokens past max_new_tokens.
+        max_depth = min(block_size - 1, request.max_new_tokens - produced - 1)
+        carried: torch.Tensor | None = None
+        if drafting and max_depth > 0:
+            draft_logits = drafter.draft_logits(
+                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window
+            )  # [B-1, vocab]
+            tree = build_tree(draft_logits[:max_depth], budget, seed_top1_chain=seed_top1_chain)
+        else:  # root alone (plain decoding step); the drafter has not read the pending features yet
+            tree = linear_chain_tree([])
+            if drafting:
+                carried = state.new_features  # [1, start - drafter_cache.length, n*hidden]
+
+        assert target_cache.length == state.start
+        input_ids, position_ids, mask = tree_verify_inputs(
+            tree, state.pending, state.start, target_cache.length, device=device
+        )  # [n+1], [n+1], [n+1, start+n+1]
+        is_chain = tree.max_depth == tree.num_nodes  # ancestor mask == causal mask by position
+        out = target(
+            input_ids[None],
+            position_ids[None],
+            target_cache,
+            attn_mask=None if is_chain else mask[None],
+            capture=layer_ids,
+        )
+        assert out.logits is not None and out.features is not None
+        choices = tree_choices(chooser, out.logits[0], tree, produced)  # [n+1]
+        visited, bonus = follow_tree(tree, choices)
+        committed = [*accepted_tokens(tree, visited), bonus]
+        stats.record_round(tree.num_nodes, len(visited) - 1)
+
+        kept = len(visited)
+        if visited == list(range(kept)):  # a prefix of the block: the rows are already in place
+            target_cache.crop(state.start + kept)
+            path_features = out.features[:, :kept]
+        else:
+            rows = torch.tensor(visited, dtype=torch.long, device=device)
+            target_cache.compact(state.start, rows + state.start)
+            path_features = out.features[:, rows]
+        if carried is not None:
+            path_features = torch.cat((carried, path_features), dim=1)
+        elif not drafting:
+            path_features = path_features[:, :0]  # the drafter is never run: keep no features
+        state = SpecState(start=state.start + kept, pending=bonus, new_features=path_features)
+        chooser.observe(committed)
+        finished = sink.push_many(committed)
+    stats.decode_s = time.perf_counter() - started
+    stats.completion_tokens = len(sink.token_ids)
+    return stats
