@@ -22,6 +22,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
+    group.add_argument("--num-drafts", type=int, default=None,
+                       help="drafts verified per linear round (default: block size - 1)")
     group.add_argument("--ddtree-budget", type=int, default=16, help="tree nodes verified per round (--spec ddtree)")
 
 
@@ -47,6 +49,6 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
 
     options = EngineOptions(
         spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
-        ddtree_budget=args.ddtree_budget,
+        ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
     )
     return load_engine(args.model, args.draft, options=options, device=args.device, dtype=args.dtype)

@@ -35,6 +35,7 @@ class EngineOptions:
     max_ctx: int | None = None  # defaults to the model's max positions
     draft_window: int | None = None
     ddtree_budget: int = 16
+    num_drafts: int | None = None  # drafts verified per linear round (default: block size - 1)
 
 
 class Engine:
@@ -159,7 +160,7 @@ class Engine:
 
             return decode_linear(
                 self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
-                draft_window=self.options.draft_window, should_stop=should_stop,
+                draft_window=self.options.draft_window, num_drafts=self.options.num_drafts, should_stop=should_stop,
             )
         raise GenerationError(f"spec mode {mode!r} is not available in this build")
 

@@ -317,8 +317,11 @@ class DFlashDrafter(nn.Module):
         cache: KVCache,
         *,
         window: int | None = None,
+        num_drafts: int | None = None,
     ) -> torch.Tensor:
-        """Block [pending, MASK x (B-1)] at positions start.. -> logits [B-1, vocab] for positions start+1..
+        """Block [pending, MASK x (B-1)] at positions start.. -> logits [num_drafts, vocab] for positions
+        start+1 .. start+num_drafts (default num_drafts = B-1; fewer rows skip LM-head work, the block itself
+        always has B slots as in training).
 
         `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
         """
@@ -328,4 +331,5 @@ class DFlashDrafter(nn.Module):
         block_positions = torch.arange(start, start + self.config.block_size, device=device)[None]
         new_positions = torch.arange(cache.length, cache.length + new_features.shape[1], device=device)[None]
         hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache, window=window)
-        return target.project_logits(hidden[0, 1:])
+        last = self.config.block_size if num_drafts is None else 1 + num_drafts
+        return target.project_logits(hidden[0, 1:last])

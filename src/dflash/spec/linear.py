@@ -44,14 +44,17 @@ def decode_linear(
     *,
     prefill_chunk: int,
     draft_window: int | None = None,
+    num_drafts: int | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> GenerationStats:
+    """`num_drafts` caps the drafts verified per round (default: block size - 1)."""
     device = target.embed_tokens.weight.device
     block_size = drafter.config.block_size
+    drafts_per_round = min(num_drafts or block_size - 1, block_size - 1)
     layer_ids = drafter.config.target_layer_ids
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     stats = GenerationStats(prompt_tokens=prompt.shape[1])
-    capacity = prompt.shape[1] + request.max_new_tokens + block_size + 1
+    capacity = prompt.shape[1] + request.max_new_tokens + drafts_per_round + 2
     target_cache = target.new_cache(capacity)
     drafter_cache = drafter.new_cache(capacity)
 
@@ -73,16 +76,17 @@ def decode_linear(
             sink.finish_cancelled()
             break
         draft_logits = drafter.draft_logits(
-            target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window
-        )  # [B-1, vocab]
-        draft_tokens = draft_logits.argmax(dim=-1)  # [B-1]
-        block = torch.cat((torch.tensor([state.pending], device=device), draft_tokens))[None]  # [1, B]
+            target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+            num_drafts=drafts_per_round,
+        )  # [k, vocab]
+        draft_tokens = draft_logits.argmax(dim=-1)  # [k]
+        block = torch.cat((torch.tensor([state.pending], device=device), draft_tokens))[None]  # [1, k+1]
         out = target(block, cache=target_cache, capture=layer_ids)
         assert out.logits is not None and out.features is not None
-        choices = chooser.choose(out.logits[0], len(sink.token_ids))  # [B]
+        choices = chooser.choose(out.logits[0], len(sink.token_ids))  # [k+1]
         accepted = accepted_prefix_length(draft_tokens, choices)
         committed = [*draft_tokens[:accepted].tolist(), int(choices[accepted])]
-        stats.record_round(block_size - 1, accepted)
+        stats.record_round(drafts_per_round, accepted)
         target_cache.crop(state.start + accepted + 1)
         state = SpecState(
             start=state.start + accepted + 1,

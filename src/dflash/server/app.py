@@ -1,0 +1,92 @@
+"""`create_app(engine, settings)`: the FastAPI application behind `dflash serve`.
+
+One app owns one engine, one generation worker (started and stopped with the app's lifespan, or on first
+use), one metrics registry and the routes of every API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dflash.server import anthropic_messages, info, openai_chat, openai_completions, openai_responses
+from dflash.server.auth import APIKeyMiddleware
+from dflash.server.context import ServerContext
+from dflash.server.engine_port import EnginePort
+from dflash.server.errors import install_error_handlers
+from dflash.server.metrics import Metrics
+from dflash.server.prompt import PromptBuilder
+from dflash.server.runner import TurnRunner
+from dflash.server.settings import ServerSettings
+from dflash.server.worker import GenerationWorker
+
+
+def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    metrics = Metrics()
+    worker = GenerationWorker()
+    metrics.bind_worker(lambda: worker.queue_depth, lambda: worker.busy)
+    ctx = ServerContext(
+        engine=engine,
+        settings=settings,
+        prompts=PromptBuilder(engine, settings.chat_template, remap_developer_role=settings.remap_developer_role),
+        worker=worker,
+        runner=TurnRunner(engine, worker, metrics, settings.stall, settings.keepalive_s),
+        metrics=metrics,
+        model_name=settings.served_model_name or engine.model_name,
+        created=int(time.time()),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="dflash", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    for module in (info, openai_chat, openai_completions, openai_responses, anthropic_messages):
+        app.include_router(module.router)
+    install_error_handlers(app)
+
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(RequestCounter, metrics=metrics, routes=app.router.routes)
+    return app
+
+
+class RequestCounter:
+    """Counts HTTP requests by route template, method and status (pure ASGI: streams pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.http_requests.labels(self._route(scope), str(scope.get("method", "")), str(status[0])).inc()
+
+    def _route(self, scope: Scope) -> str:
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match == Match.FULL:
+                return str(getattr(route, "path", "other"))
+        return "other"

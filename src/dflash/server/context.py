@@ -1,0 +1,155 @@
+"""Per-app state shared by the routes: engine, settings, prompt builder, runner, metrics; plus the checks
+every API applies the same way (model name, token budget, sampling parameters)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from dflash.errors import GenerationError
+from dflash.generation.request import GenerationRequest
+from dflash.generation.sampling import SamplingParams
+from dflash.server.conversation import Message, ToolChoice, ToolSpec
+from dflash.server.engine_port import EnginePort
+from dflash.server.errors import APIError
+from dflash.server.metrics import Metrics
+from dflash.server.prompt import Prompt, PromptBuilder
+from dflash.server.runner import TurnRunner
+from dflash.server.settings import ServerSettings
+from dflash.server.turn import Turn
+from dflash.server.worker import GenerationWorker
+
+ANY_MODEL = frozenset({"", "any"})
+
+
+@dataclass
+class ServerContext:
+    engine: EnginePort
+    settings: ServerSettings
+    prompts: PromptBuilder
+    worker: GenerationWorker
+    runner: TurnRunner
+    metrics: Metrics
+    model_name: str
+    created: int
+
+    # ---- names ------------------------------------------------------------------------------------
+    def resolve_model(self, requested: str | None) -> str:
+        if requested is None or requested.strip() in ANY_MODEL or requested in (self.model_name, self.engine.model_name):
+            return self.model_name
+        raise APIError(
+            404, f"model {requested!r} does not exist; this server serves {self.model_name!r} (or use \"any\")",
+            kind="not_found", param="model", code="model_not_found",
+        )
+
+    # ---- budgets ----------------------------------------------------------------------------------
+    def max_new_tokens(self, requested: int | None, prompt_tokens: int, *, param: str) -> int:
+        limit = self.engine.max_ctx
+        if requested is None:
+            room = limit - prompt_tokens
+            if room < 1:
+                raise APIError(
+                    400, f"the prompt ({prompt_tokens} tokens) fills the context limit of {limit} tokens",
+                    param="messages", code="context_length_exceeded",
+                )
+            return min(self.settings.completion_cap(), room)
+        if prompt_tokens + requested > limit:
+            raise APIError(
+                400, f"prompt ({prompt_tokens} tokens) + {param} ({requested}) = {prompt_tokens + requested} "
+                f"exceeds the context limit of {limit} tokens", param=param, code="context_length_exceeded",
+            )
+        return requested
+
+    def min_tokens(self, tools_offered: bool, max_new_tokens: int) -> int:
+        if not tools_offered:
+            return 0
+        return min(self.settings.stall.min_tokens, max_new_tokens)
+
+    # ---- prompts ----------------------------------------------------------------------------------
+    async def build_prompt(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[ToolSpec],
+        choice: ToolChoice,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> Prompt:
+        return await run_in_threadpool(self.prompts.build, messages, tools, choice, template_kwargs)
+
+    def chat_turn(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop: Sequence[str],
+        choice: ToolChoice,
+        received_at: float,
+    ) -> Turn:
+        offered = prompt.tools
+        stall_tool = None
+        if offered:
+            if choice.mode == "named":
+                stall_tool = choice.name
+            elif len(offered) == 1:
+                stall_tool = offered[0].name
+        return Turn(
+            request=GenerationRequest(
+                prompt_ids=prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
+                min_tokens=self.min_tokens(bool(offered), max_new_tokens),
+            ),
+            tools=offered,
+            tool_format=prompt.tool_format,
+            forced_prefix=prompt.forced_prefix,
+            starts_in_reasoning=prompt.starts_in_reasoning,
+            stall_tool=stall_tool,
+            received_at=received_at,
+        )
+
+
+def sampling_params(
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+) -> SamplingParams:
+    """Unset values take the engine's defaults (greedy decoding when no temperature is given)."""
+    try:
+        return SamplingParams(
+            temperature=0.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k or 0,
+            min_p=min_p or 0.0,
+            seed=seed,
+            presence_penalty=presence_penalty or 0.0,
+            frequency_penalty=frequency_penalty or 0.0,
+        )
+    except GenerationError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def stop_list(stop: str | list[str] | None, *, param: str = "stop") -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if any(not s for s in items):
+        raise APIError(400, f"{param} entries must be non-empty strings", param=param)
+    return items
+
+
+def context_of(request: Request) -> ServerContext:
+    ctx = request.app.state.ctx
+    assert isinstance(ctx, ServerContext)
+    return ctx
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,104 @@
+"""Errors in each API's own JSON format.
+
+OpenAI (chat, completions, responses, models): `{"error": {"message", "type", "param", "code"}}`.
+Anthropic (`/v1/messages...`): `{"type": "error", "error": {"type", "message"}}`.
+The format is chosen by path, so an error raised anywhere (auth, body parsing, routing) reads right to the
+client that sent the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("dflash.server")
+
+ErrorKind = Literal["invalid_request", "authentication", "not_found", "too_large", "server", "unavailable"]
+
+_OPENAI_TYPE: dict[ErrorKind, str] = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "invalid_request_error",
+    "not_found": "invalid_request_error",
+    "too_large": "invalid_request_error",
+    "server": "server_error",
+    "unavailable": "server_error",
+}
+_ANTHROPIC_TYPE: dict[ErrorKind, str] = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "server": "api_error",
+    "unavailable": "overloaded_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: ErrorKind = "invalid_request",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def openai_error_body(err: APIError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": _OPENAI_TYPE[err.kind], "param": err.param, "code": err.code}}
+
+
+def anthropic_error_body(err: APIError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPE[err.kind], "message": err.message}}
+
+
+def error_body(path: str, err: APIError) -> dict[str, Any]:
+    return anthropic_error_body(err) if is_anthropic_path(path) else openai_error_body(err)
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(path, err), status_code=err.status)
+
+
+def internal_error(exc: BaseException) -> APIError:
+    """A computation failure, reported as such (500), never as a cancellation."""
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", kind="server", code="internal_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(request.url.path, exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind: ErrorKind = "not_found" if exc.status_code == 404 else "invalid_request"
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        err = APIError(exc.status_code, message, kind=kind)
+        return error_response(request.url.path, err)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(request.url.path, APIError(400, str(exc)))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}", kind="server")
+        return error_response(request.url.path, err)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,100 @@
+"""Prometheus metrics, in a registry of the app's own (several apps in one process never collide)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from dflash.server.turn import Outcome
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_ACCEPTANCE_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "dflash_http_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r
+        )
+        self.requests = Counter(
+            "dflash_requests", "Generation requests by API and outcome (stop, length, tool_calls, cancelled, error)",
+            ["api", "outcome"], registry=r,
+        )
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
+        self.completion_tokens = Counter("dflash_completion_tokens", "Tokens generated", ["api"], registry=r)
+        self.latency = Histogram(
+            "dflash_request_latency_seconds", "Arrival to last token", ["api"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "dflash_time_to_first_token_seconds", "Arrival to first generated token", ["api"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "dflash_queue_wait_seconds", "Time spent waiting for the generation worker", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.acceptance = Histogram(
+            "dflash_acceptance_length", "Mean tokens committed per speculative round, per request",
+            buckets=_ACCEPTANCE_BUCKETS, registry=r,
+        )
+        self.fallbacks = Counter(
+            "dflash_spec_fallbacks", "Speculative generations retried with plain decoding", registry=r
+        )
+        self.errors = Counter("dflash_generation_errors", "Generations that failed with an error", ["api"], registry=r)
+        self.cancelled = Counter(
+            "dflash_cancelled", "Generations stopped because the client went away", ["api", "stage"], registry=r
+        )
+        self.degenerate = Counter(
+            "dflash_degenerate_stops", "Turns ended by DFLASH_DEGENERATE_RUN_TOKENS", registry=r
+        )
+        self.stall_continuations = Counter(
+            "dflash_stall_continuations", "Turns continued by DFLASH_STALL_TOOL_PREFIX", registry=r
+        )
+        self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for the worker", registry=r)
+        self.busy = Gauge("dflash_busy", "1 while a generation runs", registry=r)
+
+    def bind_worker(self, depth: Callable[[], int], busy: Callable[[], bool]) -> None:
+        self.queue_depth.set_function(lambda: float(depth()))
+        self.busy.set_function(lambda: 1.0 if busy() else 0.0)
+
+    def observe_outcome(self, api: str, outcome: Outcome, latency_s: float) -> None:
+        self.requests.labels(api, outcome.finish_reason).inc()
+        if outcome.finish_reason == "cancelled":
+            self.cancelled.labels(api, "running").inc()
+        self.prompt_tokens.labels(api).inc(outcome.prompt_tokens)
+        self.completion_tokens.labels(api).inc(outcome.completion_tokens)
+        self.latency.labels(api).observe(latency_s)
+        self.queue_wait.observe(max(0.0, outcome.queue_s))
+        if outcome.ttft_s is not None:
+            self.ttft.labels(api).observe(outcome.ttft_s)
+        if outcome.stats.rounds:
+            self.acceptance.observe(outcome.stats.acceptance_length)
+        if outcome.stats.fallbacks:
+            self.fallbacks.inc(outcome.stats.fallbacks)
+        if outcome.degenerate:
+            self.degenerate.inc()
+        if outcome.continued:
+            self.stall_continuations.inc()
+
+    def observe_error(self, api: str, latency_s: float, *, client_error: bool) -> None:
+        self.requests.labels(api, "invalid" if client_error else "error").inc()
+        if not client_error:
+            self.errors.labels(api).inc()
+        self.latency.labels(api).observe(latency_s)
+
+    def observe_dropped(self, api: str) -> None:
+        self.requests.labels(api, "cancelled").inc()
+        self.cancelled.labels(api, "queued").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,146 @@
+"""Bridges the event loop and the generation worker: submit a `Turn`, then read its events (streaming) or
+wait for its `Outcome`, cancelling the generation when the client goes away.
+
+Events cross from the worker thread to the loop through `call_soon_threadsafe`, in order; the last event
+of every turn is `DoneEvent` or `ErrorEvent`. Metrics and the "last used" time are recorded here, once
+per turn, whatever way it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+
+from dflash.errors import GenerationError
+from dflash.generation.request import GenerationStats
+from dflash.server.engine_port import EnginePort
+from dflash.server.errors import APIError, internal_error
+from dflash.server.metrics import Metrics
+from dflash.server.stall import StallSettings
+from dflash.server.turn import DoneEvent, ErrorEvent, Outcome, Turn, TurnEvent, execute_turn
+from dflash.server.worker import GenerationWorker, Job, JobResult
+
+log = logging.getLogger("dflash.server")
+
+
+class TurnHandle:
+    def __init__(self, loop: asyncio.AbstractEventLoop, keepalive_s: float) -> None:
+        self.loop = loop
+        self.keepalive_s = keepalive_s
+        self.queue: asyncio.Queue[TurnEvent] = asyncio.Queue()
+        self.job: Job[Outcome] | None = None
+        self.worker: GenerationWorker | None = None
+
+    def push(self, event: TurnEvent) -> None:
+        """Called on the worker thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def cancel(self) -> None:
+        if self.job is not None and self.worker is not None and not self.job.done:
+            self.worker.cancel(self.job)
+
+    async def events(self) -> AsyncIterator[TurnEvent | None]:
+        """Events up to and including the final one; None every `keepalive_s` without one."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), timeout=self.keepalive_s)
+            except asyncio.TimeoutError:
+                yield None
+                continue
+            yield event
+            if isinstance(event, DoneEvent | ErrorEvent):
+                return
+
+    async def outcome(self) -> Outcome:
+        """The final outcome; raises `APIError` for a failure (400 for a bad request, 500 otherwise)."""
+        async for event in self.events():
+            if isinstance(event, DoneEvent):
+                return event.outcome
+            if isinstance(event, ErrorEvent):
+                raise error_for(event.error)
+        raise AssertionError("unreachable")
+
+    async def outcome_unless_disconnected(self, request: Request) -> Outcome:
+        """`outcome()`, cancelling the generation if the client disconnects meanwhile."""
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+
+        def on_watcher_done(task: asyncio.Future[None]) -> None:
+            if task.cancelled():
+                return
+            if task.exception() is not None:
+                log.debug("disconnect watcher failed", exc_info=task.exception())
+            self.cancel()
+
+        watcher.add_done_callback(on_watcher_done)
+        try:
+            return await self.outcome()
+        finally:
+            watcher.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def error_for(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, GenerationError):
+        return APIError(400, str(exc))
+    return internal_error(exc)
+
+
+class TurnRunner:
+    def __init__(
+        self, engine: EnginePort, worker: GenerationWorker, metrics: Metrics, stall: StallSettings, keepalive_s: float
+    ) -> None:
+        self.engine, self.worker, self.metrics, self.stall = engine, worker, metrics, stall
+        self.keepalive_s = keepalive_s
+        self.last_used_ms: int | None = None
+
+    def start(self, turn: Turn, api: str) -> TurnHandle:
+        handle = TurnHandle(asyncio.get_running_loop(), self.keepalive_s)
+
+        def run(should_stop: Callable[[], bool]) -> Outcome:
+            return execute_turn(self.engine, turn, self.stall, handle.push, should_stop)
+
+        def done(result: JobResult[Outcome]) -> None:
+            self._finished(api, turn, handle, result)
+
+        handle.worker = self.worker
+        handle.job = self.worker.submit(run, done)
+        return handle
+
+    def _finished(self, api: str, turn: Turn, handle: TurnHandle, result: JobResult[Outcome]) -> None:
+        latency = time.perf_counter() - turn.received_at
+        self.last_used_ms = int(time.time() * 1000)
+        if result.dropped:
+            self.metrics.observe_dropped(api)
+            handle.push(DoneEvent(_dropped_outcome(turn)))
+        elif result.error is not None:
+            client_error = isinstance(result.error, GenerationError | APIError)
+            if not client_error:
+                log.error("generation failed (%s)", api, exc_info=result.error)
+            self.metrics.observe_error(api, latency, client_error=client_error)
+            handle.push(ErrorEvent(result.error))
+        else:
+            assert result.value is not None
+            self.metrics.observe_outcome(api, result.value, latency)
+            handle.push(DoneEvent(result.value))
+
+
+def _dropped_outcome(turn: Turn) -> Outcome:
+    return Outcome(
+        content="", reasoning="", tool_calls=[], finish_reason="cancelled", stop_sequence=None,
+        prompt_tokens=len(turn.request.prompt_ids), completion_tokens=0,
+        stats=GenerationStats(prompt_tokens=len(turn.request.prompt_ids)), spec="none",
+    )

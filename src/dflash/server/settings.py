@@ -1,0 +1,27 @@
+"""Server settings: one frozen record built by `dflash serve` (or a test) and read everywhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash.server.stall import StallSettings
+
+DEFAULT_MAX_TOKENS_CAP = 4096  # completion budget when a request names none (also capped by the context)
+DEFAULT_BODY_LIMIT = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the engine's model name
+    api_key: str | None = None  # None: no authentication
+    default_max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, capped by the remaining context
+    remap_developer_role: bool = False  # render OpenAI "developer" messages as "system"
+    chat_template: str | None = None  # overrides the tokenizer's chat template
+    max_body_bytes: int = DEFAULT_BODY_LIMIT
+    keepalive_s: float = 15.0  # SSE comment sent while a streamed request waits without output
+    stall: StallSettings = field(default_factory=StallSettings)
+
+    def completion_cap(self) -> int:
+        return self.default_max_tokens or DEFAULT_MAX_TOKENS_CAP
