@@ -52,13 +52,14 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
 
     app = FastAPI(title="dflash", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    for module in (info, openai_chat, openai_completions, openai_responses, anthropic_messages):
-        app.include_router(module.router)
+    routers = [m.router for m in (info, openai_chat, openai_completions, openai_responses, anthropic_messages)]
+    for router in routers:
+        app.include_router(router)
     install_error_handlers(app)
 
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(RequestCounter, metrics=metrics, routes=app.router.routes)
+    app.add_middleware(RequestCounter, metrics=metrics, routes=[r for router in routers for r in router.routes])
     return app
 
 
@@ -73,6 +74,7 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         status = [500]
+        route = self._route(scope)
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -82,11 +84,11 @@ class RequestCounter:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            self.metrics.http_requests.labels(self._route(scope), str(scope.get("method", "")), str(status[0])).inc()
+            self.metrics.http_requests.labels(route, str(scope.get("method", "")), str(status[0])).inc()
 
     def _route(self, scope: Scope) -> str:
         for route in self.routes:
-            match, _ = route.matches(scope)
+            match, _ = route.matches(dict(scope))
             if match == Match.FULL:
                 return str(getattr(route, "path", "other"))
         return "other"

@@ -1,0 +1,399 @@
+"""DDTree decoding (dflash.spec.ddtree) is lossless and keeps the target cache and the drafter in step.
+
+Greedy output equals plain greedy output for several budgets; a chain-shaped tree is linear DFlash round for
+round; after compaction the target cache holds exactly what a fresh prefill of the committed sequence gives;
+sampling keeps the target's distribution (with a broken-rule control that must fail); a seed fixes the output.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+import dflash.spec.ddtree as ddtree
+from dflash.generation.output import OutputSink
+from dflash.generation.request import GenerationRequest, GenerationStats
+from dflash.generation.sampling import SamplingParams
+from dflash.generation.selection import TokenChooser
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM
+from dflash.spec.ddtree import decode_ddtree
+from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+from dflash.spec.tree import DraftTree, linear_chain_tree
+from tests.spec_helpers import golden_pair, random_prompts, run
+from tests.tiny_models import hf_tiny, ours_from_hf
+
+LENGTHS = (3, 17, 64, 65, 130, 257)  # short, around and beyond the prefill chunk of 64
+VOCAB = 8  # the peaky pair's vocabulary
+PEAKY_BLOCK = 4  # the peaky drafter's block: trees up to depth 3
+FULL_TREE = VOCAB + VOCAB**2 + VOCAB**3  # every prefix of depth <= 3: the walk always reaches depth 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    """The models are tiny: intra-op threads only add overhead (and spin badly on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_ddtree(
+    target: CausalLM,
+    drafter: DFlashDrafter,
+    prompt: list[int],
+    max_new: int,
+    *,
+    budget: int,
+    sampling: SamplingParams | None = None,
+    eos: tuple[int, ...] = (),
+    min_tokens: int = 0,
+    prefill_chunk: int = 64,
+    seed_top1_chain: bool = False,
+    sink: OutputSink | None = None,
+) -> tuple[list[int], GenerationStats]:
+    sampling = sampling or SamplingParams()
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling, min_tokens=min_tokens)
+    sink = sink or OutputSink(lambda ids: "", eos_ids=eos, max_new_tokens=max_new)
+    chooser = TokenChooser(
+        sampling, eos_ids=eos, min_tokens=min_tokens, vocab_size=target.config.vocab_size, device="cpu"
+    )
+    stats = decode_ddtree(
+        target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk, budget=budget,
+        seed_top1_chain=seed_top1_chain,
+    )
+    return sink.token_ids, stats
+
+
+def run_plain(
+    target: CausalLM, prompt: list[int], max_new: int, *, eos: tuple[int, ...] = (), min_tokens: int = 0
+) -> list[int]:
+    from dflash.generation.autoregressive import decode_autoregressive
+
+    sampling = SamplingParams()
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling, min_tokens=min_tokens)
+    sink = OutputSink(lambda ids: "", eos_ids=eos, max_new_tokens=max_new)
+    chooser = TokenChooser(
+        sampling, eos_ids=eos, min_tokens=min_tokens, vocab_size=target.config.vocab_size, device="cpu"
+    )
+    decode_autoregressive(target, request, sink, chooser, prefill_chunk=64)
+    return sink.token_ids
+
+
+@cache
+def peaky_pair() -> tuple[CausalLM, DFlashDrafter]:
+    """An 8-token llama target with spread next-token distributions and a random block-4 drafter."""
+    hf = hf_tiny("llama", seed=3)
+    hf.resize_token_embeddings(VOCAB)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(60.0)
+    hf.config.vocab_size = VOCAB
+    target = ours_from_hf(hf)
+    config_raw = {
+        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
+        "block_size": PEAKY_BLOCK, "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [1]},
+    }
+    torch.manual_seed(7)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)
+    return target, drafter
+
+
+# ---- greedy: lossless ----------------------------------------------------------------------------------------
+
+GOLDEN_PROMPTS = random_prompts(30, 1000, seed=11, lengths=LENGTHS)
+
+
+@cache
+def golden_plain(index: int) -> tuple[int, ...]:
+    target, _ = golden_pair()
+    return tuple(run(target, None, GOLDEN_PROMPTS[index], 128)[0])
+
+
+def _check_lossless_golden(budget: int, indices: Sequence[int]) -> int:
+    """DDTree == plain greedy on the given golden prompts; returns the number of rounds that accepted drafts."""
+    target, drafter = golden_pair()
+    accepted_rounds = 0
+    for index in indices:
+        tokens, stats = run_ddtree(target, drafter, GOLDEN_PROMPTS[index], 128, budget=budget)
+        assert tuple(tokens) == golden_plain(index), (budget, index)
+        assert stats.rounds == len(stats.accepted_per_round) and stats.draft_tokens <= budget * stats.rounds
+        assert stats.accepted_tokens + stats.rounds + 1 >= len(tokens)  # +1: the prefill's token
+        accepted_rounds += sum(1 for a in stats.accepted_per_round if a > 0)
+    return accepted_rounds
+
+
+def test_greedy_ddtree_equals_plain_greedy_on_30_prompts() -> None:
+    """Budget 16 on all 30 prompts, budgets 4 and 64 on the first 15 (every prompt length); the slow test below
+    runs budgets 4 and 64 on the other 15."""
+    accepted = _check_lossless_golden(16, range(30))
+    accepted += _check_lossless_golden(4, range(15))
+    accepted += _check_lossless_golden(64, range(15))
+    assert accepted > 0  # the multi-token path (and the compaction of a non-prefix path) was exercised
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [4, 64])
+def test_greedy_ddtree_equals_plain_greedy_remaining_prompts(budget: int) -> None:
+    _check_lossless_golden(budget, range(15, 30))
+
+
+def test_budget_zero_is_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    target, drafter = golden_pair()
+
+    def no_drafting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise AssertionError("budget 0 must not run the drafter")
+
+    monkeypatch.setattr(drafter, "draft_logits", no_drafting)
+    prompt = GOLDEN_PROMPTS[1]
+    tokens, stats = run_ddtree(target, drafter, prompt, 40, budget=0)
+    assert tuple(tokens) == tuple(run(target, None, prompt, 40)[0])
+    assert stats.rounds == 39 and stats.accepted_tokens == 0 and stats.draft_tokens == 0
+
+
+def test_full_tree_always_accepts_the_whole_depth() -> None:
+    """With every prefix in the tree the target's choice is always a child: each round commits depth + 1 tokens."""
+    target, drafter = peaky_pair()
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 1, 0, 2], [6] * 30):
+        for max_new in (1, 2, 5, 40):
+            tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=FULL_TREE)
+            assert tokens == run_plain(target, prompt, max_new)
+            full_rounds, last = divmod(max_new - 1, PEAKY_BLOCK)
+            expected = [PEAKY_BLOCK - 1] * full_rounds + ([last - 1] if last else [])
+            assert stats.accepted_per_round == expected, (prompt, max_new)
+
+
+def test_min_tokens_suppresses_eos_at_each_nodes_own_output_index() -> None:
+    """A depth-d node decides output token produced + d: EOS suppression must follow depth, not row order."""
+    target, drafter = peaky_pair()
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 1, 0, 2], [0, 5, 2, 2]):
+        free = run_plain(target, prompt, 12)
+        for eos_token in sorted(set(free)):
+            eos = (eos_token,)
+            for min_tokens in (0, 2, 3, 6):
+                plain = run_plain(target, prompt, 12, eos=eos, min_tokens=min_tokens)
+                for budget in (5, FULL_TREE):
+                    tokens, _ = run_ddtree(target, drafter, prompt, 12, budget=budget, eos=eos, min_tokens=min_tokens)
+                    assert tokens == plain, (prompt, eos, min_tokens, budget)
+
+
+def test_sliding_window_target_stays_lossless() -> None:
+    """Gemma 3 (sliding-window layers, window 16): the tree mask is combined with the window by position."""
+    target = ours_from_hf(hf_tiny("gemma3", seed=5))
+    vocab = target.config.vocab_size
+    config_raw = {
+        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
+        "block_size": 8, "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [1, 2]},
+    }
+    torch.manual_seed(9)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)
+    for prompt in random_prompts(3, vocab, seed=21, lengths=(5, 23, 40)):
+        plain = run_plain(target, prompt, 48)
+        for budget in (7, 24):
+            tokens, _ = run_ddtree(target, drafter, prompt, 48, budget=budget, prefill_chunk=16)
+            assert tokens == plain, (len(prompt), budget)
+
+
+# ---- a chain is linear DFlash ------------------------------------------------------------------------------
+
+
+def _same_rounds_as_linear(tree_stats: GenerationStats, linear_stats: GenerationStats) -> None:
+    """Same rounds and acceptances; only the last round may accept less (the tree stops at max_new_tokens)."""
+    ours, theirs = tree_stats.accepted_per_round, linear_stats.accepted_per_round
+    assert len(ours) == len(theirs)
+    assert ours[:-1] == theirs[:-1]
+    assert ours[-1] <= theirs[-1]
+
+
+@pytest.mark.parametrize("pair", ["golden", "peaky"])
+def test_top1_chain_tree_matches_linear_round_for_round(pair: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, drafter = golden_pair() if pair == "golden" else peaky_pair()
+    depth = drafter.config.block_size - 1
+    if pair == "golden":
+        prompts = [GOLDEN_PROMPTS[i] for i in (0, 7, 10)]
+        max_new = 128
+    else:
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 1, 0, 2], [0, 5, 2, 2], [3, 3, 1]]
+        max_new = 60
+    linear_runs = [run(target, drafter, p, max_new) for p in prompts]
+    # pair-wide: some rounds must accept drafts or the comparison says little
+    assert sum(stats.accepted_tokens for _, stats in linear_runs) > 0
+
+    # (a) the builder's own top-1 chain: budget = B-1 with seed_top1_chain fills the budget with the chain
+    for prompt, (lin_tokens, lin_stats) in zip(prompts, linear_runs, strict=True):
+        tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=depth, seed_top1_chain=True)
+        assert tokens == lin_tokens
+        _same_rounds_as_linear(stats, lin_stats)
+
+    # (b) any builder replaced by the argmax chain, with a larger budget
+    def chain(draft_logits: torch.Tensor, budget: int, **kw: Any) -> DraftTree:
+        assert budget >= draft_logits.shape[0]
+        return linear_chain_tree(draft_logits.argmax(dim=-1).tolist())
+
+    monkeypatch.setattr(ddtree, "build_tree", chain)
+    for prompt, (lin_tokens, lin_stats) in zip(prompts, linear_runs, strict=True):
+        tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=64)
+        assert tokens == lin_tokens
+        _same_rounds_as_linear(stats, lin_stats)
+
+
+# ---- the target cache after compaction, and the drafter's context ---------------------------------------------
+
+
+class _SnapshotSink(OutputSink):
+    """Records (committed tokens before the round, cache length, K, V, positions) whenever a round commits."""
+
+    def __init__(self, max_new: int, caches: list[KVCache]) -> None:
+        super().__init__(lambda ids: "", eos_ids=(), max_new_tokens=max_new)
+        self.caches = caches
+        self.snapshots: list[tuple[list[int], list[int], int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def push_many(self, tokens: Sequence[int]) -> bool:
+        cache = self.caches[0]
+        n = cache.length
+        self.snapshots.append((
+            list(self.token_ids), list(tokens), n,
+            cache.keys[..., :n, :].clone(), cache.values[..., :n, :].clone(), cache.positions[:, :n].clone(),
+        ))
+        return super().push_many(tokens)
+
+
+@pytest.mark.parametrize(
+    ("pair", "budget", "temperature"), [("peaky", FULL_TREE, 1.0), ("peaky", 9, 1.0), ("golden", 64, 0.0)]
+)
+def test_compacted_cache_equals_a_fresh_prefill(
+    pair: str, budget: int, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, drafter = golden_pair() if pair == "golden" else peaky_pair()
+    caches: list[KVCache] = []
+    original_new_cache = target.new_cache
+
+    def spy_new_cache(capacity: int, batch: int = 1) -> KVCache:
+        made = original_new_cache(capacity, batch)
+        caches.append(made)
+        return made
+
+    paths: list[list[int]] = []
+    original_follow = ddtree.follow_tree
+
+    def spy_follow(tree: DraftTree, posterior: Any) -> tuple[list[int], int]:
+        visited, bonus = original_follow(tree, posterior)
+        paths.append(visited)
+        return visited, bonus
+
+    monkeypatch.setattr(target, "new_cache", spy_new_cache)
+    monkeypatch.setattr(ddtree, "follow_tree", spy_follow)
+    prompt = GOLDEN_PROMPTS[8] if pair == "golden" else [1, 2, 3, 4, 5]
+    max_new = 128 if pair == "golden" else 40
+    sink = _SnapshotSink(max_new, caches)
+    sampling = SamplingParams(temperature=temperature, seed=5)
+    run_ddtree(target, drafter, prompt, max_new, budget=budget, sampling=sampling, sink=sink)
+    monkeypatch.undo()
+
+    assert len(caches) == 1 and len(sink.snapshots) == len(paths)
+    assert any(len(p) > 1 and p != list(range(len(p))) for p in paths)  # a path that needed real compaction
+    for (before, committed, length, keys, values, positions), path in zip(sink.snapshots, paths, strict=True):
+        # the cache holds the prompt, the tokens committed before this round and this round's path (not the bonus)
+        sequence = prompt + before + committed[:-1]
+        assert length == len(sequence) and len(path) == len(committed)
+        fresh = target.new_cache(length)
+        target(torch.tensor([sequence]), cache=fresh, logits="none")
+        torch.testing.assert_close(keys, fresh.keys[..., :length, :], atol=1e-5, rtol=0)
+        torch.testing.assert_close(values, fresh.values[..., :length, :], atol=1e-5, rtol=0)
+        assert positions[0].tolist() == list(range(length))
+
+
+def test_drafter_and_target_lengths_stay_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every round the drafter gets exactly the features of positions [its cache length, start)."""
+    target, drafter = peaky_pair()
+    seen: list[tuple[int, int, int]] = []
+    original = drafter.draft_logits
+
+    def spy(tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+        seen.append((cache.length, new_features.shape[1], start))
+        return original(tgt, pending, start, new_features, cache, **kw)
+
+    monkeypatch.setattr(drafter, "draft_logits", spy)
+    prompt = [1, 2, 3, 4, 5, 6]
+    _, stats = run_ddtree(target, drafter, prompt, 50, budget=FULL_TREE, sampling=SamplingParams(temperature=1.0, seed=3))
+    assert seen[0] == (0, 6, 6)
+    assert stats.accepted_tokens > 0
+    for drafter_len, new_rows, start in seen:
+        assert drafter_len + new_rows == start
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+
+SAMPLE_PROMPT = [1, 2, 3]
+SAMPLE_NEW = 4  # the first round's tree may reach depth 2, so three tokens come from one tree verification
+
+
+def _distribution(sampler: Any, samples: int) -> list[Counter[int]]:
+    per_position: list[Counter[int]] = [Counter() for _ in range(SAMPLE_NEW)]
+    for seed in range(samples):
+        tokens = sampler(SamplingParams(temperature=1.0, seed=seed))
+        for i, token in enumerate(tokens):
+            per_position[i][token] += 1
+    return per_position
+
+
+def _total_variation(a: Counter[int], b: Counter[int]) -> float:
+    na, nb = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b))
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-position next-token distributions of DDTree and plain sampling agree within TV 0.06 (n=1500 each), for a
+    partial tree (budget 6) and the full depth-2 tree (every path accepted).
+
+    A control run with a broken walk (the root's first child always accepted) must exceed the tolerance, proving
+    the test can fail."""
+    target, drafter = peaky_pair()
+    samples, tolerance = 1500, 0.06
+
+    def plain(params: SamplingParams) -> list[int]:
+        return run(target, None, SAMPLE_PROMPT, SAMPLE_NEW, sampling=params)[0]
+
+    def tree(budget: int) -> Any:
+        def sampler(params: SamplingParams) -> list[int]:
+            return run_ddtree(target, drafter, SAMPLE_PROMPT, SAMPLE_NEW, budget=budget, sampling=params)[0]
+
+        return sampler
+
+    reference = _distribution(plain, samples)
+    for budget in (6, VOCAB + VOCAB**2):
+        spec = _distribution(tree(budget), samples)
+        distances = [_total_variation(p, s) for p, s in zip(reference, spec, strict=True)]
+        assert max(distances) < tolerance, (budget, distances)
+
+    original = ddtree.follow_tree
+
+    def broken(tree_: DraftTree, posterior: Any) -> tuple[list[int], int]:
+        if tree_.num_nodes == 0:
+            return original(tree_, posterior)
+        return [0, 1], int(posterior[1])  # accept the drafter's best first token whatever the target chose
+
+    monkeypatch.setattr(ddtree, "follow_tree", broken)
+    control = _distribution(tree(6), samples)
+    control_distances = [_total_variation(p, s) for p, s in zip(reference, control, strict=True)]
+    assert max(control_distances) > tolerance, control_distances
+
+
+def test_same_seed_same_output_when_sampling() -> None:
+    target, drafter = golden_pair()
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
+    prompt = random_prompts(1, 1000, seed=3, lengths=(40,))[0]
+    first, _ = run_ddtree(target, drafter, prompt, 40, budget=16, sampling=params)
+    second, _ = run_ddtree(target, drafter, prompt, 40, budget=16, sampling=params)
+    other, _ = run_ddtree(
+        target, drafter, prompt, 40, budget=16, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=99)
+    )
+    assert first == second
+    assert first != other
