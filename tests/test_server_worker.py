@@ -3,6 +3,7 @@ through the server, a queued request whose client disconnects never runs and the
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import pytest
 
 from dflash.server import ServerSettings, create_app
 from dflash.server.worker import GenerationWorker, JobResult
-from tests.server_helpers import FakeEngine, metric, serving, wait_until
+from tests.server_helpers import FakeEngine, metric, serving, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,3 +126,21 @@ def test_queued_request_whose_client_leaves_is_dropped() -> None:
         assert third.status_code == 200
     assert len(engine.prompts) == 2 and "two" not in "".join(engine.prompts)  # the dropped request never ran
     assert third.json()["choices"][0]["message"]["content"] == "never generated"
+
+
+def test_streams_waiting_in_the_queue_get_keepalives() -> None:
+    engine = FakeEngine(token_delay=0.01)
+    engine.script("b" * 100, "second")
+    with serving(create_app(engine, ServerSettings(keepalive_s=0.2))) as running:
+        url = running.url
+        blocker = threading.Thread(target=lambda: httpx.post(
+            f"{url}/v1/chat/completions", timeout=30, json={"model": "any", "messages": [{"role": "user", "content": "1"}]}))
+        blocker.start()
+        assert engine.started.wait(10)
+        body = {"model": "any", "messages": [{"role": "user", "content": "2"}], "stream": True}
+        raw = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).text
+        blocker.join(30)
+    assert raw.rstrip().endswith("data: [DONE]")
+    assert raw.index(": keep-alive") < raw.index('"content": "s"')  # kept alive while waiting in the queue
+    chunks = [json.loads(data) for _, data in sse_events(raw) if data != "[DONE]"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "second"

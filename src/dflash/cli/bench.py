@@ -40,6 +40,7 @@ def register(commands: Any) -> None:
 
 
 def _emit(result: dict[str, Any], args: argparse.Namespace, summary: str) -> None:
+    result["command"] = "dflash " + " ".join(sys.argv[1:])
     text = json.dumps(result, indent=None if args.json else 2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

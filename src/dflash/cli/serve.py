@@ -67,7 +67,7 @@ def banner(settings: Any, model: str, spec: str) -> str:
         f"  OpenAI SDK:   OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\"), model=\"{model}\" (or \"any\")",
         f"  Anthropic:    Anthropic(base_url=\"{url}\", api_key=\"{key}\")",
         f"  Claude Code:  ANTHROPIC_BASE_URL={url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} "
-        f"ANTHROPIC_SMALL_FAST_MODEL={model} claude",
+        f"ANTHROPIC_DEFAULT_HAIKU_MODEL={model} claude",
         f"  Codex:        [model_providers.dflash] base_url=\"{url}/v1\" wire_api=\"responses\"; model=\"{model}\"",
         f"  curl:         curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
         "-d '{\"model\":\"any\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'",

@@ -91,6 +91,10 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", kind="unavailable", code="shutting_down")
+
+
 def error_for(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -117,13 +121,19 @@ class TurnRunner:
             self._finished(api, turn, handle, result)
 
         handle.worker = self.worker
-        handle.job = self.worker.submit(run, done)
+        try:
+            handle.job = self.worker.submit(run, done)
+        except RuntimeError:
+            raise shutting_down() from None
         return handle
 
     def _finished(self, api: str, turn: Turn, handle: TurnHandle, result: JobResult[Outcome]) -> None:
         latency = time.perf_counter() - turn.received_at
         self.last_used_ms = int(time.time() * 1000)
-        if result.dropped:
+        if result.dropped and self.worker.closed:
+            self.metrics.requests.labels(api, "unavailable").inc()
+            handle.push(ErrorEvent(shutting_down()))
+        elif result.dropped:
             self.metrics.observe_dropped(api)
             handle.push(DoneEvent(_dropped_outcome(turn)))
         elif result.error is not None:

@@ -110,6 +110,10 @@ class GenerationWorker:
         job._complete(JobResult(dropped=True))
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def queue_depth(self) -> int:
         with self._cond:
             return len(self._queue)
