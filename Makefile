@@ -15,9 +15,12 @@ $(STAMP): pyproject.toml Makefile scripts/install.sh
 install: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/dflash chat
+	$(VENV)/bin/dflash serve
 
-chat: run
+serve: run
+
+chat: $(STAMP)
+	$(VENV)/bin/dflash chat
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -153,6 +153,15 @@ def test_context_overflow_is_400(server: ServerThread) -> None:
     assert error["param"] == "max_output_tokens"
 
 
+def test_clamp_max_tokens_setting() -> None:
+    engine = FakeEngine(max_ctx=512)
+    with serving(create_app(engine, ServerSettings(clamp_max_tokens=True))) as running:
+        body = {"model": "any", "max_tokens": 32000, "messages": ASK}
+        message = httpx.post(f"{running.url}/v1/messages", json=body, timeout=30).json()
+    assert message["stop_reason"] == "end_turn"
+    assert engine.requests[0].max_new_tokens == 512 - len(engine.requests[0].prompt_ids)
+
+
 def test_engine_generation_error_is_400(server: ServerThread, fake: FakeEngine) -> None:
     fake.fail_with = GenerationError("top_p must be in (0, 1], got 7")
     error = openai_error(post(server, "/v1/chat/completions", {"model": "any", "messages": ASK}), 400)

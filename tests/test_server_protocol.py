@@ -349,3 +349,61 @@ def test_completions_are_raw(oa: openai.OpenAI, fake: FakeEngine) -> None:
     assert fake.prompts[1] == "Once"
     assert "".join(c.choices[0].text for c in chunks) == "streamed text"
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------- agent-shaped bodies
+def test_claude_code_shaped_request(server: ServerThread, fake: FakeEngine) -> None:
+    fake.script(CALL)
+    body = {
+        "model": "fake-model", "max_tokens": 2000, "stream": True, "temperature": 1,
+        "metadata": {"user_id": "u"}, "context_management": {"edits": []},
+        "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+                   {"type": "text", "text": "Be concise."}],
+        "tools": [{**ANTHROPIC_WEATHER, "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>"},
+                                         {"type": "text", "text": "weather?", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "sig"},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Rome"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain", "is_error": False},
+                                         {"type": "text", "text": "and Paris?"}]},
+        ],
+    }
+    response = httpx.post(f"{server.url}/v1/messages?beta=true", json=body, timeout=30,
+                          headers={"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"})
+    assert response.status_code == 200, response.text
+    events = [json.loads(data) for _, data in sse_events(response.text)]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
+    prompt = fake.prompts[0]
+    assert prompt.startswith("<|im_start|>system\nYou are Claude Code.\n\nBe concise.\n\n# Tools")
+    assert '{"name": "get_weather", "arguments": {"city": "Rome"}}' in prompt
+    assert prompt.index("<tool_response>\nrain\n</tool_response>") < prompt.index("and Paris?")
+    assert fake.requests[0].max_new_tokens == 2000 and fake.requests[0].sampling.temperature == 1
+
+
+def test_codex_shaped_request(server: ServerThread, fake: FakeEngine) -> None:
+    fake.script("Done.")
+    body = {
+        "model": "fake-model", "instructions": "You are Codex.", "stream": True, "store": False,
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "abc", "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "text": {"verbosity": "low"}, "tool_choice": "auto",
+        "tools": [{"type": "function", "name": "shell", "description": "run", "strict": False,
+                   "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}}}},
+                  {"type": "web_search"}],
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+            {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"command": ["ls"]}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a.txt\nb.txt"},
+        ],
+    }
+    response = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    events = sse_events(response.text)
+    assert events[-1][0] == "response.completed"
+    assert json.loads(events[-1][1])["response"]["output"][0]["content"][0]["text"] == "Done."
+    prompt = fake.prompts[0]
+    assert prompt.startswith("<|im_start|>system\nYou are Codex.\n\n# Tools")
+    assert "<|im_start|>developer\nsandbox: none" in prompt and "web_search" not in prompt
+    assert '{"name": "shell", "arguments": {"command": ["ls"]}}' in prompt and "a.txt\nb.txt" in prompt

@@ -30,6 +30,9 @@ def register(commands: Any) -> None:
     group.add_argument("--chat-template-file", default=None, help="Jinja chat template replacing the model's")
     group.add_argument("--default-max-tokens", type=int, default=None,
                        help="completion budget of requests that name none (default 4096, capped by the context)")
+    group.add_argument("--clamp-max-tokens", action="store_true",
+                       help="cap a max tokens that does not fit the context to the room left (default: 400 error); "
+                       "agents such as Claude Code ask for 32k")
     group.add_argument("--remap-developer-role", action="store_true",
                        help="render OpenAI 'developer' messages as 'system' (for templates that reject it)")
     group.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit in MiB (larger: 413)")
@@ -53,7 +56,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
     return ServerSettings(
         host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
-        default_max_tokens=args.default_max_tokens, remap_developer_role=args.remap_developer_role,
+        default_max_tokens=args.default_max_tokens, clamp_max_tokens=args.clamp_max_tokens,
+        remap_developer_role=args.remap_developer_role,
         chat_template=template, max_body_bytes=int(args.max_body_mb * 1024 * 1024), stall=StallSettings.from_env(),
     )
 
@@ -67,7 +71,7 @@ def banner(settings: Any, model: str, spec: str) -> str:
         f"  OpenAI SDK:   OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\"), model=\"{model}\" (or \"any\")",
         f"  Anthropic:    Anthropic(base_url=\"{url}\", api_key=\"{key}\")",
         f"  Claude Code:  ANTHROPIC_BASE_URL={url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} "
-        f"ANTHROPIC_DEFAULT_HAIKU_MODEL={model} claude",
+        f"ANTHROPIC_DEFAULT_HAIKU_MODEL={model} CLAUDE_CODE_MAX_OUTPUT_TOKENS=<fits the context> claude",
         f"  Codex:        [model_providers.dflash] base_url=\"{url}/v1\" wire_api=\"responses\"; model=\"{model}\"",
         f"  curl:         curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
         "-d '{\"model\":\"any\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'",

@@ -59,6 +59,8 @@ class ServerContext:
                 )
             return min(self.settings.completion_cap(), room)
         if prompt_tokens + requested > limit:
+            if self.settings.clamp_max_tokens and prompt_tokens < limit:
+                return limit - prompt_tokens
             raise APIError(
                 400, f"prompt ({prompt_tokens} tokens) + {param} ({requested}) = {prompt_tokens + requested} "
                 f"exceeds the context limit of {limit} tokens", param=param, code="context_length_exceeded",

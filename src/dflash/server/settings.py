@@ -17,6 +17,7 @@ class ServerSettings:
     served_model_name: str | None = None  # None: the engine's model name
     api_key: str | None = None  # None: no authentication
     default_max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, capped by the remaining context
+    clamp_max_tokens: bool = False  # cap a too-large max tokens to the room left in the context, instead of a 400
     remap_developer_role: bool = False  # render OpenAI "developer" messages as "system"
     chat_template: str | None = None  # overrides the tokenizer's chat template
     max_body_bytes: int = DEFAULT_BODY_LIMIT

@@ -50,11 +50,16 @@ class EventStreamResponse(Response):
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                    async for chunk in self.body_iterator:
-                        await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    group.cancel_scope.cancel()
+                    try:
+                        await send({"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
+                        async for chunk in self.body_iterator:
+                            await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    except OSError:  # the connection broke under a send
+                        log.info("stream connection lost")
+                    finally:
+                        group.cancel_scope.cancel()
 
                 async def watch() -> None:
                     while True:
@@ -66,8 +71,6 @@ class EventStreamResponse(Response):
 
                 group.start_soon(stream)
                 group.start_soon(watch)
-        except OSError:  # the connection broke under a send
-            log.info("stream connection lost")
         finally:
             if self.on_close is not None:
                 self.on_close()

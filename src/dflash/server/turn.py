@@ -171,31 +171,18 @@ def execute_turn(
         pipeline.feed(turn.forced_prefix)
     request = turn.request
     results = [engine.generate(request, on_text=on_text, should_stop=stop)]
-    extra_tokens = 0
-    continued = False
-    opening_ids: list[int] = []
+    carried = 0  # tokens of the first generation kept, plus the opening, after a stall continuation
     if _should_continue(turn, stall, results[0], pipeline, tripped[0], should_stop):
-        assert turn.stall_tool is not None
-        opening = call_opening(turn.tool_format, turn.stall_tool)
-        opening_ids = list(engine.tokenizer.encode(opening))
-        first = results[0]
-        own_ids = first.token_ids[:-1] if first.stop_reason == "eos" else first.token_ids
-        budget = request.max_new_tokens - len(own_ids) - len(opening_ids)
-        if budget >= 1:
+        follow = _continuation(engine, turn, results[0])
+        if follow is not None:
             log.info("stall recovery: continuing a tool-less action preamble with a call to %s", turn.stall_tool)
-            continued = True
-            extra_tokens = len(opening_ids)
+            opening, follow_request = follow
+            carried = len(follow_request.prompt_ids) - len(request.prompt_ids)
             pipeline.feed(opening)
-            follow = replace(
-                request, prompt_ids=[*request.prompt_ids, *own_ids, *opening_ids], max_new_tokens=budget, min_tokens=0
-            )
-            results.append(engine.generate(follow, on_text=on_text, should_stop=stop))
+            results.append(engine.generate(follow_request, on_text=on_text, should_stop=stop))
     pipeline.finish()
     last = results[-1]
-    if continued:  # the first turn's EOS was replaced by the opening
-        completion = len(own_ids) + extra_tokens + last.stats.completion_tokens
-    else:
-        completion = last.stats.completion_tokens
+    completion = carried + last.stats.completion_tokens
     finish: FinishReason
     if last.finish_reason == "cancelled":
         finish = "length" if tripped[0] else "cancelled"
@@ -217,8 +204,21 @@ def execute_turn(
         ttft_s=(first_token_at[0] - turn.received_at) if first_token_at else None,
         queue_s=started - turn.received_at,
         degenerate=tripped[0],
-        continued=continued,
+        continued=len(results) > 1,
     )
+
+
+def _continuation(engine: EnginePort, turn: Turn, first: GenerationResult) -> tuple[str, GenerationRequest] | None:
+    """(call opening, request continuing the model's own output after it), or None without token budget."""
+    assert turn.stall_tool is not None
+    opening = call_opening(turn.tool_format, turn.stall_tool)
+    opening_ids = list(engine.tokenizer.encode(opening))
+    own_ids = first.token_ids[:-1] if first.stop_reason == "eos" else first.token_ids  # EOS gives way to the call
+    budget = turn.request.max_new_tokens - len(own_ids) - len(opening_ids)
+    if budget < 1:
+        return None
+    prompt_ids = [*turn.request.prompt_ids, *own_ids, *opening_ids]
+    return opening, replace(turn.request, prompt_ids=prompt_ids, max_new_tokens=budget, min_tokens=0)
 
 
 def merge_stats(results: list[GenerationResult]) -> GenerationStats:

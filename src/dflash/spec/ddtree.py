@@ -151,7 +151,7 @@ def decode_ddtree(
         else:
             rows = torch.tensor(visited, dtype=torch.long, device=device)
             target_cache.compact(state.start, rows + state.start)
-            path_features = out.features[:, rows]
+            path_features = out.features[:, :kept]
         if carried is not None:
             path_features = torch.cat((carried, path_features), dim=1)
         elif not drafting:
