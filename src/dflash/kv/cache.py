@@ -8,9 +8,22 @@ All rows of a batch share one `length` (the number of valid slots).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dflash.errors import GenerationError
+
+
+class CacheShape(Protocol):
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
 
 
 class KVCache:
@@ -33,6 +46,19 @@ class KVCache:
         self.positions = torch.zeros((batch, capacity), dtype=torch.long, device=device)
         self.capacity = capacity
         self.length = 0
+
+    @classmethod
+    def matching(cls, config: CacheShape, capacity: int, like: torch.Tensor, batch: int = 1) -> KVCache:
+        """A cache shaped for a model `config`, on the dtype and device of `like`."""
+        return cls(
+            config.num_layers,
+            config.num_kv_heads,
+            config.head_dim,
+            capacity,
+            batch=batch,
+            dtype=like.dtype,
+            device=like.device,
+        )
 
     @property
     def batch(self) -> int:

@@ -65,16 +65,7 @@ class CausalLM(nn.Module):
         return logits
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        param = self.embed_tokens.weight
-        return KVCache(
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            capacity,
-            batch=batch,
-            dtype=param.dtype,
-            device=param.device,
-        )
+        return KVCache.matching(self.config, capacity, self.embed_tokens.weight, batch)
 
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(

@@ -219,16 +219,7 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """Context K/V of committed positions, one slot per position."""
-        weight = self.fc.weight
-        return KVCache(
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            capacity,
-            batch=batch,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
+        return KVCache.matching(self.config, capacity, self.fc.weight, batch)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """features: [batch, rows, n*target_hidden] -> ctx [batch, rows, hidden]."""
