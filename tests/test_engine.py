@@ -46,6 +46,16 @@ def test_shipped_drafter_is_lossless_on_30_prompts(engine: Engine) -> None:
     assert accepted > 0
 
 
+@pytest.mark.slow
+def test_shipped_drafter_ddtree_is_lossless(engine: Engine) -> None:
+    for chat in _chats()[::3]:
+        ids = engine.chat_prompt_ids(chat)
+        plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=96), spec="none")
+        tree = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=96), spec="ddtree")
+        assert tree.token_ids == plain.token_ids
+        assert tree.stats.rounds > 0
+
+
 def test_context_limit_is_refused_clearly(engine: Engine) -> None:
     with pytest.raises(GenerationError, match="exceeds the context limit"):
         engine.generate(GenerationRequest(prompt_ids=[1] * 100, max_new_tokens=engine.max_ctx))

@@ -162,5 +162,10 @@ class Engine:
                 self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
                 draft_window=self.options.draft_window, num_drafts=self.options.num_drafts, should_stop=should_stop,
             )
-        raise GenerationError(f"spec mode {mode!r} is not available in this build")
+        from dflash.spec.ddtree import decode_ddtree
+
+        return decode_ddtree(
+            self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
+            budget=self.options.ddtree_budget, draft_window=self.options.draft_window, should_stop=should_stop,
+        )
 

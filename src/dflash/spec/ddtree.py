@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.errors import GenerationError
 from dflash.generation.output import OutputSink
 from dflash.generation.prefill import chunked_prefill
 from dflash.generation.request import GenerationRequest, GenerationStats
@@ -82,7 +83,7 @@ def decode_ddtree(
 ) -> GenerationStats:
     """Generate with DDTree verification; `budget` is the number of drafted tree nodes per round (root excluded)."""
     if budget < 0:
-        raise ValueError(f"ddtree budget must be >= 0, got {budget}")
+        raise GenerationError(f"ddtree budget must be >= 0, got {budget}")
     device = target.embed_tokens.weight.device
     block_size = drafter.config.block_size
     layer_ids = drafter.config.target_layer_ids
@@ -151,7 +152,7 @@ def decode_ddtree(
         else:
             rows = torch.tensor(visited, dtype=torch.long, device=device)
             target_cache.compact(state.start, rows + state.start)
-            path_features = out.features[:, :kept]
+            path_features = out.features[:, rows]
         if carried is not None:
             path_features = torch.cat((carried, path_features), dim=1)
         elif not drafting:
