@@ -97,6 +97,8 @@ def measure_speed(
         "versions": _versions(),
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
+        "ddtree_budget": engine.options.ddtree_budget,
+        "num_drafts": engine.options.num_drafts,
         "prompts": len(prompts),
         "prompt_files": [str(p) for p in prompt_files],
         "max_tokens": max_tokens,
