@@ -24,7 +24,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
     group.add_argument("--num-drafts", type=int, default=None,
                        help="drafts verified per linear round (default: block size - 1)")
-    group.add_argument("--ddtree-budget", type=int, default=16, help="tree nodes verified per round (--spec ddtree)")
+    group.add_argument("--ddtree-budget", type=int, default=None,
+                       help="tree nodes verified per round with --spec ddtree (default: 8 on CPU, 16 on GPU)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

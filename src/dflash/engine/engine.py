@@ -26,6 +26,9 @@ from dflash.tokenizer import Tokenizer
 log = logging.getLogger("dflash.engine")
 
 SPEC_MODES = ("none", "linear", "ddtree")
+# Tree budget per device class: CPU from results/ddtree_budget_*.json (fastest budget: 8); the GPU value is a
+# placeholder until the GPU sweep is run.
+DEFAULT_DDTREE_BUDGET = {"cpu": 8, "cuda": 16}
 
 
 @dataclass
@@ -34,7 +37,7 @@ class EngineOptions:
     prefill_chunk: int = 256
     max_ctx: int | None = None  # defaults to the model's max positions
     draft_window: int | None = None
-    ddtree_budget: int = 16
+    ddtree_budget: int | None = None  # None: the measured default of the device class (DEFAULT_DDTREE_BUDGET)
     num_drafts: int | None = None  # drafts verified per linear round (default: block size - 1)
 
 
@@ -55,6 +58,8 @@ class Engine:
         if self.options.spec != "none" and drafter is None:
             self.options.spec = "none"
         self.model_name = model_name
+        if self.options.ddtree_budget is None:
+            self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
 
@@ -166,6 +171,6 @@ class Engine:
 
         return decode_ddtree(
             self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
-            budget=self.options.ddtree_budget, draft_window=self.options.draft_window, should_stop=should_stop,
+            budget=self.options.ddtree_budget or 0, draft_window=self.options.draft_window, should_stop=should_stop,
         )
 
