@@ -48,12 +48,14 @@ def test_shipped_drafter_is_lossless_on_30_prompts(engine: Engine) -> None:
 
 @pytest.mark.slow
 def test_shipped_drafter_ddtree_is_lossless(engine: Engine) -> None:
+    rounds = 0
     for chat in _chats()[::3]:
         ids = engine.chat_prompt_ids(chat)
         plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=96), spec="none")
         tree = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=96), spec="ddtree")
         assert tree.token_ids == plain.token_ids
-        assert tree.stats.rounds > 0
+        rounds += tree.stats.rounds  # a prompt the model answers with EOS at once has no round
+    assert rounds > 0
 
 
 def test_context_limit_is_refused_clearly(engine: Engine) -> None:
