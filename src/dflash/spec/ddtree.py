@@ -28,19 +28,17 @@ one call (nothing to suppress), so EOS suppression matches plain decoding exactl
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from dflash.errors import GenerationError
 from dflash.generation.output import OutputSink
-from dflash.generation.prefill import chunked_prefill
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.linear import SpecState
+from dflash.spec.session import SpecState, begin_speculation
 from dflash.spec.tree import (
     DraftTree,
     accepted_tokens,
@@ -87,28 +85,16 @@ def decode_ddtree(
     device = target.embed_tokens.weight.device
     block_size = drafter.config.block_size
     layer_ids = drafter.config.target_layer_ids
-    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
-    stats = GenerationStats(prompt_tokens=prompt.shape[1])
-    # A round verifies at most budget + 1 rows after the committed prefix; the drafter holds one row per position.
-    capacity = prompt.shape[1] + request.max_new_tokens + max(budget, block_size) + 1
-    target_cache = target.new_cache(capacity)
-    drafter_cache = drafter.new_cache(capacity)
-
     drafting = budget > 0 and block_size > 1  # otherwise every round is a plain decoding step
-
-    started = time.perf_counter()
-    logits, features = chunked_prefill(
-        target, target_cache, prompt, chunk=prefill_chunk, capture=layer_ids, should_stop=should_stop
+    # A round verifies at most budget + 1 rows after the committed prefix.
+    session = begin_speculation(
+        target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk,
+        rows_per_round=max(budget, block_size), should_stop=should_stop,
     )
-    if logits is None or features is None:
-        sink.finish_cancelled()
-        return stats
-    stats.prefill_s = time.perf_counter() - started
-    started = time.perf_counter()
-    first = int(chooser.choose(logits, 0)[0])
-    chooser.observe([first])
-    state = SpecState(start=prompt.shape[1], pending=first, new_features=features)
-    finished = sink.push(first)
+    if isinstance(session, GenerationStats):
+        return session
+    state, target_cache, drafter_cache, stats = session.state, session.target_cache, session.drafter_cache, session.stats
+    finished = session.finished
     while not finished:
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
@@ -160,6 +146,4 @@ def decode_ddtree(
         state = SpecState(start=state.start + kept, pending=bonus, new_features=path_features)
         chooser.observe(committed)
         finished = sink.push_many(committed)
-    stats.decode_s = time.perf_counter() - started
-    stats.completion_tokens = len(sink.token_ids)
-    return stats
+    return session.close(sink)

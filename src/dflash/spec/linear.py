@@ -10,28 +10,17 @@ Per round (batch of one):
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from dflash.generation.output import OutputSink
-from dflash.generation.prefill import chunked_prefill
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.spec.acceptance import accepted_prefix_length
 from dflash.spec.drafter import DFlashDrafter
-
-
-@dataclass
-class SpecState:
-    """Where a speculative generation stands; every length is in positions of the sequence."""
-
-    start: int  # position of the pending token (the next token without target K/V)
-    pending: int  # committed token at `start`, input of the next round's block slot 0
-    new_features: torch.Tensor  # [1, start - drafter_cache.length, n*hidden]: not yet seen by the drafter
+from dflash.spec.session import SpecState, begin_speculation
 
 
 @torch.inference_mode()
@@ -52,25 +41,14 @@ def decode_linear(
     block_size = drafter.config.block_size
     drafts_per_round = min(num_drafts or block_size - 1, block_size - 1)
     layer_ids = drafter.config.target_layer_ids
-    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
-    stats = GenerationStats(prompt_tokens=prompt.shape[1])
-    capacity = prompt.shape[1] + request.max_new_tokens + drafts_per_round + 2
-    target_cache = target.new_cache(capacity)
-    drafter_cache = drafter.new_cache(capacity)
-
-    started = time.perf_counter()
-    logits, features = chunked_prefill(
-        target, target_cache, prompt, chunk=prefill_chunk, capture=layer_ids, should_stop=should_stop
+    session = begin_speculation(
+        target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk, rows_per_round=drafts_per_round + 1,
+        should_stop=should_stop,
     )
-    if logits is None or features is None:
-        sink.finish_cancelled()
-        return stats
-    stats.prefill_s = time.perf_counter() - started
-    started = time.perf_counter()
-    first = int(chooser.choose(logits, 0)[0])
-    chooser.observe([first])
-    state = SpecState(start=prompt.shape[1], pending=first, new_features=features)
-    finished = sink.push(first)
+    if isinstance(session, GenerationStats):
+        return session
+    state, target_cache, drafter_cache, stats = session.state, session.target_cache, session.drafter_cache, session.stats
+    finished = session.finished
     while not finished:
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
@@ -95,6 +73,4 @@ def decode_linear(
         )
         chooser.observe(committed)
         finished = sink.push_many(committed)
-    stats.decode_s = time.perf_counter() - started
-    stats.completion_tokens = len(sink.token_ids)
-    return stats
+    return session.close(sink)

@@ -1,0 +1,81 @@
+"""What every speculative strategy does before its first round: prefill with feature capture, first token.
+
+`begin_speculation` prefills the prompt through the target (chunked, capturing the drafter's feature layers),
+chooses and commits the first token, and returns the caches and the state the rounds start from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dflash.generation.output import OutputSink
+from dflash.generation.prefill import chunked_prefill
+from dflash.generation.request import GenerationRequest, GenerationStats
+from dflash.generation.selection import TokenChooser
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
+
+
+@dataclass
+class SpecState:
+    """Where a speculative generation stands; every length is in positions of the sequence."""
+
+    start: int  # position of the pending token (the next token without target K/V)
+    pending: int  # committed token at `start`, input of the next round's block slot 0
+    new_features: torch.Tensor  # [1, start - drafter_cache.length, n*hidden]: not yet seen by the drafter
+
+
+@dataclass
+class SpecSession:
+    state: SpecState
+    target_cache: KVCache
+    drafter_cache: KVCache
+    stats: GenerationStats
+    decode_started: float  # perf_counter() when decoding began (after the prefill)
+    finished: bool  # the first token already ended the generation
+
+    def close(self, sink: OutputSink) -> GenerationStats:
+        self.stats.decode_s = time.perf_counter() - self.decode_started
+        self.stats.completion_tokens = len(sink.token_ids)
+        return self.stats
+
+
+def begin_speculation(
+    target: CausalLM,
+    drafter: DFlashDrafter,
+    request: GenerationRequest,
+    sink: OutputSink,
+    chooser: TokenChooser,
+    *,
+    prefill_chunk: int,
+    rows_per_round: int,
+    should_stop: Callable[[], bool] | None = None,
+) -> SpecSession | GenerationStats:
+    """Prefill and commit the first token. Returns the stats alone when the prefill was cancelled.
+
+    `rows_per_round` is the most rows a round writes after the committed prefix (sizes the caches)."""
+    device = target.embed_tokens.weight.device
+    prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
+    stats = GenerationStats(prompt_tokens=prompt.shape[1])
+    capacity = prompt.shape[1] + request.max_new_tokens + rows_per_round + 1
+    target_cache = target.new_cache(capacity)
+    drafter_cache = drafter.new_cache(capacity)
+    started = time.perf_counter()
+    logits, features = chunked_prefill(
+        target, target_cache, prompt, chunk=prefill_chunk, capture=drafter.config.target_layer_ids,
+        should_stop=should_stop,
+    )
+    if logits is None or features is None:
+        sink.finish_cancelled()
+        return stats
+    stats.prefill_s = time.perf_counter() - started
+    decode_started = time.perf_counter()
+    first = int(chooser.choose(logits, 0)[0])
+    chooser.observe([first])
+    state = SpecState(start=prompt.shape[1], pending=first, new_features=features)
+    return SpecSession(state, target_cache, drafter_cache, stats, decode_started, finished=sink.push(first))
