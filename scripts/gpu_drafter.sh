@@ -6,9 +6,13 @@
 #   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
 #   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets (real decoding loop)
 #   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
+#   scripts/gpu_drafter.sh bundle DIR       # copy the answered data set into DIR in 15 MB parts
+# Settings from the environment: DATA_BATCH (512), DATA (the answered set, $RUN/data.jsonl.gz), STEPS (5000),
+# BATCH (32), DISTILL (0: hard labels only).
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 RUN=${RUN:-/tmp/run}
+DATA=${DATA:-$RUN/data.jsonl.gz}
 MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 DFLASH="python3 -m dflash"
@@ -24,11 +28,12 @@ case "$1" in
       ls -la "$STAGE"
     fi ;;
   data)
-    $DFLASH train data --model "$MODEL" --prompts .stage/train_prompts.jsonl.gz --out "$RUN/data.jsonl.gz" \
-      --batch-size 512 --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
+    $DFLASH train data --model "$MODEL" --prompts .stage/train_prompts.jsonl.gz --out "$DATA" \
+      --batch-size "${DATA_BATCH:-512}" --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
   fit)
-    $DFLASH train fit --model "$MODEL" --data "$RUN/data.jsonl.gz" --out "$RUN" --layers 4 --block-size 16 \
-      --steps "${STEPS:-5000}" --batch-size 32 --max-length 768 --anchors 48 --lr 6e-4 --max-minutes "$2" ;;
+    $DFLASH train fit --model "$MODEL" --data "$DATA" --out "$RUN" --layers 4 --block-size 16 \
+      --steps "${STEPS:-5000}" --batch-size "${BATCH:-32}" --max-length 768 --anchors 48 --lr 6e-4 \
+      --distill "${DISTILL:-0}" --max-minutes "$2" ;;
   export)
     $DFLASH train export --run "$RUN" --out "$2" ;;
   eval)
@@ -39,5 +44,7 @@ case "$1" in
     $DFLASH train eval --model "$MODEL" --draft "$2" --max-tokens 256 --batch-size 512 \
       --prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl \
       --prompts-file benchmarks/prompts/sharegpt_heldout.jsonl --out "$2/../replay_gpu.json" ;;
+  bundle)
+    mkdir -p "$2" && split -b 15000000 -d "$DATA" "$2/data.jsonl.gz.part" && ls -la "$2" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

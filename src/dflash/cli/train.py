@@ -46,6 +46,8 @@ def register(commands: Any) -> None:
     fit.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence")
     fit.add_argument("--lr", type=float, default=6e-4)
     fit.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for B=16, 4 for B=8)")
+    fit.add_argument("--distill", type=float, default=0.0,
+                     help="weight of KL to the target's next-token distribution, mixed with the hard labels (0-1)")
     fit.add_argument("--random-init", action="store_true", help="do not copy the target's last layers")
     fit.add_argument("--max-minutes", type=float, default=None, help="stop and checkpoint after this long")
     fit.add_argument("--seed", type=int, default=0)
@@ -130,7 +132,7 @@ def run_fit(args: argparse.Namespace) -> int:
     gamma = args.gamma or (7.0 if args.block_size >= 16 else 4.0)
     settings = TrainSettings(
         steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, anchors_per_sequence=args.anchors,
-        lr=args.lr, gamma=gamma, seed=args.seed,
+        lr=args.lr, gamma=gamma, distill=args.distill, seed=args.seed,
     )
     drafter = init_drafter(config, model, from_target_layers=not args.random_init, seed=args.seed)
     drafter = drafter.to(model.embed_tokens.weight.device)

@@ -4,6 +4,10 @@ For a sequence with target features at every position, sample anchors inside the
 a builds a block [x_a, MASK x (B-1)] at positions a .. a+B-1 that sees context features strictly before a plus
 its own block (both ways), never another block. Block slot k is trained to predict x_{a+k} (k >= 1) with
 weight exp(-(k-1)/gamma): early slots decide acceptance, so they count most.
+
+Optionally (`distill` > 0) each slot also learns the target's whole next-token distribution at that point
+(forward KL to the target's softmax), mixed with the hard-label cross-entropy: soft labels carry more signal
+per trained position, which matters when the target-answered data set is small.
 """
 
 from __future__ import annotations
@@ -79,14 +83,33 @@ def build_blocks(
     )
 
 
-def weighted_block_loss(logits: torch.Tensor, batch: BlockBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """logits: [batch, blocks*B, vocab] -> (weighted mean cross-entropy, metrics).
+def teacher_logits_for_blocks(target_logits: torch.Tensor, batch: BlockBatch) -> torch.Tensor:
+    """target_logits: [batch, seq, vocab] -> [batch, blocks*B, vocab]: for slot k of the block at anchor a (which
+    predicts x_{a+k}), the target's logits at position a+k-1. Untrained slots get some in-range row (weight 0)."""
+    seq, vocab = target_logits.shape[1], target_logits.shape[2]
+    source = (batch.block_positions - 1).clamp(min=0, max=seq - 1)  # [batch, blocks*B]
+    return torch.gather(target_logits, 1, source[..., None].expand(-1, -1, vocab))
 
+
+def weighted_block_loss(
+    logits: torch.Tensor, batch: BlockBatch, teacher_logits: torch.Tensor | None = None, distill: float = 0.0
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """logits, teacher_logits: [batch, blocks*B, vocab] -> (weighted mean loss, metrics).
+
+    The loss per slot is (1 - distill) * cross-entropy to the label + distill * KL(target || drafter).
     Metrics: `accuracy`, the share of trained slots whose argmax is the label."""
     flat_labels = batch.labels.view(-1)
-    ce = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), flat_labels, ignore_index=-100, reduction="none")
+    flat_logits = logits.float().view(-1, logits.shape[-1])
+    per_slot = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="none")
+    if distill > 0:
+        if teacher_logits is None:
+            raise ValueError("distillation needs the target's logits")
+        log_drafter = F.log_softmax(flat_logits, dim=-1)
+        log_teacher = F.log_softmax(teacher_logits.float().view(-1, teacher_logits.shape[-1]), dim=-1)
+        kl = (log_teacher.exp() * (log_teacher - log_drafter)).sum(-1)
+        per_slot = (1.0 - distill) * per_slot + distill * kl
     weights = batch.weights.view(-1)
-    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    loss = (per_slot * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         trained = flat_labels >= 0
         correct = (logits.argmax(-1).view(-1) == flat_labels) & trained

@@ -20,7 +20,13 @@ import torch
 from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
-from dflash.training.objective import build_blocks, estimated_acceptance, sample_anchors, weighted_block_loss
+from dflash.training.objective import (
+    build_blocks,
+    estimated_acceptance,
+    sample_anchors,
+    teacher_logits_for_blocks,
+    weighted_block_loss,
+)
 
 
 @dataclass
@@ -34,6 +40,7 @@ class TrainSettings:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0
+    distill: float = 0.0  # weight of KL to the target's distribution (0 = hard labels only)
     seed: int = 0
     log_every: int = 25
     checkpoint_every_s: float = 120.0
@@ -171,8 +178,10 @@ class DrafterTrainer:
         config = self.drafter.config
         ids, trained = self._batch(rng)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        distill = self.settings.distill
         with torch.no_grad(), autocast:
-            features = self.target(ids, capture=config.target_layer_ids, logits="none").features
+            target_out = self.target(ids, capture=config.target_layer_ids, logits="all" if distill > 0 else "none")
+        features = target_out.features
         assert features is not None
         anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
         blocks = build_blocks(
@@ -185,7 +194,12 @@ class DrafterTrainer:
             embeds = self.target.embed(blocks.block_ids)
             hidden = self.drafter.forward_blocks(embeds, blocks.block_positions, features.float(), blocks.mask)
             logits = self.target.project_logits(hidden.to(self.target.lm_head.weight.dtype))
-        loss, metrics = weighted_block_loss(logits, blocks)
+        teacher = None
+        if distill > 0:
+            assert target_out.logits is not None
+            teacher = teacher_logits_for_blocks(target_out.logits, blocks)
+            del target_out
+        loss, metrics = weighted_block_loss(logits, blocks, teacher, distill)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.grad_clip)
