@@ -2,7 +2,8 @@
 
 It chooses the decoding strategy per request (plain, or speculative when a drafter is loaded and the request
 allows it), checks the context budget, and keeps the safety net: a speculative generation that ends with no
-visible text is retried once with plain decoding, logged and counted.
+visible text is retried once with plain decoding, logged and counted. With `prefix_cache_mb` > 0 it owns a
+prefix cache (`dflash.kv.prefix_cache`) that every strategy reads and fills, unless a request opts out.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
 from dflash.generation.selection import TokenChooser
+from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
 from dflash.tokenizer import Tokenizer
@@ -39,6 +41,7 @@ class EngineOptions:
     draft_window: int | None = None
     ddtree_budget: int | None = None  # None: the measured default of the device class (DEFAULT_DDTREE_BUDGET)
     num_drafts: int | None = None  # drafts verified per linear round (default: block size - 1)
+    prefix_cache_mb: float = 0.0  # memory budget of the prefix cache in MiB; 0 disables it
 
 
 class Engine:
@@ -62,6 +65,13 @@ class Engine:
             self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
+        self.prefix_cache: PrefixCache | None = None
+        if self.options.prefix_cache_mb > 0:
+            self.prefix_cache = PrefixCache(
+                int(self.options.prefix_cache_mb * 2**20),
+                block_tokens=max(1, self.options.prefill_chunk),  # blocks end on the cold prefill's chunk grid
+                feature_layers=drafter.config.target_layer_ids if drafter is not None else (),
+            )
 
     @property
     def device(self) -> torch.device:
@@ -158,19 +168,25 @@ class Engine:
         should_stop: Callable[[], bool] | None,
     ) -> GenerationStats:
         chunk = self.options.prefill_chunk
+        prefix_cache = self.prefix_cache if request.use_prefix_cache else None
         if mode == "none" or self.drafter is None:
-            return decode_autoregressive(self.target, request, sink, chooser, prefill_chunk=chunk, should_stop=should_stop)
+            return decode_autoregressive(
+                self.target, request, sink, chooser, prefill_chunk=chunk, should_stop=should_stop,
+                prefix_cache=prefix_cache,
+            )
         if mode == "linear":
             from dflash.spec.linear import decode_linear
 
             return decode_linear(
                 self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
                 draft_window=self.options.draft_window, num_drafts=self.options.num_drafts, should_stop=should_stop,
+                prefix_cache=prefix_cache,
             )
         from dflash.spec.ddtree import decode_ddtree
 
         return decode_ddtree(
             self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
             budget=self.options.ddtree_budget or 0, draft_window=self.options.draft_window, should_stop=should_stop,
+            prefix_cache=prefix_cache,
         )
 

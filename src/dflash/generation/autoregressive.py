@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.generation.cached_prefill import prefill_prompt
 from dflash.generation.output import OutputSink
-from dflash.generation.prefill import chunked_prefill
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
+from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 
 
@@ -23,17 +24,23 @@ def decode_autoregressive(
     *,
     prefill_chunk: int,
     should_stop: Callable[[], bool] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationStats:
-    """Prefill the prompt, then one target step per token until the sink finishes."""
+    """Prefill the prompt (through `prefix_cache` when given), then one target step per token until the sink
+    finishes."""
     device = model.embed_tokens.weight.device
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     stats = GenerationStats(prompt_tokens=prompt.shape[1])
     cache = model.new_cache(prompt.shape[1] + request.max_new_tokens + 1)
     started = time.perf_counter()
-    logits, _ = chunked_prefill(model, cache, prompt, chunk=prefill_chunk, should_stop=should_stop)
-    if logits is None:
+    prefilled = prefill_prompt(
+        model, cache, prompt, chunk=prefill_chunk, should_stop=should_stop, prefix_cache=prefix_cache
+    )
+    if prefilled is None:
         sink.finish_cancelled()
         return stats
+    logits = prefilled.logits
+    stats.cached_tokens = prefilled.cached_tokens
     stats.prefill_s = time.perf_counter() - started
     started = time.perf_counter()
     step_input = torch.empty((1, 1), dtype=torch.long, device=device)

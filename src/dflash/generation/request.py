@@ -20,11 +20,13 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # added to the model's EOS ids
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS is suppressed before this many tokens
+    use_prefix_cache: bool = True  # read and fill the engine's prefix cache (when it has one)
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     completion_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -57,6 +59,7 @@ class GenerationStats:
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "prefill_s": round(self.prefill_s, 6),
             "decode_s": round(self.decode_s, 6),

@@ -36,6 +36,7 @@ from dflash.errors import GenerationError
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
+from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.session import SpecState, begin_speculation
@@ -78,6 +79,7 @@ def decode_ddtree(
     draft_window: int | None = None,
     should_stop: Callable[[], bool] | None = None,
     seed_top1_chain: bool = False,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationStats:
     """Generate with DDTree verification; `budget` is the number of drafted tree nodes per round (root excluded)."""
     if budget < 0:
@@ -89,7 +91,7 @@ def decode_ddtree(
     # A round verifies at most budget + 1 rows after the committed prefix.
     session = begin_speculation(
         target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk,
-        rows_per_round=max(budget, block_size), should_stop=should_stop,
+        rows_per_round=max(budget, block_size), should_stop=should_stop, prefix_cache=prefix_cache,
     )
     if isinstance(session, GenerationStats):
         return session

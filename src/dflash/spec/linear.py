@@ -17,6 +17,7 @@ import torch
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
+from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.acceptance import accepted_prefix_length
 from dflash.spec.drafter import DFlashDrafter
@@ -35,6 +36,7 @@ def decode_linear(
     draft_window: int | None = None,
     num_drafts: int | None = None,
     should_stop: Callable[[], bool] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationStats:
     """`num_drafts` caps the drafts verified per round (default: block size - 1)."""
     device = target.embed_tokens.weight.device
@@ -43,7 +45,7 @@ def decode_linear(
     layer_ids = drafter.config.target_layer_ids
     session = begin_speculation(
         target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk, rows_per_round=drafts_per_round + 1,
-        should_stop=should_stop,
+        should_stop=should_stop, prefix_cache=prefix_cache,
     )
     if isinstance(session, GenerationStats):
         return session

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.generation.cached_prefill import prefill_prompt
 from dflash.generation.output import OutputSink
-from dflash.generation.prefill import chunked_prefill
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.kv.cache import KVCache
+from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
 
@@ -55,10 +56,13 @@ def begin_speculation(
     prefill_chunk: int,
     rows_per_round: int,
     should_stop: Callable[[], bool] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> SpecSession | GenerationStats:
     """Prefill and commit the first token. Returns the stats alone when the prefill was cancelled.
 
-    `rows_per_round` is the most rows a round writes after the committed prefix (sizes the caches)."""
+    `rows_per_round` is the most rows a round writes after the committed prefix (sizes the caches). With a
+    `prefix_cache`, a cached prefix restores both the target K/V and the features of its positions: the drafter
+    reads the features of every prompt position on its first round, cached or not."""
     device = target.embed_tokens.weight.device
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     stats = GenerationStats(prompt_tokens=prompt.shape[1])
@@ -66,13 +70,16 @@ def begin_speculation(
     target_cache = target.new_cache(capacity)
     drafter_cache = drafter.new_cache(capacity)
     started = time.perf_counter()
-    logits, features = chunked_prefill(
+    prefilled = prefill_prompt(
         target, target_cache, prompt, chunk=prefill_chunk, capture=drafter.config.target_layer_ids,
-        should_stop=should_stop,
+        should_stop=should_stop, prefix_cache=prefix_cache,
     )
-    if logits is None or features is None:
+    if prefilled is None:
         sink.finish_cancelled()
         return stats
+    logits, features = prefilled.logits, prefilled.features
+    assert features is not None  # [1, prompt, n*hidden]
+    stats.cached_tokens = prefilled.cached_tokens
     stats.prefill_s = time.perf_counter() - started
     decode_started = time.perf_counter()
     first = int(chooser.choose(logits, 0)[0])
