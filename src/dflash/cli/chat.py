@@ -6,7 +6,13 @@ import argparse
 import sys
 from typing import Any
 
-from dflash.cli.common import add_model_options, add_sampling_options, engine_from_args, sampling_from_args
+from dflash.cli.common import (
+    add_model_options,
+    add_prefix_cache_option,
+    add_sampling_options,
+    engine_from_args,
+    sampling_from_args,
+)
 from dflash.generation.request import GenerationRequest
 
 
@@ -14,6 +20,7 @@ def register(commands: Any) -> None:
     parser = commands.add_parser("chat", help="interactive chat in the terminal", description=__doc__)
     parser.add_argument("--system", default=None, help="system message")
     add_model_options(parser)
+    add_prefix_cache_option(parser)
     add_sampling_options(parser)
     parser.set_defaults(run=run)
 

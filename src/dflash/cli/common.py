@@ -28,6 +28,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="tree nodes verified per round with --spec ddtree (default: 8 on CPU, 16 on GPU)")
 
 
+DEFAULT_PREFIX_CACHE_MB = 2048.0  # about four 8K-token conversations of the default model (55 KB per position)
+
+
+def add_prefix_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+        help="memory for reusing the K/V and drafter features of repeated prompt prefixes, in MiB (0: off; "
+        f"default {DEFAULT_PREFIX_CACHE_MB:g})",
+    )
+
+
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=256)
@@ -51,5 +62,6 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     options = EngineOptions(
         spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0),
     )
     return load_engine(args.model, args.draft, options=options, device=args.device, dtype=args.dtype)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash.cli.common import add_model_options, engine_from_args
+from dflash.cli.common import add_model_options, add_prefix_cache_option, engine_from_args
 from dflash.errors import DFlashError
 
 
@@ -21,6 +21,7 @@ def register(commands: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_options(parser)
+    add_prefix_cache_option(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=int, default=8000)

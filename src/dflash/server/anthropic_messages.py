@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from dflash.server.body import read_json_object, validate
+from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, sampling_params
 from dflash.server.conversation import Message, ToolCall, ToolChoice, ToolSpec, new_id
 from dflash.server.errors import APIError, anthropic_error_body
@@ -128,9 +129,10 @@ def stop_reason(outcome: Outcome) -> str:
 
 
 def usage_of(outcome: Outcome) -> dict[str, Any]:
+    """Anthropic counts cached prompt tokens apart: input_tokens + cache_read_input_tokens = the whole prompt."""
     return {
-        "input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens,
-        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+        "input_tokens": outcome.prompt_tokens - outcome.cached_tokens, "output_tokens": outcome.completion_tokens,
+        "cache_creation_input_tokens": 0, "cache_read_input_tokens": outcome.cached_tokens,
     }
 
 
@@ -225,7 +227,7 @@ async def stream_message(handle: TurnHandle, mid: str, model: str, prompt_tokens
             yield named_event("message_delta", {
                 "type": "message_delta",
                 "delta": {"stop_reason": stop_reason(outcome), "stop_sequence": outcome.stop_sequence},
-                "usage": {"output_tokens": outcome.completion_tokens},
+                "usage": usage_of(outcome),  # cumulative: the cached share is known only now
                 "timings": outcome.timings(),
             })
             yield named_event("message_stop", {"type": "message_stop"})
@@ -251,6 +253,7 @@ async def messages(request: Request) -> Response:
         stop=stops,
         choice=choice,
         received_at=received_at,
+        use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
     )
     handle = ctx.runner.start(turn, "messages")
     mid = new_id("msg_")

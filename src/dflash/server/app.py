@@ -31,6 +31,9 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
     metrics = Metrics()
     worker = GenerationWorker()
     metrics.bind_worker(lambda: worker.queue_depth, lambda: worker.busy)
+    prefix_cache = getattr(engine, "prefix_cache", None)  # only the real engine has one
+    if prefix_cache is not None:
+        metrics.bind_prefix_cache(prefix_cache.stats)
     ctx = ServerContext(
         engine=engine,
         settings=settings,

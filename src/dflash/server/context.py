@@ -91,6 +91,7 @@ class ServerContext:
         stop: Sequence[str],
         choice: ToolChoice,
         received_at: float,
+        use_prefix_cache: bool = True,
     ) -> Turn:
         offered = prompt.tools
         stall_tool = None
@@ -102,7 +103,7 @@ class ServerContext:
         return Turn(
             request=GenerationRequest(
                 prompt_ids=prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
-                min_tokens=self.min_tokens(bool(offered), max_new_tokens),
+                min_tokens=self.min_tokens(bool(offered), max_new_tokens), use_prefix_cache=use_prefix_cache,
             ),
             tools=offered,
             tool_format=prompt.tool_format,

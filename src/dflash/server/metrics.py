@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -12,7 +12,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from dflash.kv.prefix_cache import PrefixCacheStats
 from dflash.server.turn import Outcome
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -67,6 +70,9 @@ class Metrics:
         self.queue_depth.set_function(lambda: float(depth()))
         self.busy.set_function(lambda: 1.0 if busy() else 0.0)
 
+    def bind_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self.registry.register(PrefixCacheCollector(stats))
+
     def observe_outcome(self, api: str, outcome: Outcome, latency_s: float) -> None:
         self.requests.labels(api, outcome.finish_reason).inc()
         if outcome.finish_reason == "cancelled":
@@ -98,3 +104,24 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class PrefixCacheCollector(Collector):
+    """The engine's prefix cache counters, read at scrape time (the cache keeps them; nothing is copied)."""
+
+    def __init__(self, stats: Callable[[], PrefixCacheStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield CounterMetricFamily("dflash_prefix_cache_hits", "Prompt lookups that reused at least one cached block",
+                                  value=s.hits)
+        yield CounterMetricFamily("dflash_prefix_cache_misses", "Prompt lookups that reused nothing", value=s.misses)
+        yield CounterMetricFamily("dflash_prefix_cache_evictions", "Cached blocks evicted to stay under the budget",
+                                  value=s.evictions)
+        yield CounterMetricFamily("dflash_prefix_cache_reused_tokens",
+                                  "Prompt tokens restored from the prefix cache instead of prefilled", value=s.reused_tokens)
+        yield GaugeMetricFamily("dflash_prefix_cache_tokens", "Prompt positions held in the prefix cache", value=s.tokens)
+        yield GaugeMetricFamily("dflash_prefix_cache_bytes", "Bytes held in the prefix cache", value=s.bytes)
+        yield GaugeMetricFamily("dflash_prefix_cache_budget_bytes", "Memory budget of the prefix cache",
+                                value=s.budget_bytes)

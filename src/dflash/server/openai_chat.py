@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from dflash.server.body import read_json_object, validate
+from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, now, sampling_params, stop_list
 from dflash.server.conversation import Message, ToolCall, ToolChoice, ToolSpec, new_id, parse_arguments
 from dflash.server.errors import APIError, openai_error_body
@@ -105,7 +106,7 @@ def usage_of(outcome: Outcome) -> dict[str, Any]:
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": outcome.completion_tokens,
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
     }
 
 
@@ -195,6 +196,7 @@ async def chat_completions(request: Request) -> Response:
         stop=stop_list(body.stop),
         choice=choice,
         received_at=received_at,
+        use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
     )
     handle = ctx.runner.start(turn, "chat")
     cid, created = new_id("chatcmpl-"), now()

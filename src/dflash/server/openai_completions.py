@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dflash.generation.request import GenerationRequest
 from dflash.server.body import read_json_object, validate
+from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, now, sampling_params, stop_list
 from dflash.server.conversation import new_id
 from dflash.server.errors import APIError, openai_error_body
@@ -109,6 +110,7 @@ async def completions(request: Request) -> Response:
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             ),
+            use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
         ),
         raw=True, received_at=received_at,
     )

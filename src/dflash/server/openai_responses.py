@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from dflash.server.body import read_json_object, validate
+from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, sampling_params
 from dflash.server.conversation import Message, ToolCall, ToolChoice, ToolSpec, new_id, parse_arguments
 from dflash.server.errors import APIError, openai_error_body
@@ -121,7 +122,7 @@ def convert_tools(body: ResponsesRequest) -> tuple[list[ToolSpec], ToolChoice]:
 def usage_of(outcome: Outcome) -> dict[str, Any]:
     return {
         "input_tokens": outcome.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
         "output_tokens": outcome.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
@@ -316,6 +317,7 @@ async def responses(request: Request) -> Response:
         stop=[],
         choice=choice,
         received_at=received_at,
+        use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
     )
     handle = ctx.runner.start(turn, "responses")
     shell = ResponseShell(new_id("resp_"), model, body)

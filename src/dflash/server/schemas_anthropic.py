@@ -102,6 +102,7 @@ class MessagesRequest(_Conversation):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: dict[str, Any] | None = None
+    cache_prompt: bool | None = None  # extension: false skips the prefix cache for this request
 
 
 class CountTokensRequest(_Conversation):

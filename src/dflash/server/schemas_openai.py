@@ -82,6 +82,7 @@ class _Sampling(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    cache_prompt: bool | None = None  # extension: false skips the prefix cache for this request
 
 
 class ChatCompletionRequest(_Sampling):

@@ -67,3 +67,4 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_prompt: bool | None = None  # extension: false skips the prefix cache for this request

@@ -64,10 +64,16 @@ class Outcome:
     degenerate: bool = False
     continued: bool = False  # a stall continuation ran
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens of the turn's request restored from the prefix cache."""
+        return self.stats.cached_tokens
+
     def timings(self) -> dict[str, object]:
         s = self.stats
         return {
             "prompt_n": self.prompt_tokens,
+            "cache_n": self.cached_tokens,
             "predicted_n": self.completion_tokens,
             "queue_ms": round(self.queue_s * 1000, 3),
             "prefill_ms": round(s.prefill_s * 1000, 3),
@@ -222,7 +228,7 @@ def _continuation(engine: EnginePort, turn: Turn, first: GenerationResult) -> tu
 
 
 def merge_stats(results: list[GenerationResult]) -> GenerationStats:
-    merged = GenerationStats(prompt_tokens=results[0].stats.prompt_tokens)
+    merged = GenerationStats(prompt_tokens=results[0].stats.prompt_tokens, cached_tokens=results[0].stats.cached_tokens)
     for result in results:
         s = result.stats
         merged.completion_tokens += s.completion_tokens
