@@ -19,6 +19,7 @@ import torch
 
 from dflash.engine.engine import Engine
 from dflash.generation.request import GenerationRequest
+from dflash.models.quantized_layers import uses_quantized_weights
 from dflash.progress import progress_bar
 from dflash.training.prompts import read_prompt_file
 
@@ -93,6 +94,7 @@ def measure_speed(
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": _device_name(engine.device),
         "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "weights": "quantized" if uses_quantized_weights(engine.target) else "dense",
         "threads": torch.get_num_threads(),
         "versions": _versions(),
         "model": engine.model_name,
@@ -125,7 +127,8 @@ def _versions() -> dict[str, str]:
 
 
 def format_speed_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} on {result['device']}, {result['prompts']} prompts x {result['max_tokens']} tokens"]
+    lines = [f"{result['model']} ({result['weights']} weights) on {result['device']}, "
+             f"{result['prompts']} prompts x {result['max_tokens']} tokens"]
     lines.append(f"{'mode':<18}{'tokens/s':>10}{'acceptance':>12}")
     for mode, r in result["modes"].items():
         tau = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"

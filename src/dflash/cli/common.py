@@ -19,6 +19,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--spec", default="linear", choices=["none", "linear", "ddtree"], help="decoding strategy")
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
+    group.add_argument(
+        "--weights", default="auto", choices=["auto", "dense", "quantized"],
+        help="target weights: quantized GGUF blocks through the CPU kernel, or dense; auto = quantized on CPU "
+        "in float32 when every matrix is Q4_1/Q8_0 and the kernel builds, dense otherwise",
+    )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
@@ -64,4 +69,6 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0),
     )
-    return load_engine(args.model, args.draft, options=options, device=args.device, dtype=args.dtype)
+    return load_engine(
+        args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights
+    )

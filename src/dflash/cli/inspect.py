@@ -12,6 +12,8 @@ from typing import Any
 def register(commands: Any) -> None:
     parser = commands.add_parser("inspect", help="describe a model or drafter", description=__doc__)
     parser.add_argument("path", nargs="?", default="default", help="HF folder, GGUF file, drafter folder or 'default'")
+    parser.add_argument("--weights", default="auto", choices=["auto", "dense", "quantized"],
+                        help="the weight path to describe (auto: what the engine would pick on this machine)")
     parser.set_defaults(run=run)
 
 
@@ -24,11 +26,25 @@ def run(args: argparse.Namespace) -> int:
 
             print(json.dumps({"kind": "dflash-drafter", **dataclasses.asdict(DrafterConfig.from_dict(raw))}, indent=2))
             return 0
-    from dflash.models.resolve import load_checkpoint
+    from dflash.engine.devices import pick_device, pick_dtype
+    from dflash.models.quantized_weights import QuantizedCheckpoint
+    from dflash.models.resolve import load_checkpoint, resolve_model_path
+    from dflash.models.weight_choice import choose_weights
 
-    checkpoint = load_checkpoint(args.path)
-    params = sum(t.numel() for t in checkpoint.weights.values())
+    device = pick_device("auto")
+    choice = choose_weights(args.weights, resolve_model_path(args.path), device, pick_dtype("auto", device))
+    checkpoint = load_checkpoint(args.path, weights=choice.kind)
+    weights: dict[str, Any] = {"path": choice.kind, "reason": choice.reason}
+    if isinstance(checkpoint, QuantizedCheckpoint):
+        from dflash.kernels.build import load_quant_kernel
+
+        params = checkpoint.parameter_count()
+        weights["matrix_types"] = checkpoint.type_counts()
+        weights["kernel_isa"] = load_quant_kernel().isa()
+    else:
+        params = sum(t.numel() for t in checkpoint.weights.values())
     info: dict[str, Any] = {"kind": "target", "source": str(checkpoint.source), "parameters": params}
+    info["weights"] = weights
     info["config"] = dataclasses.asdict(checkpoint.config)
     if checkpoint.tokenizer is not None:
         tok = checkpoint.tokenizer

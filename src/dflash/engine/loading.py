@@ -9,8 +9,11 @@ from pathlib import Path
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import DFlashError
+from dflash.models.quantized_model import build_quantized_model
+from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint, resolve_model_path
+from dflash.models.weight_choice import choose_weights
 from dflash.spec.drafter_loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter
 
 log = logging.getLogger("dflash.loading")
@@ -31,19 +34,26 @@ def load_engine(
     options: EngineOptions | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    weights: str = "auto",
 ) -> Engine:
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
-    present; `draft="none"` disables speculative decoding."""
+    present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
+    `dflash.models.weight_choice`); the drafter's own weights are always dense."""
     options = options or EngineOptions()
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     started = time.perf_counter()
-    checkpoint = load_checkpoint(model or "default")
+    choice = choose_weights(weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
+    checkpoint = load_checkpoint(model or "default", weights=choice.kind)
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
-    target = build_model(
-        checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype, source=str(checkpoint.source)
-    )
+    if isinstance(checkpoint, QuantizedCheckpoint):
+        target = build_quantized_model(checkpoint, device=torch_device)
+    else:
+        target = build_model(
+            checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype,
+            source=str(checkpoint.source),
+        )
     del checkpoint.weights
     if draft is None and is_default_model(model) and default_drafter_available():
         draft = "default"
@@ -54,7 +64,8 @@ def load_engine(
     if drafter is None and options.spec != "none":
         options.spec = "none"
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
-    log.info("loaded %s in %.2f s on %s (%s)", name, time.perf_counter() - started, torch_device, torch_dtype)
+    log.info("loaded %s in %.2f s on %s (%s, %s weights: %s)", name, time.perf_counter() - started, torch_device,
+             torch_dtype, choice.kind, choice.reason)
     return Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.cache_paths import cache_root
 from dflash.config import ModelConfig
 from dflash.tokenizer import Tokenizer
 
@@ -53,14 +54,7 @@ def cache_enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    override = os.environ.get("DFLASH_CACHE_DIR")
-    if override:
-        base = Path(override).expanduser()
-    else:
-        import platformdirs
-
-        base = Path(platformdirs.user_cache_dir("dflash"))
-    return base / "gguf"
+    return cache_root() / "gguf"
 
 
 def _key(path: Path) -> str:

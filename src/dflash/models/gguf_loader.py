@@ -33,7 +33,7 @@ from dflash.models.gguf_config import config_from_gguf
 from dflash.models.gguf_file import GGUFFile, GGUFTensorInfo
 from dflash.tokenizer import Tokenizer
 
-__all__ = ["ProgressCallback", "hf_tensor_name", "load_gguf"]
+__all__ = ["ProgressCallback", "hf_tensor_name", "load_gguf", "open_gguf_model", "undo_conversion"]
 
 ProgressCallback = Callable[[int, int], None]  # (tensors done, tensors in all)
 
@@ -100,13 +100,27 @@ def load_gguf(
             validate_weights(cached.config, cached.weights, path)
             return Checkpoint(cached.config, _to_dtype(cached.weights, dtype), cached.tokenizer, path)
 
+    gguf, config, names, tokenizer = open_gguf_model(path)
+    started = time.perf_counter()
+    weights = _dequantize_all(gguf, names, config, progress)
+    elapsed = time.perf_counter() - started
+    validate_weights(config, weights, path)
+    if use_cache and elapsed >= CACHE_MIN_SECONDS:
+        gguf_cache.store(path, config, weights, tokenizer)
+    return Checkpoint(config, _to_dtype(weights, dtype), tokenizer, path)
+
+
+def open_gguf_model(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, str], Tokenizer | None]:
+    """Parse a GGUF's header: the file, the config, GGUF -> Hugging Face tensor names, and the tokenizer.
+
+    Tensor shapes are checked against the config here, before any tensor data is read.
+    """
     gguf = GGUFFile(path)
     shapes = {name: info.shape for name, info in gguf.tensors.items()}
     rope_info = gguf.tensors.get("rope_freqs.weight")
     rope_freqs = gguf.dequantize(rope_info) if rope_info is not None else None
     config = config_from_gguf(gguf.metadata, shapes, path, rope_freqs)
     names = _name_map(config.architecture, gguf.tensors, path)
-    # Check the shapes against the config before spending time on dequantisation.
     validate_weights(
         config, {hf: torch.empty(gguf.tensors[g].shape, device="meta") for g, hf in names.items()}, path
     )
@@ -116,14 +130,7 @@ def load_gguf(
         eos = (*config.eos_token_ids, *tokenizer.eos_token_ids)
         config = replace(config, eos_token_ids=tuple(dict.fromkeys(eos)))
         tokenizer = tokenizer.with_eos_token_ids(config.eos_token_ids)
-
-    started = time.perf_counter()
-    weights = _dequantize_all(gguf, names, config, progress)
-    elapsed = time.perf_counter() - started
-    validate_weights(config, weights, path)
-    if use_cache and elapsed >= CACHE_MIN_SECONDS:
-        gguf_cache.store(path, config, weights, tokenizer)
-    return Checkpoint(config, _to_dtype(weights, dtype), tokenizer, path)
+    return gguf, config, names, tokenizer
 
 
 def _name_map(arch: str, tensors: dict[str, GGUFTensorInfo], path: Path) -> dict[str, str]:
@@ -154,13 +161,14 @@ def _dequantize_all(
             values = gguf.dequantize(info)
             if not values.flags.writeable or not values.flags.c_contiguous:
                 values = np.array(values, dtype=np.float32, order="C")
-            weights[hf_name] = _convert(torch.from_numpy(values), gguf_name, config)
+            weights[hf_name] = undo_conversion(torch.from_numpy(values), gguf_name, config)
             step(done)
     return weights
 
 
-def _convert(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
-    """Undo llama.cpp's conversion-time changes to one tensor."""
+def undo_conversion(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
+    """Undo llama.cpp's conversion-time changes to one tensor. The Q/K change is a permutation of rows, so it
+    applies unchanged to a matrix kept as raw quantised blocks ([rows, bytes per row])."""
     if config.architecture == "llama":
         if ".attn_q." in gguf_name:
             return _unpermute_rope_rows(tensor, config.num_heads)

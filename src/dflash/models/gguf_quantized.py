@@ -1,0 +1,75 @@
+"""Loading a GGUF file with its matrices left quantized (a `QuantizedCheckpoint`), for the CPU kernel.
+
+Every 2-D tensor (projections, embedding, LM head) must be in a format the kernel reads (Q4_1, Q8_0); its
+blocks are copied out of the file as they are, with llama's Q/K rows put back in Hugging Face order (a row
+permutation). 1-D tensors (norms, biases) are dequantised and converted exactly as the dense loader does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash.errors import ModelLoadError
+from dflash.models.checkpoint import validate_weights
+from dflash.models.gguf_file import GGUFFile
+from dflash.models.gguf_loader import open_gguf_model, undo_conversion
+from dflash.models.quantized_weights import QuantizedCheckpoint, QuantizedMatrix, is_supported_type
+
+__all__ = ["describe_unsupported", "load_gguf_quantized", "tensor_type_counts", "unsupported_matrices"]
+
+# Tensors that hold configuration rather than parameters (never quantized matrices).
+_NON_PARAMETERS = {"rope_freqs.weight"}
+
+
+def unsupported_matrices(gguf: GGUFFile) -> dict[str, str]:
+    """GGUF name -> type name of every matrix the quantized path cannot use."""
+    return {
+        name: info.qtype.name
+        for name, info in gguf.tensors.items()
+        if len(info.shape) == 2 and name not in _NON_PARAMETERS and not is_supported_type(info.qtype)
+    }
+
+
+def tensor_type_counts(gguf: GGUFFile) -> dict[str, int]:
+    """Type name -> how many tensors of the file use it."""
+    counts: dict[str, int] = {}
+    for info in gguf.tensors.values():
+        counts[info.qtype.name] = counts.get(info.qtype.name, 0) + 1
+    return counts
+
+
+def describe_unsupported(unsupported: dict[str, str]) -> str:
+    types = sorted(set(unsupported.values()))
+    example = next(iter(unsupported))
+    return (
+        f"{len(unsupported)} matrices are in {', '.join(types)} (e.g. {example}); "
+        "the quantized CPU kernel reads Q4_1 and Q8_0"
+    )
+
+
+def load_gguf_quantized(path: Path) -> QuantizedCheckpoint:
+    """Load a GGUF with its matrices kept as raw blocks; raises `ModelLoadError` if one is not Q4_1/Q8_0."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    gguf, config, names, tokenizer = open_gguf_model(path)
+    unsupported = unsupported_matrices(gguf)
+    if unsupported:
+        raise ModelLoadError(f"{path}: cannot keep the weights quantized: {describe_unsupported(unsupported)}")
+    matrices: dict[str, QuantizedMatrix] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for gguf_name, hf_name in names.items():
+        info = gguf.tensors[gguf_name]
+        if len(info.shape) == 2:
+            blocks = torch.from_numpy(np.array(gguf.raw(info), dtype=np.uint8, order="C"))  # a copy, writable
+            blocks = undo_conversion(blocks, gguf_name, config).contiguous()
+            matrices[hf_name] = QuantizedMatrix(blocks, info.qtype, info.shape[1])
+        else:
+            values = np.array(gguf.dequantize(info), dtype=np.float32, order="C")
+            dense[hf_name] = undo_conversion(torch.from_numpy(values), gguf_name, config)
+    shapes = {name: torch.empty(m.shape, device="meta") for name, m in matrices.items()}
+    validate_weights(config, {**dense, **shapes}, path)
+    return QuantizedCheckpoint(config, dense, tokenizer, path, matrices)

@@ -1,0 +1,76 @@
+"""`nn.Linear` and `nn.Embedding` stand-ins whose weights stay GGUF blocks, computed by the CPU kernel.
+
+`QuantizedLinear` computes y = x @ W^T (+ bias) for float32 x of any leading shape; every output element
+takes the same path in the same order whatever the number of rows (see `kernels/quant_matmul.cpp`), so a
+row of a 16-token verification is bitwise equal to the same row decoded alone. `QuantizedEmbedding` looks
+rows up by dequantising just those rows (bit-identical to the dense loader's values).
+
+Both keep an empty float32 `weight` buffer: code that asks `module.weight.dtype` or `.device` for the
+model's compute dtype and device (KV-cache allocation, the decoding loops) keeps working. The weights
+themselves are in the `blocks` buffer; neither buffer is part of the state dict.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash.kernels.build import load_quant_kernel
+from dflash.models.quantized_weights import QuantizedMatrix
+
+__all__ = ["QuantizedEmbedding", "QuantizedLinear", "uses_quantized_weights"]
+
+
+class QuantizedLinear(nn.Module):
+    """y[..., out] = x[..., in] @ W[out, in]^T (+ bias), W held as Q4_1 / Q8_0 blocks."""
+
+    blocks: torch.Tensor
+    weight: torch.Tensor
+
+    def __init__(self, matrix: QuantizedMatrix, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = matrix.columns
+        self.out_features = matrix.rows
+        self.qtype = int(matrix.qtype)
+        self._kernel = load_quant_kernel()
+        self.register_buffer("blocks", matrix.blocks, persistent=False)
+        self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
+        self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = self._kernel.matmul(x.reshape(-1, self.in_features), self.blocks, self.qtype)  # [rows, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """ids[...] -> rows[..., dim] of a Q4_1 / Q8_0 table, dequantised on lookup."""
+
+    blocks: torch.Tensor
+    weight: torch.Tensor
+
+    def __init__(self, matrix: QuantizedMatrix) -> None:
+        super().__init__()
+        self.num_embeddings = matrix.rows
+        self.embedding_dim = matrix.columns
+        self.qtype = int(matrix.qtype)
+        self._kernel = load_quant_kernel()
+        self.register_buffer("blocks", matrix.blocks, persistent=False)
+        self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input_ids.reshape(-1))  # [n, bytes per row]
+        values = self._kernel.dequantize(rows, self.qtype, self.embedding_dim)  # [n, dim]
+        return values.view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype}"
+
+
+def uses_quantized_weights(model: nn.Module) -> bool:
+    return any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())

@@ -1,0 +1,76 @@
+"""Choosing between dense float32 weights and quantized GGUF blocks (`--weights auto|dense|quantized`).
+
+`auto` picks quantized when all of these hold, dense otherwise:
+  * the device is the CPU and the dtype float32 (GPUs, and other dtypes, stay dense);
+  * the model is a GGUF file whose every matrix is Q4_1 or Q8_0;
+  * the CPU kernel builds (or was built before) and loads.
+A kernel that fails to build is logged as a warning naming the reason; the other cases are expected and
+logged at info level. `quantized` requested explicitly raises `ModelLoadError` with the reason instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import get_args
+
+import torch
+
+from dflash.errors import DFlashError, ModelLoadError
+from dflash.models.resolve import WeightKind
+
+__all__ = ["WEIGHT_OPTIONS", "WeightChoice", "choose_weights"]
+
+log = logging.getLogger(__name__)
+
+WEIGHT_OPTIONS = ("auto", *get_args(WeightKind))
+
+
+@dataclass(frozen=True)
+class WeightChoice:
+    kind: WeightKind
+    reason: str
+
+
+def choose_weights(requested: str, path: Path, device: torch.device, dtype: torch.dtype) -> WeightChoice:
+    """Which weights to load for the model at `path` on `device` in `dtype` (see the module docstring)."""
+    if requested not in WEIGHT_OPTIONS:
+        raise DFlashError(f"unknown weights option {requested!r}; choose one of {', '.join(WEIGHT_OPTIONS)}")
+    if requested == "dense":
+        return WeightChoice("dense", "dense weights requested")
+    obstacle = _setting_obstacle(path, device, dtype)
+    kernel_failed = False
+    if obstacle is None:
+        from dflash.kernels.build import KernelUnavailable, load_quant_kernel
+
+        try:
+            load_quant_kernel()
+        except KernelUnavailable as exc:
+            obstacle, kernel_failed = str(exc), True
+    if requested == "quantized":
+        if obstacle is not None:
+            raise ModelLoadError(f"{path.name}: quantized weights are not available: {obstacle}")
+        return WeightChoice("quantized", "quantized weights requested")
+    if obstacle is None:
+        return WeightChoice("quantized", "auto: CPU, float32, every matrix in a format the kernel reads")
+    if kernel_failed:
+        log.warning("using dense float32 weights instead of quantized ones: %s", obstacle)
+    else:
+        log.info("using dense weights: %s", obstacle)
+    return WeightChoice("dense", f"auto: {obstacle}")
+
+
+def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why quantized weights cannot be used for this model, device and dtype (kernel aside), or None."""
+    if device.type != "cpu":
+        return f"the quantized kernel runs on the CPU only (device is {device})"
+    if dtype != torch.float32:
+        return f"the quantized kernel computes in float32 (dtype is {str(dtype).removeprefix('torch.')})"
+    if path.is_dir() or path.suffix.lower() != ".gguf":
+        return "the model is not a GGUF file"
+    from dflash.models.gguf_file import GGUFFile
+    from dflash.models.gguf_quantized import describe_unsupported, unsupported_matrices
+
+    unsupported = unsupported_matrices(GGUFFile(path))
+    return describe_unsupported(unsupported) if unsupported else None
