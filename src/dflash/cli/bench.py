@@ -1,4 +1,5 @@
-"""`dflash bench`: acceptance length on prompt sets, and decoding speed against baselines."""
+"""`dflash bench`: acceptance length on prompt sets, decoding speed against baselines, and the prefix cache
+under agent loops (agent-loop, agent-session, prefix-repro)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash.cli.bench_agent import register_agent_commands
 from dflash.cli.common import add_model_options, engine_from_args
 
 DEFAULT_PROMPTS = Path("benchmarks/prompts")
@@ -37,6 +39,8 @@ def register(commands: Any) -> None:
     speed.add_argument("--json", action="store_true")
     speed.add_argument("--out", type=Path, default=None)
     speed.set_defaults(run=run_speed)
+
+    register_agent_commands(kinds)
 
 
 def _emit(result: dict[str, Any], args: argparse.Namespace, summary: str) -> None:
