@@ -74,13 +74,26 @@ def run_agent_loop(args: argparse.Namespace) -> int:
               f"{row['cold']['ttft_s']} s, warm {row['warm']['ttft_s']} s", file=sys.stderr, flush=True)
 
     result = replay(transcript, settings, on_call=progress)
-    result["command"] = "dflash " + " ".join(sys.argv[1:])
+    result["command"] = agent_loop_command(args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
     totals = result["totals"]
     return 1 if totals["empty_answers"]["warm"] or totals["errors"]["warm"] else 0
+
+
+def agent_loop_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (from the parsed options, whoever called the parser)."""
+    parts = ["dflash bench agent-loop", f"--transcript {args.transcript}", f"--base-url {args.base_url}"]
+    if args.cold_base_url:
+        parts.append(f"--cold-base-url {args.cold_base_url}")
+    parts += [f"--model {args.model}", f"--max-tokens {args.max_tokens}", f"--long-prefix-tokens {args.long_prefix_tokens}"]
+    if args.no_tools:
+        parts.append("--no-tools")
+    if args.out:
+        parts.append(f"--out {args.out}")
+    return " ".join(parts)
 
 
 def run_agent_session(args: argparse.Namespace) -> int:
