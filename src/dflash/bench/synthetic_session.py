@@ -3,8 +3,8 @@
 A session opens with a user message carrying project instructions (as Claude Code sends CLAUDE.md, inside a
 system reminder) and a task, then alternates assistant turns (thinking, a sentence, one tool call: Read, Bash,
 Grep or Edit, each block in its own record sharing the message id, as Claude Code writes them) with tool results
-whose size grows by `growth` per step up to `max_output_tokens`. It ends with a text-only assistant turn once the
-prefix before the next turn would pass `max_prefix_tokens`.
+whose size grows by `growth` per step up to `max_output_tokens`; the last output is cut to what is left of
+`max_prefix_tokens`, and a text-only assistant turn ends the session.
 
 Token counts are estimates (message contents through the model's tokenizer, plus a fixed allowance per message
 and for the tool definitions the replay derives); the replay reports the exact counts. Keep the largest prefix
@@ -25,6 +25,7 @@ CountTokens = Callable[[str], int]
 
 PER_MESSAGE_TOKENS = 24  # role markers, separators and tool-call wrappers of one rendered message (measured)
 TOOLS_TOKENS = 300  # the four derived tool definitions, the tool instructions and a default system prompt (measured)
+LINE_SLACK_TOKENS = 40  # an output may pass its size by up to one line
 TOOLS = ("Read", "Bash", "Grep", "Edit")
 WORDS = ("parse", "token", "cache", "block", "route", "queue", "score", "index", "merge", "split", "load", "store",
          "batch", "frame", "state", "event", "retry", "limit", "shape", "width", "plan", "draft", "commit", "scan")
@@ -46,18 +47,21 @@ def synthetic_session(shape: SessionShape, count_tokens: CountTokens) -> list[di
     writer.user(text)
     prefix = TOOLS_TOKENS + PER_MESSAGE_TOKENS + count_tokens(text)
     step = 0
-    while True:
+    last = False
+    while not last:
         tool = TOOLS[step % len(TOOLS)]
         sentence, tool_input = _action(writer.rng, tool, step)
+        call_tokens = count_tokens(sentence) + count_tokens(json.dumps(tool_input)) + 2 * PER_MESSAGE_TOKENS
         output_tokens = int(min(shape.max_output_tokens, shape.first_output_tokens * shape.growth**step))
+        room = shape.max_prefix_tokens - prefix - call_tokens - LINE_SLACK_TOKENS
+        if output_tokens > room:  # the last step: its output fills what is left of the budget
+            output_tokens, last = room, True
+            if room < shape.first_output_tokens:
+                break
         output = _tool_output(writer.rng, tool, tool_input, output_tokens, count_tokens)
-        turn = (count_tokens(sentence) + count_tokens(json.dumps(tool_input)) + count_tokens(output)
-                + 2 * PER_MESSAGE_TOKENS)
-        if prefix + turn > shape.max_prefix_tokens:
-            break
         call_id = writer.assistant_call(sentence, tool, tool_input)
         writer.tool_result(call_id, output)
-        prefix += turn
+        prefix += call_tokens + count_tokens(output)
         step += 1
     writer.assistant_text("The failing test came from the cache key ignoring the block index; the fix is in place "
                           "and the whole suite passes.")
