@@ -53,6 +53,8 @@ def test_train_pipeline(tmp_path: Path) -> None:
 
     report = tmp_path / "replay.json"
     dflash("train", "eval", "--draft", str(drafter_dir), "--prompts-file", str(prompts), "--max-tokens", "12",
-           "--out", str(report))
+           "--ddtree-budgets", "2,8", "--out", str(report))
     result = json.loads(report.read_text())
     assert result["sets"]["prompts"]["prompts"] == 3 and result["acceptance_length"] >= 1.0
+    assert set(result["ddtree_acceptance_length"]) == {"2", "8"}
+    assert all(tau >= 1.0 for tau in result["sets"]["prompts"]["ddtree"].values())

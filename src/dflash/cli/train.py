@@ -59,6 +59,9 @@ def register(commands: Any) -> None:
     evaluate.add_argument("--prompts-file", type=Path, action="append", required=True)
     evaluate.add_argument("--max-tokens", type=int, default=256)
     evaluate.add_argument("--batch-size", type=int, default=256)
+    evaluate.add_argument("--limit", type=int, default=None, help="at most this many prompts per file")
+    evaluate.add_argument("--ddtree-budgets", default="",
+                          help="comma list of tree budgets to replay beside linear DFlash (e.g. 4,8,16,32,64)")
     evaluate.add_argument("--out", type=Path, default=None)
     evaluate.set_defaults(run=run_eval)
 
@@ -151,26 +154,43 @@ def run_eval(args: argparse.Namespace) -> int:
     from dflash.generation.batched import generate_batch
     from dflash.spec.drafter_loader import load_drafter
     from dflash.training.prompts import read_prompt_file
-    from dflash.training.replay import replay_linear
+    from dflash.training.replay import replay
 
     model, tokenizer = _load_target(args)
     drafter = load_drafter(args.draft, model.config, device=model.embed_tokens.weight.device,
                            dtype=model.embed_tokens.weight.dtype)
-    result: dict[str, Any] = {"method": "exact replay of greedy linear DFlash", "max_tokens": args.max_tokens, "sets": {}}
+    budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
+    method = "exact replay of greedy linear DFlash" + (" and DDTree" if budgets else "")
+    result: dict[str, Any] = {"method": method, "max_tokens": args.max_tokens, "sets": {}}
     every: list[float] = []
+    every_tree: dict[int, list[float]] = {budget: [] for budget in budgets}
     for path in args.prompts_file:
         prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
-                   for chat in read_prompt_file(path)]
+                   for chat in read_prompt_file(path)][: args.limit]
         answers: list[list[int]] = []
         for lo in range(0, len(prompts), args.batch_size):
             answers += generate_batch(model, prompts[lo : lo + args.batch_size], max_new_tokens=args.max_tokens,
                                       eos_ids=tokenizer.eos_token_ids)
-        taus = [replay_linear(model, drafter, p, a).mean for p, a in zip(prompts, answers, strict=True)]
-        taus = [t for t in taus if t > 0]
+        taus: list[float] = []
+        tree_taus: dict[int, list[float]] = {budget: [] for budget in budgets}
+        for p, a in zip(prompts, answers, strict=True):
+            linear, trees = replay(model, drafter, p, a, budgets, max_new_tokens=args.max_tokens)
+            if linear.mean > 0:
+                taus.append(linear.mean)
+                for budget in budgets:
+                    tree_taus[budget].append(trees[budget].mean)
         every += taus
-        result["sets"][path.name.split(".")[0]] = {"prompts": len(taus), "acceptance_length": round(statistics.fmean(taus), 4)}
-        print(f"{path.name}: {statistics.fmean(taus):.3f} over {len(taus)} prompts", flush=True)
+        entry: dict[str, Any] = {"prompts": len(taus), "acceptance_length": round(statistics.fmean(taus), 4)}
+        if budgets:
+            entry["ddtree"] = {str(b): round(statistics.fmean(tree_taus[b]), 4) for b in budgets}
+            for budget in budgets:
+                every_tree[budget] += tree_taus[budget]
+        result["sets"][path.name.split(".")[0]] = entry
+        trees_note = "".join(f", ddtree {b}: {entry['ddtree'][str(b)]:.3f}" for b in budgets)
+        print(f"{path.name}: linear {statistics.fmean(taus):.3f}{trees_note} over {len(taus)} prompts", flush=True)
     result["acceptance_length"] = round(statistics.fmean(every), 4)
+    if budgets:
+        result["ddtree_acceptance_length"] = {str(b): round(statistics.fmean(every_tree[b]), 4) for b in budgets}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

@@ -6,6 +6,9 @@ of training anchored at s. So one target pass over (prompt + greedy answer) and 
 anchor at every answer position give every possible round; walking s -> s + a + 1 from the first answer
 position reproduces the rounds linear DFlash would run, with their acceptance lengths. This makes evaluation
 batched (seconds on a GPU) while `dflash bench acceptance` measures the real decoding loop.
+
+DDTree replays the same way: the drafter's full distributions at each anchor give the tree a round would build,
+and the greedy answer says which path the target would accept, so one pair of passes serves every budget.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
+from dflash.spec.tree import build_tree, follow_tree, linear_chain_tree
 from dflash.training.objective import build_blocks
 
 
@@ -29,10 +33,13 @@ class ReplayResult:
 
 
 @torch.no_grad()
-def replay_linear(target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]) -> ReplayResult:
-    """Rounds of greedy linear DFlash on `answer` (the target's greedy continuation of `prompt`)."""
-    if len(answer) < 2:
-        return ReplayResult([1] * len(answer[:1]))
+def anchor_draft_logits(
+    target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's logits for a round anchored at every answer position but the last, and the labels.
+
+    Returns (logits [anchors, B-1, vocab], labels [anchors, B-1] with -100 past the answer); anchor i is the
+    round whose pending token is answer[i]."""
     config = drafter.config
     device = target.embed_tokens.weight.device
     seq = torch.tensor([prompt + answer], device=device)  # [1, P+n]
@@ -45,14 +52,83 @@ def replay_linear(target: CausalLM, drafter: DFlashDrafter, prompt: list[int], a
                           gamma=1.0)
     hidden = drafter.forward_blocks(target.embed(blocks.block_ids), blocks.block_positions,
                                     features.to(drafter.fc.weight.dtype), blocks.mask)
-    drafts = target.project_logits(hidden.to(target.lm_head.weight.dtype)).argmax(-1)  # [1, anchors*B]
+    logits = target.project_logits(hidden.to(target.lm_head.weight.dtype))  # [1, anchors*B, vocab]
+    logits = logits.view(-1, config.block_size, logits.shape[-1])[:, 1:]  # [anchors, B-1, vocab]
     labels = blocks.labels.view(-1, config.block_size)[:, 1:]  # [anchors, B-1]
-    correct = (drafts.view(-1, config.block_size)[:, 1:] == labels) & (labels >= 0)
+    return logits, labels
+
+
+@torch.no_grad()
+def replay_linear(target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]) -> ReplayResult:
+    """Rounds of greedy linear DFlash on `answer` (the target's greedy continuation of `prompt`)."""
+    return replay(target, drafter, prompt, answer, [])[0]
+
+
+@torch.no_grad()
+def replay_ddtree(
+    target: CausalLM,
+    drafter: DFlashDrafter,
+    prompt: list[int],
+    answer: list[int],
+    budgets: list[int],
+    *,
+    max_new_tokens: int | None = None,
+    seed_top1_chain: bool = False,
+) -> dict[int, ReplayResult]:
+    """Rounds of greedy DDTree on `answer` for each tree budget. `max_new_tokens` (default: the answer's length)
+    limits the tree depth near the end exactly as the decoding loop does."""
+    return replay(target, drafter, prompt, answer, budgets, max_new_tokens=max_new_tokens,
+                  seed_top1_chain=seed_top1_chain)[1]
+
+
+@torch.no_grad()
+def replay(
+    target: CausalLM,
+    drafter: DFlashDrafter,
+    prompt: list[int],
+    answer: list[int],
+    budgets: list[int],
+    *,
+    max_new_tokens: int | None = None,
+    seed_top1_chain: bool = False,
+) -> tuple[ReplayResult, dict[int, ReplayResult]]:
+    """Linear rounds and DDTree rounds per budget, from one target pass and one drafter pass."""
+    if len(answer) < 2:
+        single = ReplayResult([1] * len(answer[:1]))
+        return single, {budget: single for budget in budgets}
+    logits, labels = anchor_draft_logits(target, drafter, prompt, answer)
+    limit = max_new_tokens if max_new_tokens is not None else len(answer)
+    trees = {budget: _tree_rounds(logits, answer, budget, limit, seed_top1_chain) for budget in budgets}
+    return _linear_rounds(logits, labels, len(answer)), trees
+
+
+def _linear_rounds(logits: torch.Tensor, labels: torch.Tensor, answer_length: int) -> ReplayResult:
+    """logits [anchors, B-1, vocab], labels [anchors, B-1] -> the rounds linear DFlash runs."""
+    correct = (logits.argmax(-1) == labels) & (labels >= 0)  # [anchors, B-1]
     runs = correct.long().cumprod(-1).sum(-1).tolist()  # accepted drafts if a round starts at each anchor
     lengths, offset, produced = [], 0, 1  # the first answer token comes from the prefill
-    while produced < len(answer) and offset < len(runs):
+    while produced < answer_length and offset < len(runs):
         accepted = runs[offset]
         lengths.append(accepted + 1)
         produced += accepted + 1
         offset += accepted + 1
+    return ReplayResult(lengths)
+
+
+def _tree_rounds(logits: torch.Tensor, answer: list[int], budget: int, limit: int, seed_top1_chain: bool) -> ReplayResult:
+    """logits [anchors, B-1, vocab] -> the rounds DDTree with `budget` nodes runs on `answer`."""
+    lengths, offset, produced = [], 0, 1
+    while produced < len(answer):
+        max_depth = min(logits.shape[1], limit - produced - 1)
+        if max_depth > 0:
+            tree = build_tree(logits[offset, :max_depth], budget, seed_top1_chain=seed_top1_chain)
+        else:  # the last token: a plain step
+            tree = linear_chain_tree([])
+        # the target's greedy choice after a node of depth d on the answer's path is answer[offset + d + 1]
+        depths = [0, *tree.depths.tolist()]
+        choices = [answer[offset + d + 1] if offset + d + 1 < len(answer) else -1 for d in depths]
+        visited, _ = follow_tree(tree, choices)
+        lengths.append(len(visited))
+        produced += len(visited)
+        offset += len(visited)
     return ReplayResult(lengths)
