@@ -96,11 +96,12 @@ def test_a_stream_without_usage_counts_output_deltas() -> None:
     for piece in ("Hel", "lo", ""):
         acc.chunk({"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
     acc.chunk({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": "{}"}}]},
-                            "finish_reason": "tool_calls"}]})
+                            "finish_reason": "tool_calls"}], "timings": {"acceptance_length": 2.5}})
     record = acc.record(ended=1.0)
     assert not record.usage_reported and record.prompt_tokens is None and record.cached_tokens is None
     assert record.completion_tokens == 3 and record.text == "Hello" and record.finish_reason == "tool_calls"
     assert record.answer() == 'Hello\n<call f {}>' and not record.empty
+    assert record.as_dict()["acceptance_length"] == 2.5
     assert _Accumulator(started=0.0).record(ended=1.0).empty
 
 
@@ -126,6 +127,8 @@ def test_agent_loop_command_replays_cold_and_warm(server: ServerThread, tmp_path
     assert totals["identical_answers"] == len(rows) and totals["empty_answers"] == {"cold": 0, "warm": 0}
     assert totals["long_prefix"]["calls"] >= 1 and result["command"].startswith("dflash bench agent-loop")
     assert all(r["warm"]["ttft_s"] > 0 and r["warm"]["usage_reported"] for r in rows)
+    acceptance = totals["acceptance_length"]  # from the server's timings: the cache leaves the drafts alone
+    assert acceptance["warm"] is not None and acceptance["warm"] == acceptance["cold"]
     table = capsys.readouterr().out
     assert "warm/cold" in table and f"identical answers {len(rows)}/{len(rows)}" in table
 

@@ -13,7 +13,9 @@ whether both servers gave the same answers.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -94,6 +96,7 @@ def summarise(rows: list[dict[str, Any]], long_prefix_tokens: int) -> dict[str, 
         "errors": {"cold": sum(r["cold"]["error"] is not None for r in rows),
                    "warm": sum(r["warm"]["error"] is not None for r in rows)},
         "identical_answers": sum(r["same_answer"] for r in rows),
+        "acceptance_length": {"cold": _mean_acceptance(rows, "cold"), "warm": _mean_acceptance(rows, "warm")},
         "long_prefix": {
             "min_prompt_tokens": long_prefix_tokens, "calls": len(long_rows),
             "max_ttft_ratio": round(max(long_ratios), 4) if long_ratios else None,
@@ -126,8 +129,16 @@ def format_table(result: dict[str, Any]) -> str:
         f"median {_ratio(long['median_ttft_ratio'])}, max {_ratio(long['max_ttft_ratio'])}",
         f"empty answers: cold {t['empty_answers']['cold']}, warm {t['empty_answers']['warm']}; errors: cold "
         f"{t['errors']['cold']}, warm {t['errors']['warm']}; identical answers {t['identical_answers']}/{t['calls']}",
+        f"acceptance length (server timings): cold {_ratio(t['acceptance_length']['cold'])}, "
+        f"warm {_ratio(t['acceptance_length']['warm'])}",
     ]
     return "\n".join(lines)
+
+
+def _mean_acceptance(rows: list[dict[str, Any]], side: str) -> float | None:
+    """Mean of the per-call acceptance lengths the server reported (speculative calls only)."""
+    values = [r[side]["acceptance_length"] for r in rows if r[side].get("acceptance_length")]
+    return round(statistics.fmean(values), 4) if values else None
 
 
 def _row(index: int, prefix: list[Message], cold: CallRecord, warm: CallRecord) -> dict[str, Any]:
@@ -167,12 +178,16 @@ def _server_card(client: httpx.Client, base_url: str) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
+    """The machine the client ran on (the servers' too when they listen on loopback)."""
     out: dict[str, Any] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        out["dflash"] = importlib.metadata.version("dflash-server")
     try:
         import torch
 
         out["torch"] = torch.__version__
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:
         pass
     return out

@@ -28,6 +28,7 @@ class CallRecord:
     tool_calls: list[dict[str, str]] = field(default_factory=list)  # [{"name", "arguments"}] in call order
     finish_reason: str | None = None
     error: str | None = None
+    timings: dict[str, Any] | None = None  # the server's own `timings` (dflash, llama.cpp), when it sends them
 
     @property
     def empty(self) -> bool:
@@ -45,6 +46,7 @@ class CallRecord:
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens, "usage_reported": self.usage_reported,
             "finish_reason": self.finish_reason, "empty": self.empty, "error": self.error, "answer": self.answer(),
+            "acceptance_length": (self.timings or {}).get("acceptance_length"),
         }
 
 
@@ -58,6 +60,7 @@ class _Accumulator:
         self.usage: dict[str, Any] | None = None
         self.finish: str | None = None
         self.error: str | None = None
+        self.timings: dict[str, Any] | None = None
 
     def chunk(self, data: dict[str, Any]) -> None:
         if "error" in data and not data.get("choices"):
@@ -66,6 +69,8 @@ class _Accumulator:
             return
         if data.get("usage"):
             self.usage = data["usage"]
+        if isinstance(data.get("timings"), dict):
+            self.timings = data["timings"]
         for choice in data.get("choices") or []:
             delta = choice.get("delta") or {}
             produced = False
@@ -101,6 +106,7 @@ class _Accumulator:
             tool_calls=[self.calls[i] for i in sorted(self.calls)],
             finish_reason=self.finish,
             error=self.error,
+            timings=self.timings,
         )
 
 
