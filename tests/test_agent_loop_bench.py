@@ -116,7 +116,7 @@ def test_agent_loop_command_replays_cold_and_warm(server: ServerThread, tmp_path
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     session, out = tmp_path / "session.jsonl", tmp_path / "result.json"
     assert main(["bench", "agent-session", "--out", str(session), "--max-prefix-tokens", "1400",
-                 "--first-output-tokens", "120", "--max-output-tokens", "200"]) == 0
+                 "--first-output-tokens", "100", "--max-output-tokens", "150"]) == 0
     assert main(["bench", "agent-loop", "--transcript", str(session), "--base-url", server.url, "--max-tokens", "6",
                  "--long-prefix-tokens", "900", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -135,7 +135,7 @@ def test_agent_loop_command_replays_cold_and_warm(server: ServerThread, tmp_path
 
 def test_prefix_repro_passes_on_a_sound_cache(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "prefix-repro", "--base-url", server.url, "--calls", "3", "--max-tokens", "6",
-                 "--max-prefix-tokens", "1800", "--compare-cold", "--json"])
+                 "--max-prefix-tokens", "1500", "--compare-cold", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["passed"] and len(result["calls"]) == 3
     assert all(row["cached_tokens"] > 0 and row["same_as_cold"] for row in result["calls"][1:])

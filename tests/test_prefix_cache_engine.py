@@ -41,13 +41,13 @@ def cache(engine: Engine) -> PrefixCache:
     return engine.prefix_cache
 
 
-def ask(engine: Engine, ids: list[int], *, spec: str = "linear", cached: bool = True, max_new: int = 16,
+def ask(engine: Engine, ids: list[int], *, spec: str = "linear", cached: bool = True, max_new: int = 10,
         should_stop: Callable[[], bool] | None = None) -> GenerationResult:
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=max_new, use_prefix_cache=cached)
     return engine.generate(request, spec=spec, should_stop=should_stop)
 
 
-def same_as_cold(engine: Engine, ids: list[int], *, spec: str = "linear", max_new: int = 16) -> GenerationResult:
+def same_as_cold(engine: Engine, ids: list[int], *, spec: str = "linear", max_new: int = 10) -> GenerationResult:
     """Answer with the cache, check it against the cache-free answer, and return the cached one."""
     cold = ask(engine, ids, spec=spec, cached=False, max_new=max_new)
     warm = ask(engine, ids, spec=spec, max_new=max_new)
@@ -109,9 +109,9 @@ def test_a_hit_restores_the_cold_state_exactly(engine: Engine, cache: PrefixCach
 def test_growing_agent_conversation_answers_as_without_cache(engine: Engine, cache: PrefixCache) -> None:
     rounds = 0
     previous_length = 0
-    for turn, messages in enumerate(agent_conversation("weather", 4)):
+    for turn, messages in enumerate(agent_conversation("weather", 3)):
         ids = prompt_ids(engine, messages)
-        spec = ("linear", "none", "ddtree", "linear")[turn]
+        spec = ("linear", "none", "ddtree")[turn]
         warm = same_as_cold(engine, ids, spec=spec)
         rounds += warm.stats.rounds
         if turn:  # everything the last prompt prefilled in full blocks is reused
@@ -119,7 +119,7 @@ def test_growing_agent_conversation_answers_as_without_cache(engine: Engine, cac
         previous_length = len(ids)
     assert rounds > 0
     stats = cache.stats()
-    assert stats.hits >= 3 and stats.tokens == previous_length // CHUNK * CHUNK
+    assert stats.hits >= 2 and stats.tokens == previous_length // CHUNK * CHUNK
 
 
 def test_interleaved_conversations_keep_their_own_prefixes(engine: Engine, cache: PrefixCache) -> None:
@@ -132,14 +132,14 @@ def test_interleaved_conversations_keep_their_own_prefixes(engine: Engine, cache
 
 
 def test_eviction_under_a_small_budget_keeps_answers_exact(engine: Engine, cache: PrefixCache) -> None:
-    conv_a, conv_b = agent_conversation("ledger", 3), agent_conversation("router", 3)
+    conv_a, conv_b = agent_conversation("ledger", 2), agent_conversation("router", 2)
     block_bytes = cache_block_bytes(engine)
     engine.prefix_cache = small = PrefixCache(6 * block_bytes, CHUNK, cache.feature_layers)
-    for messages in (conv_a[0], conv_a[1], conv_b[0], conv_b[1]):
+    for messages in (conv_a[0], conv_b[0]):  # about 6 blocks each: B's evict part of A's
         ask(engine, prompt_ids(engine, messages), max_new=1)
     stats = small.stats()
     assert stats.evictions > 0 and stats.bytes <= stats.budget_bytes and stats.blocks <= 6
-    for messages in (conv_a[2], conv_b[2]):
+    for messages in (conv_a[1], conv_b[1]):
         same_as_cold(engine, prompt_ids(engine, messages))
     assert small.stats().bytes <= small.stats().budget_bytes
 
