@@ -103,6 +103,7 @@ def _build_or_import(flags: tuple[str, ...]) -> QuantKernel:
     except OSError as exc:
         raise KernelUnavailable(f"cannot create the kernel build directory {directory}: {exc.strerror or exc}") from None
     log.warning("building the quantized-weights CPU kernel into %s (first use only; about a minute)", directory)
+    _put_interpreter_scripts_on_path()
     try:
         from torch.utils.cpp_extension import load
 
@@ -117,6 +118,15 @@ def _build_or_import(flags: tuple[str, ...]) -> QuantKernel:
     except Exception as exc:  # compiler missing, compile error, ninja missing, import error...
         raise KernelUnavailable(f"building the quantized-weights kernel failed: {_first_lines(str(exc))}") from None
     return cast(QuantKernel, module)
+
+
+def _put_interpreter_scripts_on_path() -> None:
+    """The `ninja` the `ninja` package installs sits beside the interpreter (a venv's bin/), which need not be on
+    PATH when the venv is not activated; torch's builder looks it up on PATH."""
+    scripts = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if scripts not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(p for p in (scripts, path) if p)
 
 
 def _built_library(directory: Path, name: str) -> Path | None:
