@@ -60,7 +60,7 @@ def measure_speed(
     results: dict[str, Any] = {}
     for mode in modes:
         runner = _runner(engine, mode, model_arg, max_tokens)
-        runner(prompts[0][:64])  # warm-up
+        runner(prompts[0])  # warm-up: a whole first generation (kernel choices, allocator, clocks)
         per_run: list[float] = []
         tokens = 0
         acceptance: list[float] = []
