@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import anthropic
 import httpx
+import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -184,6 +186,13 @@ def serving(app: Any) -> Iterator[ServerThread]:
         yield server
     finally:
         server.stop()
+
+
+def sdk_clients(server: ServerThread, timeout: float = 60) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+    """The official OpenAI and Anthropic clients pointed at a running test server (no retries)."""
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="dummy", max_retries=0, timeout=timeout)
+    claude = anthropic.Anthropic(base_url=server.url, api_key="dummy", max_retries=0, timeout=timeout)
+    return oa, claude
 
 
 def metric(base_url: str, name: str, **labels: str) -> float:

@@ -18,7 +18,7 @@ import pytest
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.server import ServerSettings, create_app
-from tests.server_helpers import ServerThread, metric, serving, wait_until
+from tests.server_helpers import ServerThread, metric, sdk_clients, serving, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,12 +53,12 @@ def server(engine: Engine) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def oa(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="dummy", max_retries=0, timeout=120)
+    return sdk_clients(server, timeout=120)[0]
 
 
 @pytest.fixture(scope="module")
 def claude(server: ServerThread) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="dummy", max_retries=0, timeout=120)
+    return sdk_clients(server, timeout=120)[1]
 
 
 def full_blocks(tokens: int) -> int:

@@ -18,7 +18,7 @@ import pytest
 from dflash.engine.engine import Engine
 from dflash.engine.loading import load_engine
 from dflash.server import ServerSettings, create_app
-from tests.server_helpers import ServerThread, metric, serving, sse_events, wait_until
+from tests.server_helpers import ServerThread, metric, sdk_clients, serving, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,12 +38,12 @@ def server(engine: Engine) -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def oa(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="dummy", max_retries=0, timeout=60)
+    return sdk_clients(server, timeout=60)[0]
 
 
 @pytest.fixture(scope="module")
 def claude(server: ServerThread) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="dummy", max_retries=0, timeout=60)
+    return sdk_clients(server, timeout=60)[1]
 
 
 @pytest.fixture(scope="module")
