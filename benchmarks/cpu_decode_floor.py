@@ -1,6 +1,7 @@
 """Where one decode step of the default model goes on this machine: the whole step, a bare chain of its
 weight matrix-vector products (the memory-bandwidth floor for dense fp32 weights), the LM head alone, and
-torch's 4-bit grouped kernel against fp32 on one MLP matrix (the route a quantised-weight path would take).
+torch's 4-bit grouped kernel against fp32 on one MLP matrix; then the same step and chain with the GGUF's
+quantized blocks through our CPU kernel (`--weights quantized`), at 1 row and at 16 rows (a linear verification).
 
     .venv/bin/python benchmarks/cpu_decode_floor.py --out results/cpu_decode_floor.json
 """
@@ -18,6 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflash.models.quantized_layers import QuantizedLinear
+from dflash.models.quantized_model import build_quantized_model
+from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint
 
@@ -29,6 +33,33 @@ def per_call_ms(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - started) / repeats * 1000
+
+
+@torch.inference_mode()
+def quantized_figures(repeats: int) -> dict[str, float]:
+    """Step and matrix chain of the quantized model, 1 and 16 rows, through the Q4_1/Q8_0 kernel."""
+    checkpoint = load_checkpoint("default", weights="quantized")
+    assert isinstance(checkpoint, QuantizedCheckpoint)
+    model = build_quantized_model(checkpoint)
+    cache = model.new_cache(600)
+    model(torch.arange(1, 300)[None], cache=cache)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    figures: dict[str, float] = {"weight_mb_per_token": round(sum(m.blocks.numel() for m in layers) / 1e6, 1)}
+    for rows in (1, 16):
+        tokens = torch.full((1, rows), 5)
+        inputs = [torch.randn(rows, m.in_features) for m in layers]
+
+        def step(tokens: torch.Tensor = tokens) -> None:
+            cache.crop(299)
+            model(tokens, cache=cache)
+
+        def chain(inputs: list[torch.Tensor] = inputs) -> None:
+            for m, x in zip(layers, inputs, strict=True):
+                m(x)
+
+        figures[f"step_ms_{rows}_rows"] = round(per_call_ms(step, repeats), 2)
+        figures[f"weight_chain_ms_{rows}_rows"] = round(per_call_ms(chain, repeats), 2)
+    return figures
 
 
 @torch.inference_mode()
@@ -81,6 +112,7 @@ def main() -> None:
         "gate_up_int4_us": round(per_call_ms(
             lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros), 200) * 1000, 1),
     }
+    result["quantized"] = quantized_figures(args.repeats)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
