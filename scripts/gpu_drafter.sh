@@ -6,7 +6,6 @@
 #   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
 #   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets (real decoding loop)
 #   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
-#   scripts/gpu_drafter.sh bundle DIR       # copy the answered data set into DIR in 15 MB parts
 # Settings from the environment: DATA_BATCH (512), DATA (the answered set, $RUN/data.jsonl.gz), STEPS (5000),
 # BATCH (32), DISTILL (0: hard labels only).
 set -euo pipefail
@@ -46,7 +45,5 @@ case "$1" in
     $DFLASH train eval --model "$MODEL" --draft "$2" --max-tokens 256 --batch-size 512 \
       --prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl \
       --prompts-file benchmarks/prompts/sharegpt_heldout.jsonl --out "$2/../replay_gpu.json" ;;
-  bundle)
-    mkdir -p "$2" && split -b 15000000 -d "$DATA" "$2/data.jsonl.gz.part" && ls -la "$2" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash.generation.batched import generate_batch
-from dflash.training.replay import replay_ddtree, replay_linear
+from dflash.training.replay import replay, replay_linear
 from tests.spec_helpers import golden_pair, random_prompts, run
 from tests.test_ddtree_decode import run_ddtree
 
@@ -30,7 +30,7 @@ def test_tree_replay_equals_the_ddtree_loop() -> None:
     answers = generate_batch(target, prompts, max_new_tokens=max_new, eos_ids=())
     rounds_with_acceptance = 0
     for prompt, answer in zip(prompts, answers, strict=True):
-        replayed = replay_ddtree(target, drafter, prompt, answer, budgets, max_new_tokens=max_new)
+        _, replayed = replay(target, drafter, prompt, answer, budgets, max_new_tokens=max_new)
         for budget in budgets:
             tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=budget)
             assert tokens == answer

@@ -65,23 +65,6 @@ def replay_linear(target: CausalLM, drafter: DFlashDrafter, prompt: list[int], a
 
 
 @torch.no_grad()
-def replay_ddtree(
-    target: CausalLM,
-    drafter: DFlashDrafter,
-    prompt: list[int],
-    answer: list[int],
-    budgets: list[int],
-    *,
-    max_new_tokens: int | None = None,
-    seed_top1_chain: bool = False,
-) -> dict[int, ReplayResult]:
-    """Rounds of greedy DDTree on `answer` for each tree budget. `max_new_tokens` (default: the answer's length)
-    limits the tree depth near the end exactly as the decoding loop does."""
-    return replay(target, drafter, prompt, answer, budgets, max_new_tokens=max_new_tokens,
-                  seed_top1_chain=seed_top1_chain)[1]
-
-
-@torch.no_grad()
 def replay(
     target: CausalLM,
     drafter: DFlashDrafter,
