@@ -1,7 +1,8 @@
 """Decoding speed of every mode on the same prompts, device and model, in one run, after warm-up.
 
 Modes: `transformers` (HF generate, greedy), `transformers-pld` (its prompt-lookup decoding), `ar` (our plain
-decoding), `linear` (DFlash), `ddtree`. Tokens/s is completion tokens over wall time (prefill included),
+decoding), `linear` (DFlash), `ddtree` (at the engine's budget) or `ddtree:N` (budget N); any of ours with the
+suffix `@eager` runs without CUDA graphs (for the graphs' own gain in the same run). Tokens/s is completion tokens over wall time (prefill included),
 aggregated over the prompt set; the median over `runs` repetitions is reported with ratios between modes.
 """
 
@@ -11,7 +12,8 @@ import datetime as dt
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +39,39 @@ def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Calla
         hf = load_transformers_model(model_arg, engine.device, engine.target.embed_tokens.weight.dtype)
         lookup = mode == "transformers-pld"
         return lambda ids: (transformers_generate(hf, ids, max_tokens, engine.eos_ids, lookup), 0.0)
-    spec = {"ar": "none"}.get(mode, mode)
+    name, _, variant = mode.partition("@")
+    base, _, budget = name.partition(":")
+    if base not in ("ar", "linear", "ddtree") or variant not in ("", "eager") or (budget and base != "ddtree"):
+        raise ValueError(f"unknown speed mode {mode!r}")
+    spec = {"ar": "none"}.get(base, base)
 
     def run(ids: list[int]) -> tuple[int, float]:
-        result = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=max_tokens), spec=spec)
+        with _variant(engine, int(budget) if budget else None, eager=variant == "eager"):
+            result = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=max_tokens), spec=spec)
         return result.stats.completion_tokens, result.stats.acceptance_length
 
     return run
+
+
+@contextmanager
+def _variant(engine: Engine, budget: int | None, *, eager: bool) -> Iterator[None]:
+    """Run with another tree budget and/or without the CUDA graph runner, then restore the engine."""
+    saved_budget = engine.options.ddtree_budget
+    target_runner = engine.target.graph_runner
+    drafter_runner = engine.drafter.graph_runner if engine.drafter is not None else None
+    if budget is not None:
+        engine.options.ddtree_budget = budget
+    if eager:
+        engine.target.graph_runner = None
+        if engine.drafter is not None:
+            engine.drafter.graph_runner = None
+    try:
+        yield
+    finally:
+        engine.options.ddtree_budget = saved_budget
+        engine.target.graph_runner = target_runner
+        if engine.drafter is not None:
+            engine.drafter.graph_runner = drafter_runner
 
 
 def measure_speed(
@@ -100,6 +128,7 @@ def measure_speed(
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
         "ddtree_budget": engine.options.ddtree_budget,
+        "cuda_graphs": engine.target.graph_runner is not None,
         "num_drafts": engine.options.num_drafts,
         "prompts": len(prompts),
         "prompt_files": [str(p) for p in prompt_files],

@@ -29,6 +29,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
     group.add_argument("--num-drafts", type=int, default=None,
                        help="drafts verified per linear round (default: block size - 1)")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="on a GPU, run every forward eagerly instead of replaying CUDA graphs")
     group.add_argument("--ddtree-budget", type=int, default=None,
                        help="tree nodes verified per round with --spec ddtree (default: 8 on CPU, 16 on GPU)")
 
@@ -67,7 +69,7 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     options = EngineOptions(
         spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
-        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0),
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs,
     )
     return load_engine(
         args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights

@@ -42,6 +42,7 @@ class EngineOptions:
     ddtree_budget: int | None = None  # None: the measured default of the device class (DEFAULT_DDTREE_BUDGET)
     num_drafts: int | None = None  # drafts verified per linear round (default: block size - 1)
     prefix_cache_mb: float = 0.0  # memory budget of the prefix cache in MiB; 0 disables it
+    cuda_graphs: bool = True  # on a CUDA device, replay decode steps, verifications and drafter rounds as graphs
 
 
 class Engine:
@@ -65,6 +66,11 @@ class Engine:
             self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
+        if self.options.cuda_graphs and self.device.type == "cuda":
+            from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
+
+            block = drafter.config.block_size if drafter is not None else 1
+            attach_graph_runner(target, drafter, capacity=self.max_ctx + 2 * MAX_GRAPH_ROWS + block)
         self.prefix_cache: PrefixCache | None = None
         if self.options.prefix_cache_mb > 0:
             self.prefix_cache = PrefixCache(

@@ -26,6 +26,12 @@ class CacheShape(Protocol):
     def head_dim(self) -> int: ...
 
 
+class CacheWriter(Protocol):
+    """What an attention layer needs of a cache: store its new K/V, get back every slot a query may read."""
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class KVCache:
     """Pre-allocated cache; slots [0, length) are committed, the rest is scratch."""
 
@@ -59,6 +65,23 @@ class KVCache:
             dtype=like.dtype,
             device=like.device,
         )
+
+    @classmethod
+    def view_of(cls, storage: KVCache, capacity: int) -> KVCache:
+        """An empty cache over the first `capacity` slots of `storage` (same memory: CUDA graphs captured on
+        `storage` stay valid for it)."""
+        if capacity > storage.capacity:
+            raise ValueError(f"a view of {capacity} slots does not fit a storage of {storage.capacity}")
+        view = cls.__new__(cls)
+        view.keys = storage.keys[:, :, :, :capacity]
+        view.values = storage.values[:, :, :, :capacity]
+        view.positions = storage.positions[:, :capacity]
+        view.capacity = capacity
+        view.length = 0
+        return view
+
+    def shares_memory_with(self, storage: KVCache) -> bool:
+        return self.keys.data_ptr() == storage.keys.data_ptr() and self.values.data_ptr() == storage.values.data_ptr()
 
     @property
     def batch(self) -> int:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import ModelConfig
-from dflash.kv.cache import KVCache
+from dflash.kv.cache import CacheWriter
 from dflash.models.rope import apply_rotary
 
 
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: KVCache | None,
+        cache: CacheWriter | None,
     ) -> torch.Tensor:
         """x: [batch, seq, hidden]; mask: [batch, 1, seq, keys] bool (True = visible) or None (all visible)."""
         batch, seq, _ = x.shape
@@ -110,7 +110,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: CacheWriter | None
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from dflash.config import SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
-from dflash.kv.cache import KVCache
+from dflash.kv.cache import CacheWriter, KVCache
 from dflash.models.layers import DecoderLayer, RMSNorm
 from dflash.models.rope import Rotary
+
+if TYPE_CHECKING:
+    from dflash.fastpath.runner import GraphRunner
 
 LogitsMode = Literal["all", "last", "none"]
 
@@ -47,6 +50,7 @@ class CausalLM(nn.Module):
         local_theta = config.rope_local_theta
         self.rotary_local = Rotary(config.head_dim, local_theta) if local_theta is not None else self.rotary
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
+        self.graph_runner: GraphRunner | None = None  # CUDA graphs for decode shapes (`dflash.fastpath`)
 
     # ---- the small interface a drafter uses -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -65,6 +69,10 @@ class CausalLM(nn.Module):
         return logits
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        if self.graph_runner is not None and batch == 1:
+            leased = self.graph_runner.lease_target_cache(capacity)
+            if leased is not None:
+                return leased
         return KVCache.matching(self.config, capacity, self.embed_tokens.weight, batch)
 
     # ---- forward -----------------------------------------------------------------------------------------
@@ -75,14 +83,25 @@ class CausalLM(nn.Module):
         cache: KVCache | None = None,
         *,
         attn_mask: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
         capture: Sequence[int] = (),
         logits: LogitsMode = "all",
     ) -> ForwardOutput:
         """input_ids, positions: [batch, seq]; attn_mask: optional [batch or 1, seq, keys] bool (True = visible),
-        where keys = cache.length + seq (the committed slots then the new tokens). Without a mask attention is
-        causal by position. The cache length advances by seq."""
+        where keys = cache.length + seq (the committed slots then the new tokens); tree_mask: optional [seq, seq]
+        bool, the visibility among the new tokens when each sees every committed slot (tree verification).
+        Without a mask attention is causal by position. The cache length advances by seq."""
+        if self.graph_runner is not None and cache is not None and attn_mask is None:
+            graphed = self.graph_runner.target_forward(input_ids, positions, cache, tree_mask, capture, logits)
+            if graphed is not None:
+                return graphed
         batch, seq = input_ids.shape
         past = cache.length if cache is not None else 0
+        if tree_mask is not None:
+            if attn_mask is not None:
+                raise ValueError("give attn_mask or tree_mask, not both")
+            committed = torch.ones(seq, past, dtype=torch.bool, device=tree_mask.device)
+            attn_mask = torch.cat((committed, tree_mask.to(torch.bool)), dim=1)[None]  # [1, seq, past + seq]
         if positions is None:
             positions = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
         if cache is not None:
@@ -91,6 +110,22 @@ class CausalLM(nn.Module):
         else:
             key_positions = positions
         full_mask, sliding_mask = self._masks(positions, key_positions, attn_mask)
+        x, features = self.run_layers(input_ids, positions, full_mask, sliding_mask, cache, capture)
+        if cache is not None:
+            cache.advance(seq)
+        return self.finish(x, features, logits)
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        full_mask: torch.Tensor | None,
+        sliding_mask: torch.Tensor | None,
+        cache: CacheWriter | None,
+        capture: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedding and every decoder layer. input_ids, positions: [batch, seq]; masks: [batch or 1, 1, seq, keys]
+        -> (residual stream [batch, seq, hidden], captured features [batch, seq, len(capture) * hidden] or None)."""
         dtype = self.embed_tokens.weight.dtype
         cos, sin = self.rotary.cos_sin(positions, dtype)
         local_cos, local_sin = (cos, sin) if self.rotary_local is self.rotary else self.rotary_local.cos_sin(positions, dtype)
@@ -104,9 +139,11 @@ class CausalLM(nn.Module):
                 x = layer(x, cos, sin, full_mask, cache)
             if index in wanted:
                 captured[wanted[index]] = x
-        if cache is not None:
-            cache.advance(seq)
         features = torch.cat([c for c in captured if c is not None], dim=-1) if capture else None
+        return x, features
+
+    def finish(self, x: torch.Tensor, features: torch.Tensor | None, logits: LogitsMode) -> ForwardOutput:
+        """Final norm and LM head over the residual stream x [batch, seq, hidden] as `logits` asks."""
         if logits == "none":
             return ForwardOutput(None, features)
         if logits == "last":

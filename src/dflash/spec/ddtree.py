@@ -124,7 +124,7 @@ def decode_ddtree(
             input_ids[None],
             position_ids[None],
             target_cache,
-            attn_mask=None if is_chain else mask[None],
+            tree_mask=None if is_chain else mask[:, target_cache.length :],  # [n+1, n+1] ancestors and self
             capture=layer_ids,
         )
         assert out.logits is not None and out.features is not None

@@ -10,7 +10,7 @@ The drafter borrows the target's embedding and LM head through the `TargetModel`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from dflash.errors import ModelLoadError
 from dflash.kv.cache import KVCache
 from dflash.models.layers import RMSNorm, activation
 from dflash.models.rope import Rotary, apply_rotary
+
+if TYPE_CHECKING:
+    from dflash.fastpath.runner import GraphRunner
 
 
 class TargetModel(Protocol):
@@ -216,9 +219,14 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types] or [False] * config.num_layers
+        self.graph_runner: GraphRunner | None = None  # CUDA graphs for the drafter round (`dflash.fastpath`)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """Context K/V of committed positions, one slot per position."""
+        if self.graph_runner is not None and batch == 1:
+            leased = self.graph_runner.lease_drafter_cache(capacity)
+            if leased is not None:
+                return leased
         return KVCache.matching(self.config, capacity, self.fc.weight, batch)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -316,11 +324,15 @@ class DFlashDrafter(nn.Module):
 
         `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
         """
+        last = self.config.block_size if num_drafts is None else 1 + num_drafts
+        if self.graph_runner is not None and window is None:
+            graphed = self.graph_runner.draft_logits(pending_token, start, new_features, cache, last - 1)
+            if graphed is not None:
+                return graphed
         device = self.fc.weight.device
         block = torch.full((1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = pending_token
         block_positions = torch.arange(start, start + self.config.block_size, device=device)[None]
         new_positions = torch.arange(cache.length, cache.length + new_features.shape[1], device=device)[None]
         hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache, window=window)
-        last = self.config.block_size if num_drafts is None else 1 + num_drafts
         return target.project_logits(hidden[0, 1:last])

@@ -1,0 +1,254 @@
+"""`GraphRunner`: the decode-time forwards of a target and its drafter as replayed CUDA graphs.
+
+A graph bakes in the addresses of every tensor it touches, so the runner owns one persistent K/V storage per
+model (sized for the whole context) and hands out caches that are views of it (`lease_*_cache`); a request whose
+cache is such a view runs its decode steps, verifications and drafter rounds through graphs, anything else (a
+prefill chunk, a second live cache, an odd shape) falls back to the eager forward. Graphs are captured lazily per
+shape: `rows` (the new tokens, padded to a power of two) and `bucket` (the cache slots attention reads, a power
+of two >= the slots in use), so a replay does the work of the live context, not of the whole storage.
+
+Per call the host copies the inputs into the graph's static buffers, replays it and returns copies of its
+outputs; the cache length stays a host integer (acceptance is read back once per round anyway) and is written
+into a one-element device tensor. With `capture=False` the same static forwards run eagerly, which is how the CPU
+tests check the runner against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
+from dflash.spec.drafter import DFlashDrafter
+
+log = logging.getLogger("dflash.fastpath")
+
+MIN_BUCKET = 256
+MAX_GRAPH_ROWS = 64
+
+
+def round_up_pow2(value: int, floor: int = 1) -> int:
+    size = floor
+    while size < value:
+        size *= 2
+    return size
+
+
+@dataclass
+class _Replay:
+    """A captured (or, without CUDA graphs, directly called) static forward and its output tensors."""
+
+    run: Callable[[], None]
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _RowInputs:
+    """Static input buffers of the target graphs with `rows` new tokens."""
+
+    input_ids: torch.Tensor  # [1, rows] long
+    positions: torch.Tensor  # [1, rows] long
+    tree_mask: torch.Tensor  # [rows, rows] bool
+    causal: torch.Tensor  # [rows, rows] bool, lower triangle (a chain)
+    identity: torch.Tensor  # [rows, rows] bool: padding rows see only themselves
+
+
+class GraphRunner:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: DFlashDrafter | None,
+        capacity: int,
+        *,
+        capture: bool = True,
+        max_rows: int = MAX_GRAPH_ROWS,
+    ) -> None:
+        self.target, self.drafter = target, drafter
+        self.device = target.embed_tokens.weight.device
+        self.capture = capture and self.device.type == "cuda"
+        self.capacity = capacity
+        self.max_rows = max_rows
+        self.target_storage = KVCache.matching(target.config, capacity, target.embed_tokens.weight)
+        self.drafter_storage = drafter.new_cache(capacity) if drafter is not None else None
+        self._leases: dict[str, weakref.ref[KVCache]] = {}
+        self._replays: dict[tuple[object, ...], _Replay] = {}
+        self._rows: dict[int, _RowInputs] = {}
+        self.length = torch.zeros(1, dtype=torch.long, device=self.device)  # committed slots, for the graphs
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captured = 0  # graphs captured so far
+        self.served = 0  # forwards served by the static path (graph replays, or eager static calls)
+        if drafter is not None:
+            block = drafter.config.block_size
+            self.block_ids = torch.full((1, block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+            self.draft_start = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.draft_new_rows = torch.zeros(1, dtype=torch.long, device=self.device)
+            self.draft_features = torch.zeros(
+                (1, block, drafter.config.feature_size), dtype=target.embed_tokens.weight.dtype, device=self.device
+            )
+
+    # ---- caches ------------------------------------------------------------------------------------------
+    def lease_target_cache(self, capacity: int) -> KVCache | None:
+        return self._lease("target", self.target_storage, capacity)
+
+    def lease_drafter_cache(self, capacity: int) -> KVCache | None:
+        return None if self.drafter_storage is None else self._lease("drafter", self.drafter_storage, capacity)
+
+    def _lease(self, name: str, storage: KVCache, capacity: int) -> KVCache | None:
+        """A view of `storage` unless the previous one is still alive (then the caller allocates its own)."""
+        previous = self._leases.get(name)
+        if capacity > storage.capacity or (previous is not None and previous() is not None):
+            return None
+        view = KVCache.view_of(storage, capacity)
+        self._leases[name] = weakref.ref(view)
+        return view
+
+    def bucket_for(self, slots: int) -> int:
+        return min(round_up_pow2(slots, MIN_BUCKET), self.capacity)
+
+    # ---- target ------------------------------------------------------------------------------------------
+    def target_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        cache: KVCache,
+        tree_mask: torch.Tensor | None,
+        capture: Sequence[int],
+        logits: LogitsMode,
+    ) -> ForwardOutput | None:
+        """The graphed equivalent of `CausalLM.forward`, or None when this call is not a graph shape."""
+        batch, seq = input_ids.shape
+        rows = round_up_pow2(seq)
+        past = cache.length
+        if (
+            batch != 1 or rows > self.max_rows or logits == "none" or (logits == "last" and seq != 1)
+            or not cache.shares_memory_with(self.target_storage) or past + rows > self.capacity
+        ):
+            return None
+        cache.reserve(seq)
+        inputs = self._row_inputs(rows)
+        inputs.input_ids[:, :seq].copy_(input_ids)
+        if positions is None:
+            inputs.positions[0, :seq].copy_(torch.arange(past, past + seq, device=self.device))
+        else:
+            inputs.positions[:, :seq].copy_(positions)
+        if tree_mask is None:
+            inputs.tree_mask.copy_(inputs.causal)
+        else:
+            if rows != seq:
+                inputs.tree_mask.copy_(inputs.identity)
+            inputs.tree_mask[:seq, :seq].copy_(tree_mask)
+        self.length.fill_(past)
+        bucket = self.bucket_for(past + rows)
+        layers = tuple(capture)
+        replay = self._replay(("target", rows, bucket, layers), lambda: self._target_outputs(inputs, bucket, layers))
+        replay.run()
+        self.served += 1
+        cache.advance(seq)
+        features = replay.outputs[1][:, :seq].clone() if layers else None
+        return ForwardOutput(replay.outputs[0][:, :seq].clone(), features)
+
+    def _target_outputs(self, inputs: _RowInputs, bucket: int, layers: tuple[int, ...]) -> list[torch.Tensor]:
+        from dflash.fastpath.static_forward import static_target_forward
+
+        logits, features = static_target_forward(
+            self.target, self.target_storage, inputs.input_ids, inputs.positions, self.length, inputs.tree_mask,
+            bucket=bucket, capture=layers,
+        )
+        return [logits] if features is None else [logits, features]
+
+    def _row_inputs(self, rows: int) -> _RowInputs:
+        if rows not in self._rows:
+            causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+            self._rows[rows] = _RowInputs(
+                input_ids=torch.zeros((1, rows), dtype=torch.long, device=self.device),
+                positions=torch.zeros((1, rows), dtype=torch.long, device=self.device),
+                tree_mask=causal.clone(),
+                causal=causal,
+                identity=torch.eye(rows, dtype=torch.bool, device=self.device),
+            )
+        return self._rows[rows]
+
+    # ---- drafter -----------------------------------------------------------------------------------------
+    def draft_logits(
+        self, pending_token: int, start: int, new_features: torch.Tensor, cache: KVCache, drafts: int
+    ) -> torch.Tensor | None:
+        """The graphed equivalent of `DFlashDrafter.draft_logits` (no window), or None for other shapes."""
+        drafter = self.drafter
+        if drafter is None or self.drafter_storage is None:
+            return None
+        block = drafter.config.block_size
+        new_rows = new_features.shape[1]
+        if (
+            not 1 <= new_rows <= block or not cache.shares_memory_with(self.drafter_storage)
+            or cache.length + new_rows != start or cache.length + block > self.capacity
+        ):
+            return None
+        cache.reserve(new_rows)
+        self.draft_features[:, :new_rows].copy_(new_features)
+        self.block_ids[0, 0] = pending_token
+        self.draft_start.fill_(start)
+        self.draft_new_rows.fill_(new_rows)
+        bucket = self.bucket_for(start)
+        replay = self._replay(("drafter", bucket, drafts), lambda: [self._drafter_logits(bucket, drafts)])
+        replay.run()
+        self.served += 1
+        cache.advance(new_rows)
+        return replay.outputs[0].clone()
+
+    def _drafter_logits(self, bucket: int, drafts: int) -> torch.Tensor:
+        from dflash.fastpath.static_forward import static_drafter_round
+
+        assert self.drafter is not None and self.drafter_storage is not None
+        return static_drafter_round(
+            self.drafter, self.target, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
+            self.draft_features, bucket=bucket, drafts=drafts,
+        )
+
+    # ---- capture -----------------------------------------------------------------------------------------
+    def _replay(self, key: tuple[object, ...], build: Callable[[], list[torch.Tensor]]) -> _Replay:
+        replay = self._replays.get(key)
+        if replay is not None:
+            return replay
+        if not self.capture:
+            eager = _Replay(run=lambda: None)
+
+            def run_eagerly() -> None:
+                eager.outputs = build()
+
+            eager.run = run_eagerly
+            return eager  # not kept: each call recomputes, there is nothing to capture
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            build()  # warm-up: library handles and workspaces are created outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = build()
+        replay = _Replay(run=graph.replay, outputs=outputs)
+        self._replays[key] = replay
+        self.captured += 1
+        log.debug("captured CUDA graph %s (%d so far)", key, self.captured)
+        return replay
+
+
+def attach_graph_runner(
+    target: CausalLM, drafter: DFlashDrafter | None, capacity: int, *, capture: bool = True
+) -> GraphRunner:
+    """Route `target`'s and `drafter`'s decode-time forwards through a new `GraphRunner`."""
+    runner = GraphRunner(target, drafter, capacity, capture=capture)
+    target.graph_runner = runner
+    if drafter is not None:
+        drafter.graph_runner = runner
+    return runner
+
+
+def detach_graph_runner(target: CausalLM, drafter: DFlashDrafter | None) -> None:
+    target.graph_runner = None
+    if drafter is not None:
+        drafter.graph_runner = None

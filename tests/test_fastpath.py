@@ -1,0 +1,202 @@
+"""The static (graph-ready) forwards against the eager path, on the CPU: same logits, features and tokens.
+
+On the CPU the runner calls the static forwards directly (nothing is captured); the GPU tests at the end replay
+real CUDA graphs and skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.fastpath.runner import GraphRunner, attach_graph_runner, detach_graph_runner
+from dflash.generation.autoregressive import decode_autoregressive
+from dflash.generation.output import OutputSink
+from dflash.generation.request import GenerationRequest
+from dflash.generation.sampling import SamplingParams
+from dflash.generation.selection import TokenChooser
+from dflash.models.model import CausalLM
+from dflash.spec.ddtree import decode_ddtree
+from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+from dflash.spec.linear import decode_linear
+from dflash.spec.tree import build_tree, tree_verify_inputs
+from tests.spec_helpers import golden_pair, random_prompts
+from tests.tiny_models import hf_tiny, ours_from_hf
+
+
+def generate(
+    target: CausalLM, drafter: DFlashDrafter | None, mode: str, prompt: list[int], max_new: int,
+    sampling: SamplingParams | None = None,
+) -> list[int]:
+    sampling = sampling or SamplingParams()
+    device = target.embed_tokens.weight.device
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling)
+    sink = OutputSink(lambda ids: "", eos_ids=(), max_new_tokens=max_new)
+    chooser = TokenChooser(sampling, eos_ids=(), min_tokens=0, vocab_size=target.config.vocab_size, device=device)
+    if mode == "none" or drafter is None:
+        decode_autoregressive(target, request, sink, chooser, prefill_chunk=32)
+    elif mode == "linear":
+        decode_linear(target, drafter, request, sink, chooser, prefill_chunk=32)
+    else:
+        decode_ddtree(target, drafter, request, sink, chooser, prefill_chunk=32, budget=int(mode.split(":")[1]))
+    return sink.token_ids
+
+
+def sliding_drafter(target: CausalLM, block: int = 4) -> DFlashDrafter:
+    raw = {
+        "num_hidden_layers": 2, "num_target_layers": target.config.num_layers, "hidden_size": 64,
+        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": target.config.vocab_size, "block_size": block, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "dflash_config": {"mask_token_id": target.config.vocab_size - 1, "target_layer_ids": [1, 2]},
+    }
+    torch.manual_seed(11)
+    return DFlashDrafter(DrafterConfig.from_dict(raw)).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_static_target_forward_matches_eager(family: str) -> None:
+    """A chain, a tree and a single step through the runner give the eager forward's logits and features."""
+    target = ours_from_hf(hf_tiny(family))
+    runner = GraphRunner(target, None, capacity=600, capture=False)
+    prompt = torch.tensor([random_prompts(1, 512, seed=4, lengths=(300,))[0]])
+    eager_cache = target.new_cache(400)
+    static_cache = runner.lease_target_cache(400)
+    assert static_cache is not None
+    with torch.inference_mode():
+        target(prompt, cache=eager_cache)
+        target(prompt, cache=static_cache)
+        chain = torch.tensor([[5, 9, 200, 17, 3]])
+        tree_ids = torch.tensor([[5, 9, 10, 200, 201, 17]])
+        tree_positions = 300 + torch.tensor([[0, 1, 1, 2, 2, 3]])
+        ancestors = torch.tensor(
+            [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+             [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool,
+        )
+        for ids, positions, mask in ((chain, None, None), (tree_ids, tree_positions, ancestors), (chain[:, :1], None, None)):
+            start = eager_cache.length
+            eager = target(ids, positions, eager_cache, tree_mask=mask, capture=(1, 2))
+            static = runner.target_forward(ids, positions, static_cache, mask, (1, 2), "all")
+            assert static is not None and eager.logits is not None and static.logits is not None
+            assert static.logits.shape == eager.logits.shape
+            torch.testing.assert_close(static.logits, eager.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(static.features, eager.features, rtol=1e-5, atol=1e-5)
+            assert static_cache.length == eager_cache.length == start + ids.shape[1]
+            eager_cache.crop(start + 1)
+            static_cache.crop(start + 1)
+        torch.testing.assert_close(static_cache.keys[:, :, :, : static_cache.length],
+                                   eager_cache.keys[:, :, :, : eager_cache.length], rtol=1e-5, atol=1e-5)
+    assert runner.served == 3
+
+
+@pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6", "ddtree:24"])
+def test_generation_through_the_runner_equals_eager(mode: str) -> None:
+    target, drafter = golden_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=21, lengths=(7, 40, 130))
+    eager = [generate(target, drafter, mode, p, 70) for p in prompts]
+    runner = attach_graph_runner(target, drafter, capacity=1024, capture=False)
+    try:
+        static = [generate(target, drafter, mode, p, 70) for p in prompts]
+    finally:
+        detach_graph_runner(target, drafter)
+    assert static == eager
+    assert runner.served > 3 * 20  # the decode steps really went through the static path
+
+
+def test_sliding_window_models_through_the_runner() -> None:
+    """Gemma 3 target (sliding layers, window 16) and a drafter with a sliding layer (window 8)."""
+    target = ours_from_hf(hf_tiny("gemma3"))
+    drafter = sliding_drafter(target)
+    prompts = random_prompts(2, 512, seed=5, lengths=(30, 90))
+    for mode in ("linear", "ddtree:8"):
+        eager = [generate(target, drafter, mode, p, 40) for p in prompts]
+        runner = attach_graph_runner(target, drafter, capacity=512, capture=False)
+        try:
+            static = [generate(target, drafter, mode, p, 40) for p in prompts]
+        finally:
+            detach_graph_runner(target, drafter)
+        assert static == eager
+        assert runner.served > 20
+
+
+def test_drafter_round_matches_eager() -> None:
+    target, drafter = golden_pair()
+    runner = GraphRunner(target, drafter, capacity=512, capture=False)
+    features = torch.randn(1, 80, drafter.config.feature_size)
+    leased = runner.lease_drafter_cache(300)
+    assert leased is not None
+    own = DFlashDrafter.new_cache(drafter, 300)
+    with torch.inference_mode():
+        first = drafter.draft_logits(target, 3, 40, features[:, :40], own)
+        drafter.draft_logits(target, 3, 40, features[:, :40], leased)  # eager: 40 rows is not a graph shape
+        assert runner.served == 0
+        for new_rows in (1, 3, drafter.config.block_size):
+            start = own.length + new_rows
+            rows = features[:, own.length : start]
+            eager = drafter.draft_logits(target, 7, start, rows, own)
+            static = runner.draft_logits(7, start, rows, leased, drafter.config.block_size - 1)
+            assert static is not None
+            torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
+            assert leased.length == own.length == start
+    assert runner.served == 3
+    assert not torch.equal(first, eager)
+
+
+def test_a_second_live_cache_gets_its_own_memory() -> None:
+    target, drafter = golden_pair()
+    runner = GraphRunner(target, drafter, capacity=256, capture=False)
+    first = runner.lease_target_cache(100)
+    assert first is not None and first.shares_memory_with(runner.target_storage)
+    assert runner.lease_target_cache(100) is None  # the first is alive: the model allocates its own
+    assert runner.lease_target_cache(300) is None  # larger than the storage
+    del first
+    assert runner.lease_target_cache(100) is not None
+
+
+def test_tree_inputs_feed_the_runner_unchanged() -> None:
+    """The DDTree loop hands the runner the tree part of the verification mask ([n+1, n+1])."""
+    logits = torch.randn(5, 64)
+    tree = build_tree(logits, 9)
+    _, _, mask = tree_verify_inputs(tree, 1, 20, 20)
+    assert mask[:, 20:].shape == (tree.num_nodes + 1, tree.num_nodes + 1)
+    assert bool(mask[:, :20].all())
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["none", "linear", "ddtree:16"])
+def test_cuda_graph_replay_equals_eager(mode: str) -> None:
+    """fp32 on the GPU: replayed graphs give the eager tokens, across bucket sizes (prompts up to 400 tokens,
+    300 new tokens cross the 256 and 512 buckets)."""
+    target, drafter = golden_pair()
+    target, drafter = target.to("cuda"), drafter.to("cuda")
+    try:
+        prompts = random_prompts(3, target.config.vocab_size, seed=8, lengths=(9, 200, 400))
+        eager = [generate(target, drafter, mode, p, 300) for p in prompts]
+        runner = attach_graph_runner(target, drafter, capacity=2048)
+        graphed = [generate(target, drafter, mode, p, 300) for p in prompts]
+        assert graphed == eager
+        assert runner.captured > 0 and runner.served > 100
+    finally:
+        detach_graph_runner(target, drafter)
+        target.to("cpu"), drafter.to("cpu")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_speculation_equals_plain_greedy() -> None:
+    target, drafter = golden_pair()
+    target, drafter = target.to("cuda"), drafter.to("cuda")
+    try:
+        attach_graph_runner(target, drafter, capacity=2048)
+        prompts = random_prompts(4, target.config.vocab_size, seed=9, lengths=(12, 300))
+        for prompt in prompts:
+            plain = generate(target, drafter, "none", prompt, 200)
+            assert generate(target, drafter, "linear", prompt, 200) == plain
+            assert generate(target, drafter, "ddtree:16", prompt, 200) == plain
+    finally:
+        detach_graph_runner(target, drafter)
+        target.to("cpu"), drafter.to("cpu")
