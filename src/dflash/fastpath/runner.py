@@ -4,7 +4,8 @@ A graph bakes in the addresses of every tensor it touches, so the runner owns on
 model (sized for the whole context) and hands out caches that are views of it (`lease_*_cache`); a request whose
 cache is such a view runs its decode steps, verifications and drafter rounds through graphs, anything else (a
 prefill chunk, a second live cache, an odd shape) falls back to the eager forward. Graphs are captured lazily per
-shape: `rows` (the new tokens, padded to a power of two) and `bucket` (the cache slots attention reads, a power
+shape: `rows` (the new tokens, padded to a power of two up to 8, then to a multiple of 8: at these sizes the
+matrix products cost the same, they stream the weights) and `bucket` (the cache slots attention reads, a power
 of two >= the slots in use), so a replay does the work of the live context, not of the whole storage.
 
 Per call the host copies the inputs into the graph's static buffers, replays it and returns copies of its
@@ -29,7 +30,7 @@ from dflash.spec.drafter import DFlashDrafter
 log = logging.getLogger("dflash.fastpath")
 
 MIN_BUCKET = 256
-MAX_GRAPH_ROWS = 64
+MAX_GRAPH_ROWS = 128
 
 
 def round_up_pow2(value: int, floor: int = 1) -> int:
@@ -37,6 +38,11 @@ def round_up_pow2(value: int, floor: int = 1) -> int:
     while size < value:
         size *= 2
     return size
+
+
+def padded_rows(rows: int) -> int:
+    """The graph shape serving `rows` new tokens: 1, 2, 4, 8, then multiples of 8."""
+    return round_up_pow2(rows) if rows <= 8 else -(-rows // 8) * 8
 
 
 @dataclass
@@ -122,7 +128,7 @@ class GraphRunner:
     ) -> ForwardOutput | None:
         """The graphed equivalent of `CausalLM.forward`, or None when this call is not a graph shape."""
         batch, seq = input_ids.shape
-        rows = round_up_pow2(seq)
+        rows = padded_rows(seq)
         past = cache.length
         if (
             batch != 1 or rows > self.max_rows or logits == "none" or (logits == "last" and seq != 1)

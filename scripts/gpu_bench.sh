@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# GPU benchmarks, in phases that each fit a 10-minute slot (results land in OUT, default $OUT or ./gpu_out).
+#   scripts/gpu_bench.sh stage      # join the staged GGUF parts of the default model (scripts/gpu_drafter.sh stage)
+#   scripts/gpu_bench.sh tests      # the GPU tests (the golden vectors must sit in ../shared/golden)
+#   scripts/gpu_bench.sh table      # speed table: transformers generate() and prompt lookup, our AR, linear, DDTree
+#   scripts/gpu_bench.sh sweep      # DDTree budgets 4..64 beside linear and plain, graphs and eager plain decoding
+#   scripts/gpu_bench.sh replay     # acceptance per tree budget on the three evaluation sets (exact replay)
+#   scripts/gpu_bench.sh scale      # the random-weight Qwen3-8B-shaped scale study
+set -euo pipefail
+STAGE=${STAGE:-/tmp/m}
+MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
+RESULTS=${OUT:-$PWD/gpu_out}
+DFLASH="python3 -m dflash"
+SETS="--prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$RESULTS"
+case "$1" in
+  stage)
+    scripts/gpu_drafter.sh stage ;;
+  tests)
+    python3 -m pytest -q -m gpu tests/test_fastpath.py ;;
+  table)
+    $DFLASH bench speed --model "$MODEL" --draft default --device cuda $SETS --limit "${LIMIT:-4}" \
+      --max-tokens 256 --runs "${RUNS:-2}" --modes transformers,transformers-pld,ar,linear,ddtree \
+      --json --out "$RESULTS/gpu_speed_table.json" ;;
+  sweep)
+    $DFLASH bench speed --model "$MODEL" --draft default --device cuda $SETS --limit "${LIMIT:-4}" \
+      --max-tokens 256 --runs "${RUNS:-3}" \
+      --modes ar,ar@eager,linear,linear@eager,ddtree:4,ddtree:8,ddtree:16,ddtree:32,ddtree:64 \
+      --json --out "$RESULTS/gpu_ddtree_sweep.json" ;;
+  replay)
+    $DFLASH train eval --model "$MODEL" --draft default --max-tokens 256 --batch-size 512 \
+      --ddtree-budgets 4,8,16,32,64 $SETS --prompts-file benchmarks/prompts/sharegpt_heldout.jsonl \
+      --out "$RESULTS/gpu_ddtree_replay.json" ;;
+  scale)
+    python3 benchmarks/gpu_scale_study.py --out "$RESULTS/gpu_scale_study.json" ;;
+  *) echo "unknown phase $1" >&2; exit 2 ;;
+esac
