@@ -200,3 +200,61 @@ def test_cuda_graph_speculation_equals_plain_greedy() -> None:
     finally:
         detach_graph_runner(target, drafter)
         target.to("cpu"), drafter.to("cpu")
+
+
+def fused_kernels_runnable() -> bool:
+    from dflash.kernels.triton_decode import interpreting, triton_available
+
+    return triton_available() and (torch.cuda.is_available() or interpreting())
+
+
+fused = pytest.mark.skipif(not fused_kernels_runnable(), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+
+
+@fused
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_layers_match_the_static_forward(family: str) -> None:
+    """The fused kernels give the unfused static forward's logits, features and cache rows (fp32)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = ours_from_hf(hf_tiny(family)).to(device)
+    plain = GraphRunner(target, None, capacity=512, capture=False, fused=False)
+    fused_runner = GraphRunner(target, None, capacity=512, capture=False, fused=True)
+    prompt = torch.tensor([random_prompts(1, 512, seed=6, lengths=(40,))[0]], device=device)
+    caches = [plain.lease_target_cache(300), fused_runner.lease_target_cache(300)]
+    assert caches[0] is not None and caches[1] is not None
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device=device)
+    with torch.inference_mode():
+        for cache in caches:
+            target(prompt, cache=cache)
+        for ids, positions, mask in (
+            (torch.tensor([[5, 9, 200, 17, 3]], device=device), None, None),
+            (torch.tensor([[5, 9, 10]], device=device), torch.tensor([[45, 46, 46]], device=device), ancestors),
+            (torch.tensor([[7]], device=device), None, None),
+        ):
+            outs = [r.target_forward(ids, positions, c, mask, (1, 3), "all") for r, c in zip((plain, fused_runner), caches, strict=True)]
+            assert outs[0] is not None and outs[1] is not None
+            torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(outs[1].features, outs[0].features, rtol=1e-4, atol=1e-4)
+        length = caches[0].length
+        torch.testing.assert_close(caches[1].keys[:, :, :, :length], caches[0].keys[:, :, :, :length], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caches[1].values[:, :, :, :length], caches[0].values[:, :, :, :length])
+
+
+@fused
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6"])
+def test_generation_with_fused_layers_equals_eager(mode: str) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, drafter = golden_pair()
+    target, drafter = target.to(device), drafter.to(device)
+    try:
+        prompts = random_prompts(2, target.config.vocab_size, seed=22, lengths=(9, 60))
+        eager = [generate(target, drafter, mode, p, 40) for p in prompts]
+        runner = attach_graph_runner(target, drafter, capacity=512, fused=True)
+        static = [generate(target, drafter, mode, p, 40) for p in prompts]
+        assert static == eager
+        assert runner.fused and runner.served > 10
+    finally:
+        detach_graph_runner(target, drafter)
+        target.to("cpu"), drafter.to("cpu")

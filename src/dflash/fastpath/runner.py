@@ -73,10 +73,19 @@ class GraphRunner:
         *,
         capture: bool = True,
         max_rows: int = MAX_GRAPH_ROWS,
+        fused: bool | None = None,
     ) -> None:
+        """`fused`: run the target's layers through the fused Triton kernels (None: on CUDA when supported)."""
+        from dflash.fastpath.fused_layers import supports_fused_layers
+
         self.target, self.drafter = target, drafter
         self.device = target.embed_tokens.weight.device
         self.capture = capture and self.device.type == "cuda"
+        if fused is None:
+            fused = self.device.type == "cuda" and supports_fused_layers(target)
+        elif fused and not supports_fused_layers(target):
+            raise ValueError("this model's layers have no fused kernels (or Triton is missing)")
+        self.fused = fused
         self.capacity = capacity
         self.max_rows = max_rows
         self.target_storage = KVCache.matching(target.config, capacity, target.embed_tokens.weight)
@@ -163,7 +172,7 @@ class GraphRunner:
 
         logits, features = static_target_forward(
             self.target, self.target_storage, inputs.input_ids, inputs.positions, self.length, inputs.tree_mask,
-            bucket=bucket, capture=layers,
+            bucket=bucket, capture=layers, fused=self.fused,
         )
         return [logits] if features is None else [logits, features]
 
@@ -244,10 +253,11 @@ class GraphRunner:
 
 
 def attach_graph_runner(
-    target: CausalLM, drafter: DFlashDrafter | None, capacity: int, *, capture: bool = True
+    target: CausalLM, drafter: DFlashDrafter | None, capacity: int, *, capture: bool = True,
+    fused: bool | None = None,
 ) -> GraphRunner:
     """Route `target`'s and `drafter`'s decode-time forwards through a new `GraphRunner`."""
-    runner = GraphRunner(target, drafter, capacity, capture=capture)
+    runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused)
     target.graph_runner = runner
     if drafter is not None:
         drafter.graph_runner = runner

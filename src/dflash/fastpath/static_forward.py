@@ -52,15 +52,22 @@ def static_target_forward(
     *,
     bucket: int,
     capture: tuple[int, ...],
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One target pass over `rows` new tokens stored after the `length` committed slots of `storage`.
 
     input_ids, positions: [1, rows]; length: [1] long; tree_mask: [rows, rows] bool (causal for a chain, ancestors
-    for a tree) -> (logits [1, rows, vocab], features [1, rows, len(capture) * hidden] or None)."""
+    for a tree) -> (logits [1, rows, vocab], features [1, rows, len(capture) * hidden] or None). `fused` runs the
+    layers through the fused kernels (`dflash.fastpath.fused_layers`; the model must support them)."""
     rows = input_ids.shape[1]
     slots = length + torch.arange(rows, device=input_ids.device)  # [rows]
     storage.positions[0].index_copy_(0, slots, positions[0])
     full = block_visibility(length, tree_mask, bucket)[None, None]  # [1, 1, rows, bucket]
+    if fused:
+        from dflash.fastpath.fused_layers import fused_layers
+
+        hidden, features = fused_layers(model, storage, input_ids, positions, slots, full, bucket, capture)
+        return model.project_logits(hidden), features
     sliding = None
     window = model.config.sliding_window
     if window is not None and any(model.sliding):

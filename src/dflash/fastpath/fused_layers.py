@@ -1,0 +1,88 @@
+"""The static target forward with fused element-wise kernels (`dflash.kernels.triton_decode`).
+
+Same inputs, outputs and cache writes as `static_target_forward`'s layer loop, for the pre-norm families whose
+layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3). Per layer: add+RMSNorm, QKV product,
+q/k norm + rotary + cache store, attention, output product, add+RMSNorm, gate/up product, SiLU*up, down product.
+The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
+previous layer's output (what feature capture needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
+from dflash.kv.cache import KVCache
+from dflash.models.layers import DecoderLayer
+from dflash.models.model import CausalLM
+
+
+def supports_fused_layers(model: CausalLM) -> bool:
+    config = model.config
+    return (
+        triton_available()
+        and all(type(layer) is DecoderLayer for layer in model.layers)
+        and config.hidden_act == "silu"
+        and not config.norm_adds_one
+        and not any(model.sliding)
+        and config.head_dim % 2 == 0
+        and config.head_dim & (config.head_dim - 1) == 0
+        and not config.final_logit_softcapping
+    )
+
+
+def fused_layers(
+    model: CausalLM,
+    storage: KVCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    visible: torch.Tensor,
+    bucket: int,
+    capture: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """input_ids, positions: [1, rows]; slots: [rows] long; visible: [1, 1, rows, bucket] bool
+    -> (final-normed hidden [1, rows, hidden], features [1, rows, len(capture) * hidden] or None)."""
+    config = model.config
+    rows = input_ids.shape[1]
+    dtype = model.embed_tokens.weight.dtype
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    cos, sin = model.rotary.cos_sin(positions, dtype)  # [1, 1, rows, head_dim]
+    cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    wanted = {layer: i for i, layer in enumerate(capture)}
+    captured: list[torch.Tensor | None] = [None] * len(capture)
+    x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
+    pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
+    layer: Any
+    for index, layer in enumerate(model.layers):
+        attention = layer.self_attn
+        h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        if index - 1 in wanted:
+            captured[wanted[index - 1]] = x
+        qkv = attention.qkv_proj(h)  # [rows, (heads + 2 kv_heads) * head_dim]
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        rope_and_store(
+            qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
+            num_kv_heads=kv_heads, q_norm_weight=q_norm.weight if q_norm is not None else None,
+            k_norm_weight=k_norm.weight if k_norm is not None else None,
+            eps=q_norm.eps if q_norm is not None else 1e-6,
+        )
+        q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1)[None]  # [1, heads, rows, head_dim]
+        out = F.scaled_dot_product_attention(
+            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
+            scale=attention.scale, enable_gqa=heads != kv_heads,
+        )  # [1, heads, rows, head_dim]
+        attended = attention.o_proj(out[0].transpose(0, 1).reshape(rows, heads * head_dim))
+        h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        pending = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h)))
+    hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
+    last = len(model.layers) - 1
+    if last in wanted:
+        captured[wanted[last]] = x
+    features = torch.cat([c for c in captured if c is not None], dim=-1)[None] if capture else None
+    return hidden[None], features
