@@ -258,3 +258,34 @@ def test_generation_with_fused_layers_equals_eager(mode: str) -> None:
     finally:
         detach_graph_runner(target, drafter)
         target.to("cpu"), drafter.to("cpu")
+
+
+@fused
+@pytest.mark.gpu
+def test_fused_drafter_round_matches_the_static_round() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, drafter = golden_pair()
+    target, drafter = target.to(device), drafter.to(device)
+    try:
+        runners = [GraphRunner(target, drafter, capacity=512, capture=False, fused=f) for f in (False, True)]
+        assert runners[0].drafter_weights is None and runners[1].drafter_weights is not None
+        caches = [r.lease_drafter_cache(300) for r in runners]
+        features = torch.randn(1, 120, drafter.config.feature_size, device=device)
+        with torch.inference_mode():
+            for cache in caches:
+                assert cache is not None
+                drafter.draft_logits(target, 3, 70, features[:, :70], cache)  # eager first round
+            for new_rows in (1, 5, drafter.config.block_size):
+                outs = []
+                for runner, cache in zip(runners, caches, strict=True):
+                    assert cache is not None
+                    start = cache.length + new_rows
+                    outs.append(runner.draft_logits(9, start, features[:, cache.length : start], cache, 7))
+                assert outs[0] is not None and outs[1] is not None
+                torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+            length = caches[0].length  # type: ignore[union-attr]
+            for name in ("keys", "values"):
+                torch.testing.assert_close(getattr(caches[1], name)[:, :, :, :length],
+                                           getattr(caches[0], name)[:, :, :, :length], rtol=1e-4, atol=1e-4)
+    finally:
+        target.to("cpu"), drafter.to("cpu")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
 from dflash.spec.drafter import DFlashDrafter
@@ -76,6 +77,7 @@ class GraphRunner:
         fused: bool | None = None,
     ) -> None:
         """`fused`: run the target's layers through the fused Triton kernels (None: on CUDA when supported)."""
+        from dflash.fastpath.fused_drafter import fuse_drafter_weights, supports_fused_drafter
         from dflash.fastpath.fused_layers import supports_fused_layers
 
         self.target, self.drafter = target, drafter
@@ -86,6 +88,9 @@ class GraphRunner:
         elif fused and not supports_fused_layers(target):
             raise ValueError("this model's layers have no fused kernels (or Triton is missing)")
         self.fused = fused
+        self.drafter_weights: FusedDrafterWeights | None = None
+        if drafter is not None and fused and supports_fused_drafter(drafter):
+            self.drafter_weights = fuse_drafter_weights(drafter)
         self.capacity = capacity
         self.max_rows = max_rows
         self.target_storage = KVCache.matching(target.config, capacity, target.embed_tokens.weight)
@@ -200,7 +205,7 @@ class GraphRunner:
         new_rows = new_features.shape[1]
         if (
             not 1 <= new_rows <= block or not cache.shares_memory_with(self.drafter_storage)
-            or cache.length + new_rows != start or cache.length + block > self.capacity
+            or cache.length + new_rows != start or start + block > self.capacity
         ):
             return None
         cache.reserve(new_rows)
@@ -208,7 +213,7 @@ class GraphRunner:
         self.block_ids[0, 0] = pending_token
         self.draft_start.fill_(start)
         self.draft_new_rows.fill_(new_rows)
-        bucket = self.bucket_for(start)
+        bucket = self.bucket_for(start + block)
         replay = self._replay(("drafter", bucket, drafts), lambda: [self._drafter_logits(bucket, drafts)])
         replay.run()
         self.served += 1
@@ -219,6 +224,13 @@ class GraphRunner:
         from dflash.fastpath.static_forward import static_drafter_round
 
         assert self.drafter is not None and self.drafter_storage is not None
+        if self.drafter_weights is not None:
+            from dflash.fastpath.fused_drafter import fused_drafter_round
+
+            return fused_drafter_round(
+                self.drafter, self.target, self.drafter_storage, self.drafter_weights, self.block_ids,
+                self.draft_start, self.draft_new_rows, self.draft_features, bucket=bucket, drafts=drafts,
+            )
         return static_drafter_round(
             self.drafter, self.target, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
             self.draft_features, bucket=bucket, drafts=drafts,

@@ -97,14 +97,15 @@ def _kernels() -> Any:
             tl.store(qkv_ptr + base + half, out1)
             tl.store(qkv_ptr + base + HALF + half, out2)
         else:
-            kv_head = head - num_heads
             slot = tl.load(slots_ptr + row)
-            target = (kv_head * capacity + slot) * HEAD_DIM
-            tl.store(key_cache_ptr + target + half, out1)
-            tl.store(key_cache_ptr + target + HALF + half, out2)
-            value = row * width + (num_heads + num_kv_heads + kv_head) * HEAD_DIM
-            tl.store(value_cache_ptr + target + half, tl.load(qkv_ptr + value + half))
-            tl.store(value_cache_ptr + target + HALF + half, tl.load(qkv_ptr + value + HALF + half))
+            if slot >= 0:  # a negative slot: the row's k and v are not stored
+                kv_head = head - num_heads
+                target = (kv_head * capacity + slot) * HEAD_DIM
+                tl.store(key_cache_ptr + target + half, out1)
+                tl.store(key_cache_ptr + target + HALF + half, out2)
+                value = row * width + (num_heads + num_kv_heads + kv_head) * HEAD_DIM
+                tl.store(value_cache_ptr + target + half, tl.load(qkv_ptr + value + half))
+                tl.store(value_cache_ptr + target + HALF + half, tl.load(qkv_ptr + value + HALF + half))
 
     @triton.jit
     def silu_and_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
@@ -151,7 +152,7 @@ def rope_and_store(
 ) -> None:
     """qkv: [rows, (heads + 2 kv_heads) * head_dim] contiguous, q rotated in place; cos, sin: [rows, head_dim];
     key_cache, value_cache: [kv_heads, capacity, head_dim] contiguous (one layer); slots: [rows] long, where each
-    row's rotated k and its v are stored. With norm weights, q and k heads are RMS-normalised first (Qwen3)."""
+    row's rotated k and its v are stored (a negative slot stores nothing). With norm weights, q and k heads are RMS-normalised first (Qwen3)."""
     rope_kernel = _kernels()[1]
     rows = qkv.shape[0]
     head_dim = cos.shape[-1]

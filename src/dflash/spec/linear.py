@@ -39,7 +39,6 @@ def decode_linear(
     prefix_cache: PrefixCache | None = None,
 ) -> GenerationStats:
     """`num_drafts` caps the drafts verified per round (default: block size - 1)."""
-    device = target.embed_tokens.weight.device
     block_size = drafter.config.block_size
     drafts_per_round = min(num_drafts or block_size - 1, block_size - 1)
     layer_ids = drafter.config.target_layer_ids
@@ -60,7 +59,7 @@ def decode_linear(
             num_drafts=drafts_per_round,
         )  # [k, vocab]
         draft_tokens = draft_logits.argmax(dim=-1)  # [k]
-        block = torch.cat((torch.tensor([state.pending], device=device), draft_tokens))[None]  # [1, k+1]
+        block = torch.cat((draft_tokens.new_full((1,), state.pending), draft_tokens))[None]  # [1, k+1]
         out = target(block, cache=target_cache, capture=layer_ids)
         assert out.logits is not None and out.features is not None
         choices = chooser.choose(out.logits[0], len(sink.token_ids))  # [k+1]

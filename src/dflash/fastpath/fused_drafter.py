@@ -1,0 +1,115 @@
+"""The drafter round with fused element-wise kernels (`dflash.kernels.triton_decode`).
+
+Same inputs, outputs and cache writes as `static_drafter_round` for drafters whose layers all attend fully (no
+sliding window) with SiLU MLPs. The new context rows and the block rows go through each layer's q/k/v product
+together ([2B, hidden]); the kernel stores the context rows' K/V at their positions (scratch rows past the real
+ones store nothing) and the block's K/V in the slots right after the context, which attention then reads as one
+range: every committed position and the whole block, as in the eager round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
+
+
+def supports_fused_drafter(drafter: DFlashDrafter) -> bool:
+    head_dim = drafter.config.head_dim
+    return (
+        triton_available()
+        and not any(drafter.sliding)
+        and drafter.config.hidden_act == "silu"
+        and head_dim & (head_dim - 1) == 0
+    )
+
+
+@dataclass
+class FusedDrafterWeights:
+    qkv: list[torch.Tensor]  # per layer [(heads + 2 kv_heads) * head_dim, hidden]
+    gate_up: list[torch.Tensor]  # per layer [2 * intermediate, hidden]
+
+
+def fuse_drafter_weights(drafter: DFlashDrafter) -> FusedDrafterWeights:
+    """Concatenate each layer's q/k/v and gate/up matrices, and make the modules' own weights views of them (no
+    second copy; the eager path keeps working on the same memory)."""
+    fused = FusedDrafterWeights([], [])
+    layer: Any
+    for layer in drafter.layers:
+        groups = (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), fused.qkv),
+            (layer.mlp, ("gate_proj", "up_proj"), fused.gate_up),
+        )
+        for module, names, into in groups:
+            linears = [getattr(module, name) for name in names]
+            joined = torch.cat([linear.weight.detach() for linear in linears])
+            offset = 0
+            for linear in linears:
+                rows = linear.weight.shape[0]
+                linear.weight = nn.Parameter(joined[offset : offset + rows], requires_grad=False)
+                offset += rows
+            into.append(joined)
+    return fused
+
+
+def fused_drafter_round(
+    drafter: DFlashDrafter,
+    target: CausalLM,
+    storage: KVCache,
+    weights: FusedDrafterWeights,
+    block_ids: torch.Tensor,
+    start: torch.Tensor,
+    new_rows: torch.Tensor,
+    new_features: torch.Tensor,
+    *,
+    bucket: int,
+    drafts: int,
+) -> torch.Tensor:
+    """Arguments as `static_drafter_round`; `bucket` must cover start + B. -> logits [drafts, vocab]."""
+    config = drafter.config
+    block = block_ids.shape[1]
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    dtype = drafter.fc.weight.dtype
+    offsets = torch.arange(block, device=block_ids.device)
+    context_positions = start - new_rows + offsets  # [B]
+    storage.positions[0].index_copy_(0, context_positions, context_positions)
+    block_positions = start + offsets  # [B]
+    slots = torch.cat((torch.where(offsets < new_rows, context_positions, -1), block_positions))  # [2B]
+    cos, sin = drafter.rotary.cos_sin(torch.cat((context_positions, block_positions))[None], dtype)
+    cos, sin = cos.reshape(2 * block, head_dim).contiguous(), sin.reshape(2 * block, head_dim).contiguous()
+    visible = (torch.arange(bucket, device=block_ids.device) < start + block).expand(block, bucket)
+    additive = torch.zeros((1, 1, block, bucket), dtype=dtype, device=block_ids.device)
+    additive.masked_fill_(~visible, float("-inf"))
+    context, _ = add_rms_norm(
+        drafter.fc(new_features[0].to(dtype)), None, drafter.hidden_norm.weight, drafter.hidden_norm.eps
+    )  # [B, hidden]
+    x = target.embed(block_ids)[0].to(dtype).contiguous()  # [B, hidden]
+    pending: torch.Tensor | None = None
+    layer: Any
+    for index, layer in enumerate(drafter.layers):
+        attention = layer.self_attn
+        h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        qkv = F.linear(torch.cat((context, h)), weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
+        rope_and_store(
+            qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
+            num_kv_heads=kv_heads, q_norm_weight=attention.q_norm.weight, k_norm_weight=attention.k_norm.weight,
+            eps=attention.q_norm.eps,
+        )
+        q = qkv[block:, : heads * head_dim].view(block, heads, head_dim).transpose(0, 1)[None]  # [1, heads, B, hd]
+        out = F.scaled_dot_product_attention(
+            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
+            enable_gqa=heads != kv_heads,
+        )
+        attended = attention.o_proj(out[0].transpose(0, 1).reshape(block, heads * head_dim))
+        h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        pending = layer.mlp.down_proj(silu_and_mul(F.linear(h, weights.gate_up[index])))
+    hidden, _ = add_rms_norm(x, pending, drafter.norm.weight, drafter.norm.eps)
+    return target.project_logits(hidden[1 : 1 + drafts])
