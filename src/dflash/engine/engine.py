@@ -28,9 +28,9 @@ from dflash.tokenizer import Tokenizer
 log = logging.getLogger("dflash.engine")
 
 SPEC_MODES = ("none", "linear", "ddtree")
-# Tree budget per device class: CPU from results/ddtree_budget_*.json (fastest budget: 8); the GPU value is a
-# placeholder until the GPU sweep is run.
-DEFAULT_DDTREE_BUDGET = {"cpu": 8, "cuda": 16}
+# Tree budget per device class, the fastest in the measured sweeps: CPU from results/ddtree_budget_*.json (8),
+# GPU from results/gpu_ddtree_sweep_h100.json (32, with CUDA graphs and fused kernels).
+DEFAULT_DDTREE_BUDGET = {"cpu": 8, "cuda": 32}
 
 
 @dataclass
