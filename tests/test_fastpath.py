@@ -290,15 +290,3 @@ def test_fused_drafter_round_matches_the_static_round() -> None:
     finally:
         target.to("cpu"), drafter.to("cpu")
 
-
-def test_grouped_attention_is_masked_gqa() -> None:
-    from dflash.fastpath.attention import grouped_attention, grouped_mask
-
-    generator = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 12, 5, 16, generator=generator).transpose(2, 3).contiguous().transpose(2, 3)
-    k, v = torch.randn(2, 1, 3, 40, 16, generator=generator)
-    visible = torch.rand(1, 1, 5, 40, generator=generator) > 0.3
-    visible[..., 0] = True
-    additive = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
-    torch.testing.assert_close(grouped_attention(q, k, v, grouped_mask(additive, 4)), expected)

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.fastpath.attention import grouped_attention, grouped_mask
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
@@ -88,7 +87,7 @@ def fused_drafter_round(
     cos, sin = cos.reshape(2 * block, head_dim).contiguous(), sin.reshape(2 * block, head_dim).contiguous()
     visible = (torch.arange(bucket, device=block_ids.device) < start + block).expand(block, bucket)
     additive = torch.zeros((1, 1, block, bucket), dtype=dtype, device=block_ids.device)
-    additive = grouped_mask(additive.masked_fill_(~visible, float("-inf")), heads // kv_heads)
+    additive.masked_fill_(~visible, float("-inf"))
     context, _ = add_rms_norm(
         drafter.fc(new_features[0].to(dtype)), None, drafter.hidden_norm.weight, drafter.hidden_norm.eps
     )  # [B, hidden]
@@ -105,7 +104,10 @@ def fused_drafter_round(
             eps=attention.q_norm.eps,
         )
         q = qkv[block:, : heads * head_dim].view(block, heads, head_dim).transpose(0, 1)[None]  # [1, heads, B, hd]
-        out = grouped_attention(q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], additive)
+        out = F.scaled_dot_product_attention(
+            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
+            enable_gqa=heads != kv_heads,
+        )
         attended = attention.o_proj(out[0].transpose(0, 1).reshape(block, heads * head_dim))
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = layer.mlp.down_proj(silu_and_mul(F.linear(h, weights.gate_up[index])))

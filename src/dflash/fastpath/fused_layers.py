@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from dflash.fastpath.attention import grouped_attention, grouped_mask
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.layers import DecoderLayer
@@ -54,7 +54,6 @@ def fused_layers(
     cos, sin = model.rotary.cos_sin(positions, dtype)  # [1, 1, rows, head_dim]
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-    additive = grouped_mask(additive, heads // kv_heads)  # [1, 1, group * rows, bucket]
     wanted = {layer: i for i, layer in enumerate(capture)}
     captured: list[torch.Tensor | None] = [None] * len(capture)
     x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
@@ -74,8 +73,9 @@ def fused_layers(
             eps=q_norm.eps if q_norm is not None else 1e-6,
         )
         q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1)[None]  # [1, heads, rows, head_dim]
-        out = grouped_attention(
-            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], additive, attention.scale
+        out = F.scaled_dot_product_attention(
+            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
+            scale=attention.scale, enable_gqa=heads != kv_heads,
         )  # [1, heads, rows, head_dim]
         attended = attention.o_proj(out[0].transpose(0, 1).reshape(rows, heads * head_dim))
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
