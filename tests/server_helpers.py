@@ -96,6 +96,9 @@ class FakeEngine:
         self.outputs.extend(outputs)
         return self
 
+    def warm_up(self) -> int:
+        return 0  # nothing to capture
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 

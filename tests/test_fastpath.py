@@ -290,3 +290,17 @@ def test_fused_drafter_round_matches_the_static_round() -> None:
     finally:
         target.to("cpu"), drafter.to("cpu")
 
+
+
+def test_engine_warm_up_runs_through_the_runner() -> None:
+    from dflash.engine.engine import EngineOptions
+    from dflash.engine.loading import load_engine
+
+    engine = load_engine("default", options=EngineOptions(spec="linear"), weights="dense")
+    assert engine.warm_up() == 0  # on the CPU no runner is attached: nothing to warm up
+    runner = attach_graph_runner(engine.target, engine.drafter, capacity=1024, capture=False)
+    try:
+        assert engine.warm_up() > 0
+        assert runner.served > 0
+    finally:
+        detach_graph_runner(engine.target, engine.drafter)

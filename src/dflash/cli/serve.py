@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     print("loading model...", file=sys.stderr, flush=True)
     engine = engine_from_args(args)
+    engine.warm_up()  # CUDA graphs of the first shapes are captured before the first request
     app = create_app(engine, settings)
     print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec), file=sys.stderr,
           flush=True)

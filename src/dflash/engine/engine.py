@@ -83,6 +83,20 @@ class Engine:
     def device(self) -> torch.device:
         return self.target.embed_tokens.weight.device
 
+    def warm_up(self) -> int:
+        """Capture the CUDA graphs of the first decode shapes now rather than during the first request: one short
+        generation with the engine's strategy. Returns the forwards served by the graph runner (0 without one)."""
+        runner = self.target.graph_runner
+        if runner is None:
+            return 0
+        rows = self.drafter.config.block_size if self.drafter is not None else 1
+        request = GenerationRequest(
+            prompt_ids=self.encode("Hello"), max_new_tokens=4 * rows + 2, ignore_eos=True, use_prefix_cache=False
+        )
+        self.generate(request)
+        log.info("warm-up: %d CUDA graphs captured", runner.captured)
+        return runner.served
+
     # ---- prompts -----------------------------------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                         add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
