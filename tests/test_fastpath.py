@@ -42,6 +42,20 @@ def generate(
     return sink.token_ids
 
 
+def eager_then_static(
+    target: CausalLM, drafter: DFlashDrafter, mode: str, prompts: list[list[int]], max_new: int, *, capacity: int,
+    fused: bool | None = False,
+) -> tuple[list[list[int]], list[list[int]], GraphRunner]:
+    """The tokens of every prompt without a runner, then through a freshly attached one (detached afterwards)."""
+    eager = [generate(target, drafter, mode, p, max_new) for p in prompts]
+    runner = attach_graph_runner(target, drafter, capacity=capacity, capture=False, fused=fused)
+    try:
+        static = [generate(target, drafter, mode, p, max_new) for p in prompts]
+    finally:
+        detach_graph_runner(target, drafter)
+    return eager, static, runner
+
+
 def sliding_drafter(target: CausalLM, block: int = 4) -> DFlashDrafter:
     raw = {
         "num_hidden_layers": 2, "num_target_layers": target.config.num_layers, "hidden_size": 64,
@@ -93,12 +107,7 @@ def test_static_target_forward_matches_eager(family: str) -> None:
 def test_generation_through_the_runner_equals_eager(mode: str) -> None:
     target, drafter = golden_pair()
     prompts = random_prompts(3, target.config.vocab_size, seed=21, lengths=(7, 40, 130))
-    eager = [generate(target, drafter, mode, p, 70) for p in prompts]
-    runner = attach_graph_runner(target, drafter, capacity=1024, capture=False)
-    try:
-        static = [generate(target, drafter, mode, p, 70) for p in prompts]
-    finally:
-        detach_graph_runner(target, drafter)
+    eager, static, runner = eager_then_static(target, drafter, mode, prompts, 70, capacity=1024)
     assert static == eager
     assert runner.served > 3 * 20  # the decode steps really went through the static path
 
@@ -109,12 +118,7 @@ def test_sliding_window_models_through_the_runner() -> None:
     drafter = sliding_drafter(target)
     prompts = random_prompts(2, 512, seed=5, lengths=(30, 90))
     for mode in ("linear", "ddtree:8"):
-        eager = [generate(target, drafter, mode, p, 40) for p in prompts]
-        runner = attach_graph_runner(target, drafter, capacity=512, capture=False)
-        try:
-            static = [generate(target, drafter, mode, p, 40) for p in prompts]
-        finally:
-            detach_graph_runner(target, drafter)
+        eager, static, runner = eager_then_static(target, drafter, mode, prompts, 40, capacity=512)
         assert static == eager
         assert runner.served > 20
 
