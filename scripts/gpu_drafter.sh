@@ -27,6 +27,8 @@ case "$1" in
       cat "$STAGE"/gguf.part0* > "$MODEL" && echo "$SHA  $MODEL" | sha256sum -c
     else
       ls -la "$STAGE"
+      echo "model not staged yet: parts missing" >&2
+      exit 1
     fi ;;
   data)
     $DFLASH train data --model "$MODEL" --prompts .stage/train_prompts.jsonl.gz --out "$DATA" \
