@@ -19,7 +19,6 @@ from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from dflash.spec.linear import decode_linear
-from dflash.spec.tree import build_tree, tree_verify_inputs
 from tests.spec_helpers import golden_pair, random_prompts
 from tests.tiny_models import hf_tiny, ours_from_hf
 
@@ -155,15 +154,6 @@ def test_a_second_live_cache_gets_its_own_memory() -> None:
     assert runner.lease_target_cache(300) is None  # larger than the storage
     del first
     assert runner.lease_target_cache(100) is not None
-
-
-def test_tree_inputs_feed_the_runner_unchanged() -> None:
-    """The DDTree loop hands the runner the tree part of the verification mask ([n+1, n+1])."""
-    logits = torch.randn(5, 64)
-    tree = build_tree(logits, 9)
-    _, _, mask = tree_verify_inputs(tree, 1, 20, 20)
-    assert mask[:, 20:].shape == (tree.num_nodes + 1, tree.num_nodes + 1)
-    assert bool(mask[:, :20].all())
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -2,8 +2,8 @@
 
 Modes: `transformers` (HF generate, greedy), `transformers-pld` (its prompt-lookup decoding), `ar` (our plain
 decoding), `linear` (DFlash), `ddtree` (at the engine's budget) or `ddtree:N` (budget N); any of ours with the
-suffix `@eager` runs without CUDA graphs (for the graphs' own gain in the same run). Tokens/s is completion tokens over wall time (prefill included),
-aggregated over the prompt set; the median over `runs` repetitions is reported with ratios between modes.
+suffix `@eager` runs without the GPU fast path (for its gain in the same run). Tokens/s is completion tokens over
+wall time (prefill included), aggregated over the prompt set; the median over `runs` repetitions is reported with ratios between modes.
 """
 
 from __future__ import annotations

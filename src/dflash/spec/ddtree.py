@@ -116,15 +116,16 @@ def decode_ddtree(
                 carried = state.new_features  # [1, start - drafter_cache.length, n*hidden]
 
         assert target_cache.length == state.start
-        input_ids, position_ids, mask = tree_verify_inputs(
-            tree, state.pending, state.start, target_cache.length, device=device
-        )  # [n+1], [n+1], [n+1, start+n+1]
+        # past_length 0: only the tree block of the mask; every row sees the whole committed prefix anyway
+        input_ids, position_ids, tree_mask = tree_verify_inputs(
+            tree, state.pending, state.start, 0, device=device
+        )  # [n+1], [n+1], [n+1, n+1] ancestors and self
         is_chain = tree.max_depth == tree.num_nodes  # ancestor mask == causal mask by position
         out = target(
             input_ids[None],
             position_ids[None],
             target_cache,
-            tree_mask=None if is_chain else mask[:, target_cache.length :],  # [n+1, n+1] ancestors and self
+            tree_mask=None if is_chain else tree_mask,
             capture=layer_ids,
         )
         assert out.logits is not None and out.features is not None
