@@ -6,8 +6,9 @@
 #   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
 #   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets (real decoding loop)
 #   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
-# Settings from the environment: DATA_BATCH (512), DATA (the answered set, $RUN/data.jsonl.gz), STEPS (5000),
-# BATCH (32), DISTILL (0: hard labels only).
+# Settings from the environment: PROMPTS (.stage/train_prompts.jsonl.gz), DATA_BATCH (512), DATA (answered sets,
+# space-separated; $RUN/data.jsonl.gz), STEPS (5000), BATCH (32), LR (6e-4), DISTILL (0: hard labels only),
+# LAYERS (4), MLP (the target's width), INIT (a drafter to continue from, grown to LAYERS / MLP).
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 RUN=${RUN:-/tmp/run}
@@ -31,11 +32,15 @@ case "$1" in
       exit 1
     fi ;;
   data)
-    $DFLASH train data --model "$MODEL" --prompts .stage/train_prompts.jsonl.gz --out "$DATA" \
+    $DFLASH train data --model "$MODEL" --prompts "${PROMPTS:-.stage/train_prompts.jsonl.gz}" --out "$DATA" \
       --batch-size "${DATA_BATCH:-512}" --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
   fit)
-    $DFLASH train fit --model "$MODEL" --data "$DATA" --out "$RUN" --layers 4 --block-size 16 \
-      --steps "${STEPS:-5000}" --batch-size "${BATCH:-32}" --max-length 768 --anchors 48 --lr 6e-4 \
+    extra=()
+    for set in $DATA; do extra+=(--data "$set"); done
+    [ -n "${MLP:-}" ] && extra+=(--intermediate-size "$MLP")
+    [ -n "${INIT:-}" ] && extra+=(--init-from "$INIT")
+    $DFLASH train fit --model "$MODEL" "${extra[@]}" --out "$RUN" --layers "${LAYERS:-4}" --block-size 16 \
+      --steps "${STEPS:-5000}" --batch-size "${BATCH:-32}" --max-length 768 --anchors 48 --lr "${LR:-6e-4}" \
       --distill "${DISTILL:-0}" --max-minutes "$2" ;;
   export)
     $DFLASH train export --run "$RUN" --out "$2" ;;

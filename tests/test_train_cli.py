@@ -40,7 +40,8 @@ def test_train_pipeline(tmp_path: Path) -> None:
     resumed = dflash(*common, "--steps", "4")
     assert "resuming at step 2" in resumed
     assert torch.load(run / "checkpoint.pt", weights_only=False)["step"] == 4
-    assert (run / "history.json").is_file()
+    history = json.loads((run / "history.json").read_text())
+    assert history["val_steps"] == [2, 4] and all(tau >= 1.0 for tau in history["val_acceptance"])
 
     drafter_dir = tmp_path / "drafter"
     dflash("train", "export", "--run", str(run), "--out", str(drafter_dir))
@@ -50,6 +51,14 @@ def test_train_pipeline(tmp_path: Path) -> None:
 
     drafter = load_drafter(str(drafter_dir), load_checkpoint("default").config)
     assert drafter.config.num_layers == 1
+
+    grown_run = tmp_path / "grown"
+    log = dflash("train", "fit", "--data", str(data), "--out", str(grown_run), "--init-from", str(drafter_dir),
+                 "--layers", "2", "--intermediate-size", "2048", "--batch-size", "2", "--anchors", "4",
+                 "--max-length", "64", "--steps", "1")
+    assert "drafter 2 layers, MLP 2048" in log
+    grown = torch.load(grown_run / "checkpoint.pt", weights_only=False)
+    assert grown["drafter_config"]["block_size"] == 8 and grown["drafter_config"]["num_hidden_layers"] == 2
 
     report = tmp_path / "replay.json"
     dflash("train", "eval", "--draft", str(drafter_dir), "--prompts-file", str(prompts), "--max-tokens", "12",

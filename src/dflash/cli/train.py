@@ -37,7 +37,11 @@ def register(commands: Any) -> None:
     _target_options(fit)
     fit.add_argument("--data", type=Path, required=True, action="append")
     fit.add_argument("--out", type=Path, required=True, help="run folder (checkpoint, history, loss.png)")
-    fit.add_argument("--layers", type=int, default=4)
+    fit.add_argument("--layers", type=int, default=None, help="drafter layers (default 4, or --init-from's)")
+    fit.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default the target's)")
+    fit.add_argument("--init-from", default=None,
+                     help="start from this drafter (folder or 'default'), grown to --layers / --intermediate-size")
+    fit.add_argument("--validation", type=int, default=256, help="examples held out for the validation estimate")
     fit.add_argument("--block-size", type=int, default=16)
     fit.add_argument("--mask-token", default=None, help="token text or id used as MASK (default: picked)")
     fit.add_argument("--steps", type=int, default=3000)
@@ -123,29 +127,50 @@ def pick_mask_token(tokenizer: Any, requested: str | None) -> int:
 
 def run_fit(args: argparse.Namespace) -> int:
     from dflash.training.datagen import read_examples
-    from dflash.training.trainer import DrafterTrainer, TrainSettings, init_drafter, new_drafter_config
+    from dflash.training.trainer import DrafterTrainer, TrainSettings
 
     model, tokenizer = _load_target(args)
     examples = [ex for path in args.data for ex in read_examples(path)]
     if not examples:
         raise DFlashError("no training examples found in --data")
-    config = new_drafter_config(
-        model, layers=args.layers, block_size=args.block_size, mask_token_id=pick_mask_token(tokenizer, args.mask_token)
-    )
-    gamma = args.gamma or (7.0 if args.block_size >= 16 else 4.0)
+    drafter = _initial_drafter(args, model, tokenizer)
+    gamma = args.gamma or (7.0 if drafter.config.block_size >= 16 else 4.0)
     settings = TrainSettings(
         steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, anchors_per_sequence=args.anchors,
-        lr=args.lr, gamma=gamma, distill=args.distill, seed=args.seed,
+        lr=args.lr, gamma=gamma, distill=args.distill, seed=args.seed, validation=args.validation,
     )
-    drafter = init_drafter(config, model, from_target_layers=not args.random_init, seed=args.seed)
-    drafter = drafter.to(model.embed_tokens.weight.device)
     trainer = DrafterTrainer(model, drafter, examples, settings, args.out)
     resumed = trainer.try_resume()
-    print(f"{len(examples)} examples; {'resuming at step ' + str(trainer.step) if resumed else 'starting'}; "
-          f"drafter {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters", flush=True)
+    config = drafter.config
+    print(f"{len(trainer.examples)} training / {len(trainer.validation)} held-out examples; "
+          f"{'resuming at step ' + str(trainer.step) if resumed else 'starting'}; drafter {config.num_layers} layers, "
+          f"MLP {config.intermediate_size}, {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters",
+          flush=True)
     history = trainer.train(max_minutes=args.max_minutes)
-    print(json.dumps({"step": trainer.step, "loss": history.loss[-1:], "est_acceptance": history.est_acceptance[-1:]}))
+    print(json.dumps({"step": trainer.step, "loss": history.loss[-1:], "est_acceptance": history.est_acceptance[-1:],
+                      "held_out_acceptance": history.val_acceptance[-1:]}))
     return 0
+
+
+def _initial_drafter(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
+    """A fresh drafter, or --init-from's weights grown to the requested shape (float32, on the target's device)."""
+    from dflash.spec.drafter_loader import load_drafter
+    from dflash.training.growth import grow_drafter
+    from dflash.training.trainer import init_drafter, new_drafter_config
+
+    device = model.embed_tokens.weight.device
+    if args.init_from is None:
+        config = new_drafter_config(
+            model, layers=args.layers or 4, block_size=args.block_size,
+            mask_token_id=pick_mask_token(tokenizer, args.mask_token), intermediate_size=args.intermediate_size,
+        )
+        return init_drafter(config, model, from_target_layers=not args.random_init, seed=args.seed).to(device)
+    source = load_drafter(args.init_from, model.config, device=device, dtype=torch.float32)
+    drafter = grow_drafter(
+        source, model, layers=args.layers or source.config.num_layers,
+        intermediate_size=args.intermediate_size or source.config.intermediate_size, seed=args.seed,
+    )
+    return drafter.to(device).requires_grad_(True)
 
 
 def run_eval(args: argparse.Namespace) -> int:

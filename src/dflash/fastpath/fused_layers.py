@@ -54,8 +54,8 @@ def fused_layers(
     cos, sin = model.rotary.cos_sin(positions, dtype)  # [1, 1, rows, head_dim]
     cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-    wanted = {layer: i for i, layer in enumerate(capture)}
-    captured: list[torch.Tensor | None] = [None] * len(capture)
+    wanted = set(capture)
+    captured: dict[int, torch.Tensor] = {}
     x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
     pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
     layer: Any
@@ -63,7 +63,7 @@ def fused_layers(
         attention = layer.self_attn
         h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
         if index - 1 in wanted:
-            captured[wanted[index - 1]] = x
+            captured[index - 1] = x
         qkv = attention.qkv_proj(h)  # [rows, (heads + 2 kv_heads) * head_dim]
         q_norm, k_norm = attention.q_norm, attention.k_norm
         rope_and_store(
@@ -83,6 +83,6 @@ def fused_layers(
     hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
     last = len(model.layers) - 1
     if last in wanted:
-        captured[wanted[last]] = x
-    features = torch.cat([c for c in captured if c is not None], dim=-1)[None] if capture else None
+        captured[last] = x
+    features = torch.cat([captured[layer] for layer in capture], dim=-1)[None] if capture else None
     return hidden[None], features

@@ -129,8 +129,8 @@ class CausalLM(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         cos, sin = self.rotary.cos_sin(positions, dtype)
         local_cos, local_sin = (cos, sin) if self.rotary_local is self.rotary else self.rotary_local.cos_sin(positions, dtype)
-        wanted = {layer: i for i, layer in enumerate(capture)}
-        captured: list[torch.Tensor | None] = [None] * len(capture)
+        wanted = set(capture)
+        captured: dict[int, torch.Tensor] = {}
         x = self.embed(input_ids)
         for index, layer in enumerate(self.layers):
             if self.sliding[index]:
@@ -138,8 +138,8 @@ class CausalLM(nn.Module):
             else:
                 x = layer(x, cos, sin, full_mask, cache)
             if index in wanted:
-                captured[wanted[index]] = x
-        features = torch.cat([c for c in captured if c is not None], dim=-1) if capture else None
+                captured[index] = x
+        features = torch.cat([captured[layer] for layer in capture], dim=-1) if capture else None
         return x, features
 
     def finish(self, x: torch.Tensor, features: torch.Tensor | None, logits: LogitsMode) -> ForwardOutput:

@@ -21,6 +21,7 @@ from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash.training.objective import (
+    BlockBatch,
     build_blocks,
     estimated_acceptance,
     sample_anchors,
@@ -44,6 +45,8 @@ class TrainSettings:
     seed: int = 0
     log_every: int = 25
     checkpoint_every_s: float = 120.0
+    validation: int = 0  # examples held out of training for the validation estimate (0 = none)
+    validate_every: int = 100
 
 
 @dataclass
@@ -52,12 +55,22 @@ class TrainHistory:
     loss: list[float] = field(default_factory=list)
     accuracy: list[float] = field(default_factory=list)
     est_acceptance: list[float] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    val_acceptance: list[float] = field(default_factory=list)
 
 
 def new_drafter_config(
-    target: CausalLM, *, layers: int, block_size: int, mask_token_id: int, num_features: int | None = None
+    target: CausalLM,
+    *,
+    layers: int,
+    block_size: int,
+    mask_token_id: int,
+    num_features: int | None = None,
+    intermediate_size: int | None = None,
 ) -> DrafterConfig:
-    """A drafter shaped like one target layer per drafter layer (hidden size and heads of the target)."""
+    """A drafter shaped like one target layer per drafter layer (hidden size and heads of the target; the MLP
+    width may differ)."""
     t = target.config
     return DrafterConfig(
         block_size=block_size,
@@ -65,7 +78,7 @@ def new_drafter_config(
         target_layer_ids=tuple(default_target_layer_ids(t.num_layers, num_features or layers)),
         num_target_layers=t.num_layers,
         hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
+        intermediate_size=intermediate_size or t.intermediate_size,
         num_layers=layers,
         num_heads=t.num_heads,
         num_kv_heads=t.num_kv_heads,
@@ -100,9 +113,10 @@ def init_drafter(config: DrafterConfig, target: CausalLM, *, from_target_layers:
                 mine.self_attn.v_proj.weight.copy_(vw)
                 mine.self_attn.o_proj.weight.copy_(theirs.self_attn.o_proj.weight.float())
                 gate, up = theirs.mlp.gate_up_proj.weight.float().split(t.intermediate_size)
-                mine.mlp.gate_proj.weight.copy_(gate)
-                mine.mlp.up_proj.weight.copy_(up)
-                mine.mlp.down_proj.weight.copy_(theirs.mlp.down_proj.weight.float())
+                width = min(t.intermediate_size, config.intermediate_size)  # a wider MLP keeps random extra units
+                mine.mlp.gate_proj.weight[:width].copy_(gate[:width])
+                mine.mlp.up_proj.weight[:width].copy_(up[:width])
+                mine.mlp.down_proj.weight[:, :width].copy_(theirs.mlp.down_proj.weight.float()[:, :width])
                 mine.input_layernorm.weight.copy_(theirs.input_layernorm.weight.float())
                 mine.post_attention_layernorm.weight.copy_(theirs.post_attention_layernorm.weight.float())
             drafter.norm.weight.copy_(target.norm.weight.float())
@@ -128,7 +142,10 @@ class DrafterTrainer:
     ) -> None:
         self.target, self.drafter, self.settings, self.out_dir = target, drafter, settings, out_dir
         self.device = target.embed_tokens.weight.device
-        self.examples = [ex for ex in examples if len(ex[1]) >= 2]
+        usable = [ex for ex in examples if len(ex[1]) >= 2]
+        held = set(random.Random(settings.seed).sample(range(len(usable)), min(settings.validation, len(usable) // 2)))
+        self.examples = [ex for i, ex in enumerate(usable) if i not in held]
+        self.validation = [usable[i] for i in sorted(held)]
         self.optimizer = torch.optim.AdamW(
             drafter.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
         )
@@ -165,6 +182,10 @@ class DrafterTrainer:
     # ---- one step ----------------------------------------------------------------------------------------
     def _batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
         picks = [self.examples[rng.randrange(len(self.examples))] for _ in range(self.settings.batch_size)]
+        return self._tensors(picks)
+
+    def _tensors(self, picks: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [batch, longest], trained [batch, longest]): prompt + answer cut at max_length, right-padded."""
         seqs = [(p + r)[: self.settings.max_length] for p, r in picks]
         longest = max(len(s) for s in seqs)
         ids = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -174,38 +195,67 @@ class DrafterTrainer:
             trained[row, len(prompt) : len(seq)] = True
         return ids.to(self.device), trained.to(self.device)
 
-    def train_step(self, rng: random.Random, generator: torch.Generator) -> dict[str, float]:
+    @torch.no_grad()
+    def validate(self) -> tuple[float, float]:
+        """(loss, teacher-forced acceptance estimate) on the held-out examples, with fixed anchors."""
+        generator = torch.Generator().manual_seed(self.settings.seed + 1)
+        losses, estimates, weights = [], [], []
+        self.drafter.eval()
+        for lo in range(0, len(self.validation), self.settings.batch_size):
+            ids, trained = self._tensors(self.validation[lo : lo + self.settings.batch_size])
+            anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
+            logits, blocks, _ = self.block_logits(ids, trained, anchors)
+            loss, _ = weighted_block_loss(logits, blocks)
+            losses.append(float(loss.item()))
+            estimates.append(estimated_acceptance(logits, blocks, self.drafter.config.block_size))
+            weights.append(float(ids.shape[0]))
+        self.drafter.train()
+        total = sum(weights)
+        return (sum(w * v for w, v in zip(weights, losses, strict=True)) / total,
+                sum(w * v for w, v in zip(weights, estimates, strict=True)) / total)
+
+    def autocast(self) -> Any:
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+
+    def block_logits(
+        self, ids: torch.Tensor, trained: torch.Tensor, anchors: list[torch.Tensor], *, teacher: bool = False
+    ) -> tuple[torch.Tensor, BlockBatch, torch.Tensor | None]:
+        """ids, trained: [batch, seq]; anchors: per row [n] -> (drafter logits [batch, blocks*B, vocab], the
+        blocks, the target's logits per block slot [batch, blocks*B, vocab] when `teacher`)."""
         config = self.drafter.config
-        ids, trained = self._batch(rng)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
-        distill = self.settings.distill
-        with torch.no_grad(), autocast:
-            target_out = self.target(ids, capture=config.target_layer_ids, logits="all" if distill > 0 else "none")
+        with torch.no_grad(), self.autocast():
+            target_out = self.target(ids, capture=config.target_layer_ids, logits="all" if teacher else "none")
         features = target_out.features
         assert features is not None
-        anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
         blocks = build_blocks(
             ids, trained, anchors, block_size=config.block_size, mask_token_id=config.mask_token_id,
             gamma=self.settings.gamma,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(self.step, self.settings)
-        with autocast:
+        teacher_logits = None
+        if teacher:
+            assert target_out.logits is not None
+            teacher_logits = teacher_logits_for_blocks(target_out.logits, blocks)
+        del target_out
+        with self.autocast():
             embeds = self.target.embed(blocks.block_ids)
             hidden = self.drafter.forward_blocks(embeds, blocks.block_positions, features.float(), blocks.mask)
             logits = self.target.project_logits(hidden.to(self.target.lm_head.weight.dtype))
-        teacher = None
-        if distill > 0:
-            assert target_out.logits is not None
-            teacher = teacher_logits_for_blocks(target_out.logits, blocks)
-            del target_out
+        return logits, blocks, teacher_logits
+
+    def train_step(self, rng: random.Random, generator: torch.Generator) -> dict[str, float]:
+        ids, trained = self._batch(rng)
+        anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.step, self.settings)
+        distill = self.settings.distill
+        logits, blocks, teacher = self.block_logits(ids, trained, anchors, teacher=distill > 0)
         loss, metrics = weighted_block_loss(logits, blocks, teacher, distill)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.grad_clip)
         self.optimizer.step()
         metrics["loss"] = float(loss.item())
-        metrics["est_acceptance"] = estimated_acceptance(logits, blocks, config.block_size)
+        metrics["est_acceptance"] = estimated_acceptance(logits, blocks, self.drafter.config.block_size)
         return metrics
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -232,7 +282,14 @@ class DrafterTrainer:
                     self.history.accuracy.append(mean["accuracy"])
                     self.history.est_acceptance.append(mean["est_acceptance"])
                     note = f"loss {mean['loss']:.3f} acc {mean['accuracy']:.3f} tau~{mean['est_acceptance']:.2f}"
+                    if self.history.val_steps:
+                        note += f" | held out loss {self.history.val_loss[-1]:.3f} tau~{self.history.val_acceptance[-1]:.2f}"
                     bar.advance(settings.log_every, note)
+                if self.validation and (self.step % settings.validate_every == 0 or self.step == settings.steps):
+                    val_loss, val_acceptance = self.validate()
+                    self.history.val_steps.append(self.step)
+                    self.history.val_loss.append(val_loss)
+                    self.history.val_acceptance.append(val_acceptance)
                 if time.monotonic() - last_save > settings.checkpoint_every_s:
                     self.save_checkpoint()
                     last_save = time.monotonic()
@@ -258,7 +315,12 @@ def plot_history(history: TrainHistory, path: Path) -> None:
     left.set_xlabel("step")
     left.set_ylabel("weighted block cross-entropy")
     left.set_title("training loss")
-    right.plot(history.steps, history.est_acceptance, color="tab:green")
+    right.plot(history.steps, history.est_acceptance, color="tab:green", label="training batches")
+    if history.val_steps:
+        left.plot(history.val_steps, history.val_loss, color="tab:orange", label="held out")
+        left.legend()
+        right.plot(history.val_steps, history.val_acceptance, color="tab:orange", label="held out")
+        right.legend()
     right.set_xlabel("step")
     right.set_ylabel("estimated acceptance length")
     right.set_title("teacher-forced acceptance estimate")
