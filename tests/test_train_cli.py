@@ -65,5 +65,6 @@ def test_train_pipeline(tmp_path: Path) -> None:
            "--ddtree-budgets", "2,8", "--out", str(report))
     result = json.loads(report.read_text())
     assert result["sets"]["prompts"]["prompts"] == 3 and result["acceptance_length"] >= 1.0
+    assert result["command"].startswith("dflash train eval --draft") and result["device"].startswith("cpu")
     assert set(result["ddtree_acceptance_length"]) == {"2", "8"}
     assert all(tau >= 1.0 for tau in result["sets"]["prompts"]["ddtree"].values())

@@ -9,7 +9,6 @@ wall time (prefill included), aggregated over the prompt set; the median over `r
 from __future__ import annotations
 
 import datetime as dt
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dflash.bench.provenance import device_name, versions
 from dflash.engine.engine import Engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import uses_quantized_weights
@@ -120,11 +120,11 @@ def measure_speed(
                     ratios[f"{mode}/{base}"] = round(value["tokens_per_s"] / results[base]["tokens_per_s"], 3)
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": _device_name(engine.device),
+        "device": device_name(engine.device),
         "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
         "weights": "quantized" if uses_quantized_weights(engine.target) else "dense",
         "threads": torch.get_num_threads(),
-        "versions": _versions(),
+        "versions": versions(),
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
         "ddtree_budget": engine.options.ddtree_budget,
@@ -136,23 +136,6 @@ def measure_speed(
         "modes": results,
         "ratios": ratios,
     }
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import transformers
-
-        versions["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return versions
 
 
 def format_speed_table(result: dict[str, Any]) -> str:

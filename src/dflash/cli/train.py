@@ -176,6 +176,7 @@ def _initial_drafter(args: argparse.Namespace, model: Any, tokenizer: Any) -> An
 def run_eval(args: argparse.Namespace) -> int:
     import statistics
 
+    from dflash.bench.provenance import provenance
     from dflash.generation.batched import generate_batch
     from dflash.spec.drafter_loader import load_drafter
     from dflash.training.prompts import read_prompt_file
@@ -186,7 +187,9 @@ def run_eval(args: argparse.Namespace) -> int:
                            dtype=model.embed_tokens.weight.dtype)
     budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
     method = "exact replay of greedy linear DFlash" + (" and DDTree" if budgets else "")
-    result: dict[str, Any] = {"method": method, "max_tokens": args.max_tokens, "sets": {}}
+    result: dict[str, Any] = {**provenance(model.embed_tokens.weight.device),
+                              "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+                              "method": method, "max_tokens": args.max_tokens, "sets": {}}
     every: list[float] = []
     every_tree: dict[int, list[float]] = {budget: [] for budget in budgets}
     for path in args.prompts_file:
