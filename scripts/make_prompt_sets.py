@@ -59,7 +59,8 @@ def main() -> None:
         with gzip.open(humaneval, "rt", encoding="utf-8") as handle:
             entry_points = {json.loads(line)["entry_point"] for line in handle}
         code = code_prompts(args.code_root, exclude_names=entry_points, limit=args.code_limit)
-        code = [p for p in code if p not in set(sets["humaneval"])]
+        evaluation = set(sets["humaneval"])
+        code = [p for p in code if p not in evaluation]
         write_prompt_file(args.code_out, code)
         print(f"code training: {len(code)} prompts -> {args.code_out}")
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
 from dflash.training.growth import grow_drafter
 from dflash.training.objective import build_blocks
 from tests.spec_helpers import golden_pair
 
 
-def _block_hidden(target, drafter) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _block_hidden(target: CausalLM, drafter: DFlashDrafter) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, target.config.vocab_size, (2, 40), generator=g)
     trained = torch.zeros_like(ids, dtype=torch.bool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import platform
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,10 +29,17 @@ def versions() -> dict[str, str]:
 
 
 def provenance(device: torch.device) -> dict[str, Any]:
-    """date (UTC), device, versions and the `dflash ...` command that is running."""
+    """date (UTC), device, versions and the `dflash ...` command that is running (recorded in every results file)."""
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
         "versions": versions(),
-        "command": "dflash " + " ".join(sys.argv[1:]),
+        "command": command_line(),
     }
+
+
+def command_line() -> str:
+    """`dflash ...` for the CLI (however it was launched), `python SCRIPT ...` for a script."""
+    if Path(sys.argv[0]).name in ("dflash", "__main__.py"):
+        return "dflash " + " ".join(sys.argv[1:])
+    return " ".join(["python", sys.argv[0], *sys.argv[1:]])

@@ -8,7 +8,6 @@ wall time (prefill included), aggregated over the prompt set; the median over `r
 
 from __future__ import annotations
 
-import datetime as dt
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash.bench.provenance import device_name, versions
+from dflash.bench.provenance import provenance
 from dflash.engine.engine import Engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import uses_quantized_weights
@@ -119,12 +118,10 @@ def measure_speed(
                 if mode != base:
                     ratios[f"{mode}/{base}"] = round(value["tokens_per_s"] / results[base]["tokens_per_s"], 3)
     return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": device_name(engine.device),
+        **provenance(engine.device),
         "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
         "weights": "quantized" if uses_quantized_weights(engine.target) else "dense",
         "threads": torch.get_num_threads(),
-        "versions": versions(),
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
         "ddtree_budget": engine.options.ddtree_budget,

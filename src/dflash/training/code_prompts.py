@@ -77,7 +77,7 @@ def _docstring_block(fn: SourceFunction) -> str:
 def prompt_for(fn: SourceFunction) -> str:
     """One request per function; the style is picked by a hash of the function, so the set is reproducible."""
     style = int(hashlib.sha256(fn.source.encode()).hexdigest(), 16) % 5
-    if style == 0 or style == 1:
+    if style in (0, 1):
         return (
             "Complete the following Python function. Reply with the full function in a code block.\n\n"
             f"```python\n{_docstring_block(fn)}```"

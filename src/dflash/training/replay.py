@@ -82,10 +82,10 @@ def replay(
     logits, labels = anchor_draft_logits(target, drafter, prompt, answer)
     limit = max_new_tokens if max_new_tokens is not None else len(answer)
     trees = {budget: _tree_rounds(logits, answer, budget, limit, seed_top1_chain) for budget in budgets}
-    return _linear_rounds(logits, labels, len(answer)), trees
+    return linear_rounds(logits, labels, len(answer)), trees
 
 
-def _linear_rounds(logits: torch.Tensor, labels: torch.Tensor, answer_length: int) -> ReplayResult:
+def linear_rounds(logits: torch.Tensor, labels: torch.Tensor, answer_length: int) -> ReplayResult:
     """logits [anchors, B-1, vocab], labels [anchors, B-1] -> the rounds linear DFlash runs."""
     correct = (logits.argmax(-1) == labels) & (labels >= 0)  # [anchors, B-1]
     runs = correct.long().cumprod(-1).sum(-1).tolist()  # accepted drafts if a round starts at each anchor
