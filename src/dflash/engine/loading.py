@@ -6,6 +6,8 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import DFlashError
@@ -35,15 +37,18 @@ def load_engine(
     device: str = "auto",
     dtype: str = "auto",
     weights: str = "auto",
+    draft_weights: str = "auto",
 ) -> Engine:
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
-    `dflash.models.weight_choice`); the drafter's own weights are always dense."""
+    `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
+    target runs there, dense otherwise), dense or quantized (`dflash.spec.drafter_quantize`)."""
     options = options or EngineOptions()
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     started = time.perf_counter()
     choice = choose_weights(weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
+    quantize_draft = _quantize_drafter_weights(draft_weights, choice.kind, torch_device, torch_dtype)
     checkpoint = load_checkpoint(model or "default", weights=choice.kind)
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
@@ -61,12 +66,27 @@ def load_engine(
     if draft not in (None, "", "none"):
         assert draft is not None
         drafter = load_drafter(draft, checkpoint.config, device=torch_device, dtype=torch_dtype)
+        if quantize_draft:
+            from dflash.spec.drafter_quantize import quantize_drafter
+
+            log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
     if drafter is None and options.spec != "none":
         options.spec = "none"
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
     log.info("loaded %s in %.2f s on %s (%s, %s weights: %s)", name, time.perf_counter() - started, torch_device,
              torch_dtype, choice.kind, choice.reason)
     return Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
+
+
+def _quantize_drafter_weights(choice: str, target_weights: str, device: torch.device, dtype: torch.dtype) -> bool:
+    if choice not in ("auto", "dense", "quantized"):
+        raise DFlashError(f"unknown --draft-weights {choice!r}; choose auto, dense or quantized")
+    if choice == "quantized" and (device.type != "cpu" or dtype != torch.float32):
+        raise DFlashError(
+            f"--draft-weights quantized runs on the CPU kernel in float32; this run uses {device.type} / "
+            f"{str(dtype).removeprefix('torch.')} (use --device cpu --dtype float32, or --draft-weights dense)"
+        )
+    return choice == "quantized" or (choice == "auto" and target_weights == "quantized")
 
 
 __all__ = ["load_engine", "resolve_model_path"]

@@ -97,6 +97,8 @@ def decode_ddtree(
         return session
     state, target_cache, drafter_cache, stats = session.state, session.target_cache, session.drafter_cache, session.stats
     finished = session.finished
+    # A tree of `budget` nodes is at most `budget` deep: deeper draft positions need no LM-head rows.
+    draft_rows = min(block_size - 1, budget)
     while not finished:
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
@@ -107,8 +109,9 @@ def decode_ddtree(
         carried: torch.Tensor | None = None
         if drafting and max_depth > 0:
             draft_logits = drafter.draft_logits(
-                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window
-            )  # [B-1, vocab]
+                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+                num_drafts=draft_rows,
+            )  # [draft_rows, vocab]
             tree = build_tree(draft_logits[:max_depth], budget, seed_top1_chain=seed_top1_chain)
         else:  # root alone (plain decoding step); the drafter has not read the pending features yet
             tree = linear_chain_tree([])

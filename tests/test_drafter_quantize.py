@@ -1,0 +1,77 @@
+"""The drafter on the quantized CPU kernel (Q8_0 blocks): close to the dense drafter, and speculative decoding
+with it still gives exactly the target's own greedy output."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from dflash.engine.loading import load_engine
+from dflash.errors import DFlashError
+from dflash.kernels.build import KernelUnavailable, load_quant_kernel
+from dflash.models.quantized_layers import QuantizedLinear, uses_quantized_weights
+from dflash.spec.drafter_quantize import q8_0_matrix, quantize_drafter
+from tests.spec_helpers import golden_pair, random_prompts, run
+
+try:
+    load_quant_kernel()
+except KernelUnavailable as exc:  # no compiler here: the CPU kernel's own tests say why
+    pytest.skip(f"quantized CPU kernel unavailable: {exc}", allow_module_level=True)
+
+
+def test_q8_0_blocks_round_trip_within_half_a_step() -> None:
+    """Error per weight: half a step from rounding, plus up to 127 steps times the fp16 rounding of the scale."""
+    weight = torch.randn(64, 96) * torch.linspace(0.01, 3.0, 64)[:, None]  # [rows, columns]
+    matrix = q8_0_matrix(weight)
+    assert matrix.qtype == GGMLQuantizationType.Q8_0 and matrix.shape == (64, 96)
+    back = load_quant_kernel().dequantize(matrix.blocks, int(matrix.qtype), 96)  # [64, 96]
+    step = weight.view(64, 3, 32).abs().amax(-1, keepdim=True) / 127  # one scale per block of 32
+    error = (back.view(64, 3, 32) - weight.view(64, 3, 32)).abs()
+    assert (error <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+    assert error.max() > 0.1 * step.min()  # really rounded: not a lossless copy
+
+
+def test_quantized_drafter_drafts_like_the_dense_one() -> None:
+    target, dense = golden_pair()
+    quantized = copy.deepcopy(dense)
+    linears = sum(isinstance(m, nn.Linear) for m in dense.modules())
+    assert quantize_drafter(quantized) == linears
+    assert uses_quantized_weights(quantized) and not any(isinstance(m, nn.Linear) for m in quantized.modules())
+    assert all(m.qtype == int(GGMLQuantizationType.Q8_0) for m in quantized.modules() if isinstance(m, QuantizedLinear))
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 40, dense.config.feature_size, generator=g)
+    logits = {}
+    for name, drafter in (("dense", dense), ("quantized", quantized)):
+        cache = drafter.new_cache(128)
+        logits[name] = drafter.draft_logits(target, 7, 40, features, cache)  # [B-1, vocab]
+    error = (logits["quantized"] - logits["dense"]).norm() / logits["dense"].norm()
+    assert 0 < error < 0.02
+    # the tiny random drafter's logits are nearly flat, so a few top-1 ties may flip; they must be near-ties
+    dense_top = logits["dense"].topk(2, dim=-1).values  # [B-1, 2]
+    flipped = logits["quantized"].argmax(-1) != logits["dense"].argmax(-1)
+    assert flipped.float().mean() <= 0.2
+    assert ((dense_top[:, 0] - dense_top[:, 1])[flipped] < 0.05 * logits["dense"].abs().max()).all()
+
+
+def test_speculation_with_the_quantized_drafter_is_lossless() -> None:
+    target, dense = golden_pair()
+    quantized = copy.deepcopy(dense)
+    quantize_drafter(quantized)
+    for prompt in random_prompts(4, target.config.vocab_size, seed=5, lengths=(9, 30)):
+        plain, _ = run(target, None, prompt, 40)
+        spec, stats = run(target, quantized, prompt, 40)
+        assert spec == plain and stats.rounds > 0
+
+
+def test_quantized_drafter_needs_float32_on_the_cpu() -> None:
+    _, dense = golden_pair()
+    with pytest.raises(ValueError, match="float32 drafter on the CPU"):
+        quantize_drafter(copy.deepcopy(dense).to(torch.bfloat16))
+    with pytest.raises(DFlashError, match="--draft-weights quantized runs on the CPU kernel in float32"):
+        load_engine("default", "default", device="cpu", dtype="bfloat16", draft_weights="quantized")
+    with pytest.raises(DFlashError, match="unknown --draft-weights"):
+        load_engine("default", "default", device="cpu", draft_weights="int4")
