@@ -62,26 +62,26 @@ def main() -> None:
     for name, prompts in sets.items():
         write_prompt_file(args.out / f"{name}.jsonl", prompts)
         print(f"{name}: {len(prompts)} prompts -> {args.out / f'{name}.jsonl'}")
-    earlier = {chat[0]["content"] for path in args.exclude_prompts for chat in read_prompt_file(path) if len(chat) == 1}
+    # No training set repeats an evaluation prompt or a prompt of an earlier training file.
+    excluded = {prompt for prompts in sets.values() for prompt in prompts}
+    excluded |= {chat[0]["content"] for path in args.exclude_prompts for chat in read_prompt_file(path) if len(chat) == 1}
+
+    def fresh(prompts: list[str]) -> list[str]:
+        return [p for p in dict.fromkeys(prompts) if p not in excluded]
+
     if args.train_out:
-        train = sharegpt_training_prompts(args.sharegpt, max_chars=2000)
-        heldout = set(sets["sharegpt_heldout"]) | set(sets["mtbench"]) | set(sets["humaneval"])
-        train = [p for p in dict.fromkeys(train) if p not in heldout and p not in earlier]
+        train = fresh(sharegpt_training_prompts(args.sharegpt, max_chars=2000))
         write_prompt_file(args.train_out, train)
         print(f"training: {len(train)} prompts -> {args.train_out}")
     if args.code_out:
         with gzip.open(humaneval, "rt", encoding="utf-8") as handle:
             entry_points = {json.loads(line)["entry_point"] for line in handle}
-        code = code_prompts(args.code_root, exclude_names=entry_points, limit=args.code_limit)
-        evaluation = set(sets["humaneval"])
-        code = [p for p in code if p not in evaluation and p not in earlier]
+        code = fresh(code_prompts(args.code_root, exclude_names=entry_points, limit=args.code_limit))
         write_prompt_file(args.code_out, code)
         print(f"code training: {len(code)} prompts -> {args.code_out}")
     if args.tasks_out:
         passages = passages_from_files(path for root in args.text_root for path in root.rglob("*.txt"))
-        tasks = task_prompts(args.tasks_count, seed=args.tasks_seed, passages=passages)
-        evaluation = set(sets["mtbench"]) | set(sets["sharegpt_heldout"]) | set(sets["humaneval"])
-        tasks = [p for p in tasks if p not in evaluation and p not in earlier]
+        tasks = fresh(task_prompts(args.tasks_count, seed=args.tasks_seed, passages=passages))
         write_prompt_file(args.tasks_out, tasks)
         print(f"task training: {len(tasks)} prompts ({len(passages)} passages) -> {args.tasks_out}")
 
