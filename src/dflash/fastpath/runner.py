@@ -20,6 +20,7 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -97,6 +98,7 @@ class GraphRunner:
         self.drafter_storage = drafter.new_cache(capacity) if drafter is not None else None
         self._leases: dict[str, weakref.ref[KVCache]] = {}
         self._replays: dict[tuple[object, ...], _Replay] = {}
+        self.residents: dict[tuple[int, tuple[int, ...]], Any] = {}  # `dflash.fastpath.resident` decoders
         self._rows: dict[int, _RowInputs] = {}
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)  # committed slots, for the graphs
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -150,7 +152,7 @@ class GraphRunner:
         ):
             return None
         cache.reserve(seq)
-        inputs = self._row_inputs(rows)
+        inputs = self.row_inputs(rows)
         inputs.input_ids[:, :seq].copy_(input_ids)
         if positions is None:
             inputs.positions[0, :seq].copy_(torch.arange(past, past + seq, device=self.device))
@@ -165,7 +167,7 @@ class GraphRunner:
         self.length.fill_(past)
         bucket = self.bucket_for(past + rows)
         layers = tuple(capture)
-        replay = self._replay(("target", rows, bucket, layers), lambda: self._target_outputs(inputs, bucket, layers))
+        replay = self.replay(("target", rows, bucket, layers), lambda: self._target_outputs(inputs, bucket, layers))
         replay.run()
         self.served += 1
         cache.advance(seq)
@@ -181,7 +183,7 @@ class GraphRunner:
         )
         return [logits] if features is None else [logits, features]
 
-    def _row_inputs(self, rows: int) -> _RowInputs:
+    def row_inputs(self, rows: int) -> _RowInputs:
         if rows not in self._rows:
             causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
             self._rows[rows] = _RowInputs(
@@ -214,13 +216,13 @@ class GraphRunner:
         self.draft_start.fill_(start)
         self.draft_new_rows.fill_(new_rows)
         bucket = self.bucket_for(start + block)
-        replay = self._replay(("drafter", bucket, drafts), lambda: [self._drafter_logits(bucket, drafts)])
+        replay = self.replay(("drafter", bucket, drafts), lambda: [self.drafter_block_logits(bucket, drafts)])
         replay.run()
         self.served += 1
         cache.advance(new_rows)
         return replay.outputs[0].clone()
 
-    def _drafter_logits(self, bucket: int, drafts: int) -> torch.Tensor:
+    def drafter_block_logits(self, bucket: int, drafts: int) -> torch.Tensor:
         from dflash.fastpath.static_forward import static_drafter_round
 
         assert self.drafter is not None and self.drafter_storage is not None
@@ -237,7 +239,11 @@ class GraphRunner:
         )
 
     # ---- capture -----------------------------------------------------------------------------------------
-    def _replay(self, key: tuple[object, ...], build: Callable[[], list[torch.Tensor]]) -> _Replay:
+    def has_replay(self, key: tuple[object, ...]) -> bool:
+        """Whether `replay(key, ...)` returns a graph captured earlier (never on the eager path)."""
+        return key in self._replays
+
+    def replay(self, key: tuple[object, ...], build: Callable[[], list[torch.Tensor]]) -> _Replay:
         replay = self._replays.get(key)
         if replay is not None:
             return replay

@@ -44,6 +44,11 @@ def decode_autoregressive(
     stats.prefill_s = time.perf_counter() - started
     started = time.perf_counter()
     step_input = torch.empty((1, 1), dtype=torch.long, device=device)
+    resident = None
+    if model.graph_runner is not None:
+        from dflash.fastpath.resident import resident_decoder
+
+        resident = resident_decoder(model, chooser, cache)
     while True:
         token = int(chooser.choose(logits, len(sink.token_ids))[0])
         chooser.observe([token])
@@ -51,6 +56,14 @@ def decode_autoregressive(
             break
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
+            break
+        produced = len(sink.token_ids)
+        if (
+            resident is not None and chooser.min_tokens <= produced
+            and resident.fits(cache.length, request.max_new_tokens - produced)
+        ):  # greedy steps as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
+            resident.load_plain(cache.length, token)
+            resident.decode(cache.length, sink, stats, should_stop)
             break
         step_input[0, 0] = token
         out = model(step_input, cache=cache)

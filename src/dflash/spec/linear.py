@@ -50,9 +50,26 @@ def decode_linear(
         return session
     state, target_cache, drafter_cache, stats = session.state, session.target_cache, session.drafter_cache, session.stats
     finished = session.finished
+    resident = None
+    if target.graph_runner is not None and draft_window is None:
+        from dflash.fastpath.resident import resident_decoder
+
+        resident = resident_decoder(
+            target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=drafts_per_round,
+            capture=tuple(layer_ids),
+        )
     while not finished:
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
+            break
+        produced = len(sink.token_ids)
+        if (
+            resident is not None and chooser.min_tokens <= produced
+            and state.new_features.shape[1] <= block_size
+            and resident.fits(state.start, request.max_new_tokens - produced)
+        ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
+            resident.load_linear(state.start, state.pending, state.new_features)
+            resident.decode(state.start, sink, stats, should_stop)
             break
         draft_logits = drafter.draft_logits(
             target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,

@@ -1,0 +1,218 @@
+"""Greedy decoding whose state stays on the device: one graph replay per round, one round queued ahead.
+
+The host-driven loops (`dflash.generation.autoregressive`, `dflash.spec.linear`) read every round's result back
+before they can start the next one, so the GPU idles while the host checks acceptance, pushes tokens and prepares
+the next round's inputs. For a greedy request served by the `GraphRunner` the whole round runs on the device:
+
+* plain step: target forward over the pending token, argmax, the argmax becomes the next step's input;
+* linear DFlash round: drafter round over the pending token and the new context rows, argmax drafts, target
+  verification of [pending, drafts], the target's argmax at every row, the accepted prefix (drafts equal to the
+  target's choices), the bonus token becomes the next pending token, the accepted rows' features the drafter's
+  next context rows, and the committed length advances by accepted + 1.
+
+Each round writes [accepted, committed tokens...] to a small device buffer that is copied to pinned host memory
+behind it. The host launches round r+1 before it reads round r, so the device always has the next round queued
+while the host pushes tokens through the sink (EOS, stop strings, max tokens, streaming). When the sink finishes,
+the round still in flight is waited for and dropped: it only wrote cache rows past the committed prefix, which
+the next request overwrites. Tokens are exactly the host loops' (argmax of the same logits), so the output is
+plain greedy decoding's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from dflash.fastpath.runner import GraphRunner, padded_rows
+from dflash.fastpath.static_forward import static_target_forward
+from dflash.generation.output import OutputSink
+from dflash.generation.request import GenerationStats
+from dflash.generation.selection import TokenChooser
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
+
+QUEUED_ROUNDS = 2  # rounds launched ahead of the host: one running, one waiting to be read
+
+
+class ResidentDecoder:
+    """Greedy rounds of `drafts` drafts (0: plain decoding steps) run as single graph replays on `runner`."""
+
+    def __init__(self, runner: GraphRunner, drafts: int, capture: tuple[int, ...] = ()) -> None:
+        if drafts and runner.drafter is None:
+            raise ValueError("speculative resident rounds need the runner's drafter")
+        self.runner, self.drafts, self.capture = runner, drafts, capture
+        self.rows = padded_rows(drafts + 1)
+        block = runner.drafter.config.block_size if drafts and runner.drafter is not None else 1
+        self.reach = max(self.rows, block)  # slots past the committed prefix one round may write
+        device = runner.device
+        self.out = torch.zeros(drafts + 2, dtype=torch.long, device=device)  # [accepted, committed tokens...]
+        pinned = device.type == "cuda"
+        self.host = [torch.zeros(drafts + 2, dtype=torch.long, pin_memory=pinned) for _ in range(QUEUED_ROUNDS)]
+        self.launched = 0  # rounds launched so far (dropped ones included)
+
+    def fits(self, start: int, max_new_tokens: int) -> bool:
+        """Whether every round of a generation from `start` stays inside the runner's storage, queued round
+        included."""
+        return start + max_new_tokens + (QUEUED_ROUNDS + 1) * self.reach <= self.runner.capacity
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def load_plain(self, length: int, token: int) -> None:
+        """The target cache holds `length` committed slots; `token` (at position `length`) is the next input."""
+        self.runner.length.fill_(length)
+        self.runner.row_inputs(1).input_ids.fill_(token)
+
+    def load_linear(self, start: int, pending: int, new_features: torch.Tensor) -> None:
+        """new_features: [1, rows <= block, n*hidden], the drafter's context rows for positions start-rows..start-1."""
+        runner = self.runner
+        rows = new_features.shape[1]
+        runner.length.fill_(start)
+        runner.block_ids[0, 0] = pending
+        runner.draft_features[:, :rows].copy_(new_features)
+        runner.draft_new_rows.fill_(rows)
+
+    # ---- rounds ------------------------------------------------------------------------------------------
+    def _plain_step(self, bucket: int) -> list[torch.Tensor]:
+        runner = self.runner
+        inputs = runner.row_inputs(1)
+        logits, _ = static_target_forward(
+            runner.target, runner.target_storage, inputs.input_ids, runner.length.view(1, 1), runner.length,
+            inputs.causal, bucket=bucket, capture=(), fused=runner.fused,
+        )  # [1, 1, vocab]
+        token = logits[0, 0].argmax().view(1)  # [1]
+        inputs.input_ids.view(1).copy_(token)
+        self.out[1:2].copy_(token)
+        runner.length.add_(1)
+        return [self.out]
+
+    def _linear_round(self, bucket: int) -> list[torch.Tensor]:
+        runner, drafts = self.runner, self.drafts
+        device = runner.device
+        runner.draft_start.copy_(runner.length)
+        proposed = runner.drafter_block_logits(bucket, drafts).argmax(dim=-1)  # [drafts]
+        inputs = runner.row_inputs(self.rows)
+        ids = inputs.input_ids[0]
+        ids[:1].copy_(runner.block_ids[0, :1])
+        ids[1 : drafts + 1].copy_(proposed)
+        positions = (runner.length + torch.arange(self.rows, device=device))[None]  # [1, rows]
+        logits, features = static_target_forward(
+            runner.target, runner.target_storage, inputs.input_ids, positions, runner.length, inputs.causal,
+            bucket=bucket, capture=self.capture, fused=runner.fused,
+        )  # [1, rows, vocab], [1, rows, n*hidden]
+        assert features is not None
+        choices = logits[0, : drafts + 1].argmax(dim=-1)  # [drafts + 1]
+        accepted = (proposed == choices[:drafts]).to(torch.long).cumprod(0).sum().view(1)  # [1]
+        bonus = choices.gather(0, accepted)  # [1]
+        slots = torch.arange(drafts + 1, device=device)
+        committed = torch.where(slots < accepted, F.pad(proposed, (0, 1)), bonus)  # [drafts + 1]
+        self.out[:1].copy_(accepted)
+        self.out[1:].copy_(committed)
+        runner.block_ids[0, :1].copy_(bonus)
+        runner.draft_features[:, : drafts + 1].copy_(features[:, : drafts + 1])
+        runner.draft_new_rows.copy_(accepted + 1)
+        runner.length.add_(accepted + 1)
+        return [self.out]
+
+    def _state(self) -> list[torch.Tensor]:
+        """The device tensors a round reads and advances."""
+        runner = self.runner
+        if not self.drafts:
+            return [runner.length, runner.row_inputs(1).input_ids]
+        return [runner.length, runner.block_ids, runner.draft_features, runner.draft_new_rows]
+
+    def _launch(self, bucket: int, slot: int) -> torch.cuda.Event | None:
+        key = ("resident", self.drafts, bucket, self.capture)
+        build: Callable[[], list[torch.Tensor]] = (
+            (lambda: self._linear_round(bucket)) if self.drafts else (lambda: self._plain_step(bucket))
+        )
+        state = self._state()
+        fresh = self.runner.capture and not self.runner.has_replay(key)
+        saved = [t.clone() for t in state] if fresh else None
+        replay = self.runner.replay(key, build)
+        if saved is not None:  # capturing ran the round once to warm up: undo what it advanced
+            for tensor, value in zip(state, saved, strict=True):
+                tensor.copy_(value)
+        replay.run()
+        self.runner.served += 1
+        self.launched += 1
+        self.host[slot].copy_(self.out, non_blocking=True)
+        if self.runner.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def decode(
+        self,
+        start: int,
+        sink: OutputSink,
+        stats: GenerationStats,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """Run rounds from the loaded state (`start` = committed target slots) until the sink finishes or
+        `should_stop` says so. The caller checked `fits(start, max_new_tokens)`."""
+        runner = self.runner
+        queued: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        known_start, launched, finished = start, 0, False
+        try:
+            while not finished:
+                while len(queued) < QUEUED_ROUNDS and len(sink.token_ids) + len(queued) < sink.max_new_tokens:
+                    if should_stop is not None and should_stop():
+                        sink.finish_cancelled()
+                        return
+                    # every queued round may add up to drafts + 1 slots before this one runs
+                    reach = known_start + len(queued) * (self.drafts + 1) + self.reach
+                    assert reach <= runner.capacity, "resident rounds past the runner's storage"
+                    slot = launched % QUEUED_ROUNDS
+                    queued.append((slot, self._launch(runner.bucket_for(reach), slot)))
+                    launched += 1
+                if not queued:  # the sink holds max tokens already
+                    return
+                slot, event = queued.popleft()
+                if event is not None:
+                    event.synchronize()
+                accepted = int(self.host[slot][0])
+                tokens = self.host[slot][1 : accepted + 2].tolist()
+                known_start += accepted + 1
+                if self.drafts:
+                    stats.record_round(self.drafts, accepted)
+                finished = sink.push_many(tokens)
+        finally:
+            for _, event in queued:  # the dropped round still writes into this decoder's host buffers
+                if event is not None:
+                    event.synchronize()
+
+
+def resident_decoder(
+    target: CausalLM,
+    chooser: TokenChooser,
+    target_cache: KVCache,
+    *,
+    drafter: DFlashDrafter | None = None,
+    drafter_cache: KVCache | None = None,
+    drafts: int = 0,
+    capture: tuple[int, ...] = (),
+) -> ResidentDecoder | None:
+    """The runner's resident decoder for this generation, or None when its rounds cannot serve it: no runner,
+    sampling or penalties (the host loop applies them), or caches that are not the runner's. The caller also
+    checks `fits` and that EOS is no longer suppressed (`chooser.min_tokens`)."""
+    runner = target.graph_runner
+    if runner is None or not chooser.params.greedy or chooser.counts is not None:
+        return None
+    if not target_cache.shares_memory_with(runner.target_storage):
+        return None
+    if drafts and (
+        drafter is None or runner.drafter is not drafter or runner.drafter_storage is None
+        or drafter_cache is None or not drafter_cache.shares_memory_with(runner.drafter_storage)
+        or padded_rows(drafts + 1) > runner.max_rows
+    ):
+        return None
+    key = (drafts, capture)
+    decoder = runner.residents.get(key)
+    if decoder is None:  # one per shape: its graphs write into its own output buffer
+        decoder = runner.residents[key] = ResidentDecoder(runner, drafts, capture)
+    assert isinstance(decoder, ResidentDecoder)
+    return decoder
