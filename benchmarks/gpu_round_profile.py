@@ -2,8 +2,9 @@
 
 For the default model's shape (random weights unless `--model` names the real checkpoint) with the shipped
 drafter, in one run:
-* the device time of each captured graph: one-token step, 16-row verify, tree verify at the chosen budget, the
-  drafter's round, each replayed back to back (`*_gpu_ms`);
+* the device time of each captured graph, replayed back to back (`*_gpu_ms`): the host-driven one-token step,
+  16-row verify and tree verify, and the device-resident whole rounds (`dflash.fastpath.resident`: plain step,
+  linear round, DDTree round), with torch.profiler's kernel table for the two speculative rounds;
 * the same forwards called through the runner with a sync after each (`*_call_ms`: host copies in, replay, output
   copies);
 * the decoding loops (plain, linear, DDTree) over `--tokens` new tokens: wall milliseconds per token and per round,
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from dflash.config import ModelConfig
-from dflash.fastpath.runner import GraphRunner, attach_graph_runner
+from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
@@ -106,6 +107,21 @@ def replay_gpu_ms(runner: GraphRunner, key_prefix: tuple[object, ...], iters: in
     return start.elapsed_time(end) / iters
 
 
+def kernel_table(runner: GraphRunner, key_prefix: tuple[object, ...], replays: int = 20, rows: int = 25) -> str:
+    """torch.profiler's device-time table over `replays` replays of one graph (empty when graph kernels are not
+    traced)."""
+    keys = sorted((k for k in runner._replays if k[: len(key_prefix)] == key_prefix), key=str)
+    if not keys:
+        return ""
+    replay = runner._replays[keys[0]]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay.run()
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
 def timed_call_ms(fn: Callable[[], object], iters: int = 100) -> float:
     for _ in range(5):
         fn()
@@ -174,12 +190,6 @@ def main() -> None:
         }
         print(mode, loops[mode], flush=True)
 
-    gpu = {
-        "step_gpu_ms": replay_gpu_ms(runner, ("target", 1)),
-        "verify16_gpu_ms": replay_gpu_ms(runner, ("target", 16)),
-        "tree_gpu_ms": replay_gpu_ms(runner, ("target", 40 if args.budget == 32 else args.budget + 1)),
-        "drafter_gpu_ms": replay_gpu_ms(runner, ("drafter",)),
-    }
     with torch.inference_mode():
         cache = target.new_cache(4096)
     cache.length = args.prompt_tokens  # the storage holds the last run's rows; timings do not read their values
@@ -193,27 +203,39 @@ def main() -> None:
         cache.length = args.prompt_tokens
         return target(block, cache=cache, capture=drafter.config.target_layer_ids)
 
-    with torch.inference_mode():
+    with torch.inference_mode():  # host-driven forwards, one sync each (captures their graphs too)
         calls = {"step_call_ms": timed_call_ms(step), "verify16_call_ms": timed_call_ms(verify)}
+    drafts = drafter.config.block_size - 1
+    tree_rows = padded_rows(args.budget + 1)
+    # device time per replay; the resident graphs are whole rounds (they advance their state on every replay,
+    # which the timing does not read)
+    gpu = {
+        "step_gpu_ms": replay_gpu_ms(runner, ("target", 1)),
+        "verify16_gpu_ms": replay_gpu_ms(runner, ("target", 16)),
+        "tree_verify_gpu_ms": replay_gpu_ms(runner, ("target", tree_rows)),
+        "resident_step_gpu_ms": replay_gpu_ms(runner, ("resident", 0, None)),
+        "resident_linear_round_gpu_ms": replay_gpu_ms(runner, ("resident", drafts, None)),
+        "resident_tree_round_gpu_ms": replay_gpu_ms(runner, ("resident", drafts, args.budget)),
+    }
     print(gpu, calls, flush=True)
-    for mode, per in (("ar", "step_gpu_ms"), ("linear", None), ("ddtree", None)):
-        if mode == "ar" and gpu[per]:
-            busy = gpu[per]
-        elif mode == "linear" and gpu["verify16_gpu_ms"] and gpu["drafter_gpu_ms"]:
-            busy = gpu["verify16_gpu_ms"] + gpu["drafter_gpu_ms"]
-        elif mode == "ddtree" and gpu["tree_gpu_ms"] and gpu["drafter_gpu_ms"]:
-            busy = gpu["tree_gpu_ms"] + gpu["drafter_gpu_ms"]
-        else:
-            continue
-        loops[mode]["device_ms_per_round"] = round(busy, 4)
-        loops[mode]["device_busy_share"] = round(busy / loops[mode]["ms_per_round"], 3)
-
+    for mode, key in (("ar", "resident_step_gpu_ms"), ("linear", "resident_linear_round_gpu_ms"),
+                      ("ddtree", "resident_tree_round_gpu_ms")):
+        busy = gpu[key]
+        if busy is not None:
+            loops[mode]["device_ms_per_round"] = round(busy, 4)
+            loops[mode]["device_busy_share"] = round(busy / loops[mode]["ms_per_round"], 3)
     profiles = {
         mode: profile_text(lambda m=mode: run_loop(m, target, drafter, decode, prompt, args.tokens, args.budget))
         for mode in ("ar", "linear", "ddtree")
     }
     for mode, text in profiles.items():
         print(f"---- cProfile {mode}\n{text}", flush=True)
+    kernels = {}
+    for name, key in (("resident_linear_round", ("resident", drafts, None)),
+                      ("resident_tree_round", ("resident", drafts, args.budget))):
+        kernels[name] = kernel_table(runner, key)
+        print(f"---- kernels {name}\n{kernels[name]}", flush=True)
+
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device),
@@ -225,6 +247,7 @@ def main() -> None:
         "loops": loops,
         "graphs": {k: (round(v, 4) if v is not None else None) for k, v in {**gpu, **calls}.items()},
         "cprofile_top_by_self_time": {mode: text.splitlines() for mode, text in profiles.items()},
+        "kernels_per_20_replays": {name: text.splitlines() for name, text in kernels.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

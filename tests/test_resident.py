@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from dflash.fastpath.resident import ResidentDecoder
 from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
@@ -19,6 +20,7 @@ from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
+from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.linear import decode_linear
 from tests.spec_helpers import golden_pair, random_prompts
@@ -36,6 +38,9 @@ def generate(
                            device="cpu")
     if mode == "plain":
         stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=32, should_stop=should_stop)
+    elif mode.startswith("ddtree:"):
+        stats = decode_ddtree(target, drafter, request, sink, chooser, prefill_chunk=32, should_stop=should_stop,
+                              budget=int(mode.split(":")[1]))
     else:
         stats = decode_linear(target, drafter, request, sink, chooser, prefill_chunk=32, should_stop=should_stop,
                               num_drafts=num_drafts)
@@ -62,7 +67,9 @@ def host_loop(target: CausalLM, drafter: DFlashDrafter, *args, **kwargs) -> tupl
         target.graph_runner = drafter.graph_runner = runner
 
 
-@pytest.mark.parametrize(("mode", "num_drafts"), [("plain", None), ("linear", None), ("linear", 4)])
+@pytest.mark.parametrize(
+    ("mode", "num_drafts"), [("plain", None), ("linear", None), ("linear", 4), ("ddtree:6", None), ("ddtree:24", None)]
+)
 def test_resident_rounds_equal_plain_greedy(pair_with_runner, mode: str, num_drafts: int | None) -> None:
     target, drafter, runner = pair_with_runner
     for prompt in random_prompts(3, target.config.vocab_size, seed=31, lengths=(5, 40, 130)):
@@ -70,15 +77,22 @@ def test_resident_rounds_equal_plain_greedy(pair_with_runner, mode: str, num_dra
         sink, stats = generate(target, drafter, mode, prompt, 70, num_drafts=num_drafts)
         assert sink.token_ids == reference.token_ids
         assert sink.finish_reason == "length"
-        if mode == "linear":
+        if mode != "plain":
             assert stats.rounds > 0 and stats.accepted_tokens + stats.rounds >= 69  # every token counted
-    drafts = 0 if mode == "plain" else (num_drafts or drafter.config.block_size - 1)
-    decoder = runner.residents[(drafts, () if mode == "plain" else tuple(drafter.config.target_layer_ids))]
+    block = drafter.config.block_size
+    if mode == "plain":
+        key: tuple[object, ...] = (0, None, ())
+    elif mode == "linear":
+        key = (num_drafts or block - 1, None, tuple(drafter.config.target_layer_ids))
+    else:
+        budget = int(mode.split(":")[1])
+        key = (min(block - 1, budget), budget, tuple(drafter.config.target_layer_ids))
+    decoder = runner.residents[key]
     assert isinstance(decoder, ResidentDecoder)
     assert decoder.launched >= 3 * (69 if mode == "plain" else 10)
 
 
-@pytest.mark.parametrize("mode", ["plain", "linear"])
+@pytest.mark.parametrize("mode", ["plain", "linear", "ddtree:8"])
 def test_eos_and_max_tokens_inside_a_queued_round(pair_with_runner, mode: str) -> None:
     target, drafter, _ = pair_with_runner
     prompt = random_prompts(1, target.config.vocab_size, seed=32, lengths=(24,))[0]
@@ -93,7 +107,7 @@ def test_eos_and_max_tokens_inside_a_queued_round(pair_with_runner, mode: str) -
         assert sink.token_ids == plain.token_ids[:max_new]
 
 
-@pytest.mark.parametrize("mode", ["plain", "linear"])
+@pytest.mark.parametrize("mode", ["plain", "linear", "ddtree:8"])
 def test_suppressed_eos_then_resident_rounds(pair_with_runner, mode: str) -> None:
     """min_tokens: the host loop runs while EOS is suppressed, the resident rounds after; same tokens."""
     target, drafter, _ = pair_with_runner
@@ -106,7 +120,7 @@ def test_suppressed_eos_then_resident_rounds(pair_with_runner, mode: str) -> Non
     assert len(sink.token_ids) > 20
 
 
-@pytest.mark.parametrize("mode", ["plain", "linear"])
+@pytest.mark.parametrize("mode", ["plain", "linear", "ddtree:8"])
 def test_cancellation_stops_the_queue(pair_with_runner, mode: str) -> None:
     target, drafter, _ = pair_with_runner
     prompt = random_prompts(1, target.config.vocab_size, seed=34, lengths=(20,))[0]
@@ -154,7 +168,51 @@ def test_capturing_a_round_does_not_advance_the_state(pair_with_runner, monkeypa
     monkeypatch.setattr(runner, "replay", replay_with_warm_up)
     prompt = random_prompts(1, target.config.vocab_size, seed=36, lengths=(20,))[0]
     plain, _ = host_loop(target, drafter, "plain", prompt, 300)
-    for mode in ("plain", "linear"):
+    for mode in ("plain", "linear", "ddtree:12"):
         sink, _ = generate(target, drafter, mode, prompt, 300)  # crosses from the 256 to the 512 bucket
         assert sink.token_ids == plain.token_ids
     assert len({key[2] for key in seen if key[0] == "resident"}) >= 2
+
+
+def oracle_logits(logits: torch.Tensor, start: int, sequence: list[int]) -> torch.Tensor:
+    """Put the token `sequence` holds at each drafted position on top, except at some (position, round) pairs where
+    a wrong token goes first and the right one second: linear rounds stop there, trees continue."""
+    logits = logits.clone()  # [drafts, vocab]
+    vocab = logits.shape[1]
+    for row in range(logits.shape[0]):
+        position = start + 1 + row
+        if position >= len(sequence):
+            break
+        right, top = sequence[position], float(logits[row].max())
+        if (position * 31 + start * 17) % 7 in (0, 3):
+            logits[row, (right + 1) % vocab] = top + 6.0
+            logits[row, right] = top + 5.5
+        else:
+            logits[row, right] = top + 6.0
+    return logits
+
+
+@pytest.mark.parametrize("mode", ["linear", "ddtree:6", "ddtree:24"])
+def test_accepting_rounds_match_the_host_loop(pair_with_runner, monkeypatch, mode: str) -> None:
+    """With a (mostly) right drafter, rounds accept several tokens: the resident rounds commit what the host loop
+    commits, round for round (the same trees, walks, compactions and drafter features)."""
+    target, drafter, runner = pair_with_runner
+    prompt = random_prompts(1, target.config.vocab_size, seed=37, lengths=(30,))[0]
+    plain, _ = host_loop(target, drafter, "plain", prompt, 140)
+    sequence = prompt + plain.token_ids
+    host_draft = drafter.draft_logits
+    monkeypatch.setattr(
+        drafter, "draft_logits",
+        lambda tgt, pending, start, *a, **kw: oracle_logits(host_draft(tgt, pending, start, *a, **kw), start, sequence),
+    )
+    resident_draft = runner.drafter_block_logits
+    monkeypatch.setattr(
+        runner, "drafter_block_logits",
+        lambda bucket, drafts: oracle_logits(resident_draft(bucket, drafts), int(runner.draft_start), sequence),
+    )
+    reference, host_stats = host_loop(target, drafter, mode, prompt, 120)
+    sink, stats = generate(target, drafter, mode, prompt, 120)
+    assert reference.token_ids == sink.token_ids == plain.token_ids[:120]
+    assert stats.acceptance_length > 2.0
+    assert stats.accepted_per_round[:-1] == host_stats.accepted_per_round[: len(stats.accepted_per_round) - 1]
+    assert max(runner.residents[key].launched for key in runner.residents) > 5

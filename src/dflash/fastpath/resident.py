@@ -8,7 +8,10 @@ the next round's inputs. For a greedy request served by the `GraphRunner` the wh
 * linear DFlash round: drafter round over the pending token and the new context rows, argmax drafts, target
   verification of [pending, drafts], the target's argmax at every row, the accepted prefix (drafts equal to the
   target's choices), the bonus token becomes the next pending token, the accepted rows' features the drafter's
-  next context rows, and the committed length advances by accepted + 1.
+  next context rows, and the committed length advances by accepted + 1;
+* DDTree round: the same drafter round, the tree grown on the device (`dflash.fastpath.device_tree`), one target
+  pass over [pending, nodes] under the ancestor mask, the walk, and the accepted path's K/V rows moved to the
+  slots after the committed prefix.
 
 Each round writes [accepted, committed tokens...] to a small device buffer that is copied to pinned host memory
 behind it. The host launches round r+1 before it reads round r, so the device always has the next round queued
@@ -26,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.fastpath.runner import GraphRunner, padded_rows
 from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.output import OutputSink
@@ -39,13 +43,21 @@ QUEUED_ROUNDS = 2  # rounds launched ahead of the host: one running, one waiting
 
 
 class ResidentDecoder:
-    """Greedy rounds of `drafts` drafts (0: plain decoding steps) run as single graph replays on `runner`."""
+    """Greedy rounds run as single graph replays on `runner`: plain steps (`drafts` 0), linear rounds of `drafts`
+    drafts, or, with a tree `budget`, DDTree rounds over the drafter's first `drafts` positions."""
 
-    def __init__(self, runner: GraphRunner, drafts: int, capture: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, runner: GraphRunner, drafts: int, capture: tuple[int, ...] = (), budget: int | None = None
+    ) -> None:
         if drafts and runner.drafter is None:
             raise ValueError("speculative resident rounds need the runner's drafter")
-        self.runner, self.drafts, self.capture = runner, drafts, capture
-        self.rows = padded_rows(drafts + 1)
+        if budget is not None and not (drafts and budget >= 1):
+            raise ValueError("a resident tree round needs drafts and a budget >= 1")
+        self.runner, self.drafts, self.capture, self.budget = runner, drafts, capture, budget
+        self.rows = padded_rows((drafts if budget is None else budget) + 1)
+        self.tree_builder = (
+            None if budget is None else TreeBuilder(budget, drafts, runner.target.config.vocab_size, runner.device)
+        )
         block = runner.drafter.config.block_size if drafts and runner.drafter is not None else 1
         self.reach = max(self.rows, block)  # slots past the committed prefix one round may write
         device = runner.device
@@ -123,11 +135,48 @@ class ResidentDecoder:
             return [runner.length, runner.row_inputs(1).input_ids]
         return [runner.length, runner.block_ids, runner.draft_features, runner.draft_new_rows]
 
+    def _tree_round(self, bucket: int) -> list[torch.Tensor]:
+        runner, depth, budget, builder = self.runner, self.drafts, self.budget, self.tree_builder
+        assert budget is not None and builder is not None
+        runner.draft_start.copy_(runner.length)
+        tree = builder.grow(runner.drafter_block_logits(bucket, depth))  # rows [budget + 1], by depth
+        inputs = runner.row_inputs(self.rows)
+        inputs.input_ids[0, :1].copy_(runner.block_ids[0, :1])
+        inputs.input_ids[0, 1 : budget + 1].copy_(tree.tokens[1:])
+        inputs.positions[0, : budget + 1].copy_(runner.length + tree.depths)
+        inputs.tree_mask.copy_(inputs.identity)  # padding rows see only themselves
+        inputs.tree_mask[: budget + 1, : budget + 1].copy_(tree.ancestors)
+        logits, features = static_target_forward(
+            runner.target, runner.target_storage, inputs.input_ids, inputs.positions, runner.length,
+            inputs.tree_mask, bucket=bucket, capture=self.capture, fused=runner.fused,
+        )  # [1, rows, vocab], [1, rows, n*hidden]
+        assert features is not None
+        choices = logits[0, : budget + 1].argmax(dim=-1)  # [budget + 1]
+        path, length, bonus, committed = walk_tree(tree, choices, depth)  # path [depth + 1]: rows from the root
+        # the accepted rows' K/V move to the slots right after the committed prefix (the path's positions)
+        storage = runner.target_storage
+        source = runner.length + path  # [depth + 1]
+        dest = runner.length + torch.arange(depth + 1, device=runner.device)
+        storage.keys.index_copy_(3, dest, storage.keys.index_select(3, source))
+        storage.values.index_copy_(3, dest, storage.values.index_select(3, source))
+        storage.positions[0].index_copy_(0, dest, dest)
+        self.out[:1].copy_(length - 1)
+        self.out[1:].copy_(committed)
+        runner.block_ids[0, :1].copy_(bonus)
+        runner.draft_features[:, : depth + 1].copy_(features.index_select(1, path))
+        runner.draft_new_rows.copy_(length)
+        runner.length.add_(length)
+        return [self.out]
+
     def _launch(self, bucket: int, slot: int) -> torch.cuda.Event | None:
-        key = ("resident", self.drafts, bucket, self.capture)
-        build: Callable[[], list[torch.Tensor]] = (
-            (lambda: self._linear_round(bucket)) if self.drafts else (lambda: self._plain_step(bucket))
-        )
+        key = ("resident", self.drafts, self.budget, bucket, self.capture)
+        build: Callable[[], list[torch.Tensor]]
+        if self.budget is not None:
+            build = lambda: self._tree_round(bucket)  # noqa: E731
+        elif self.drafts:
+            build = lambda: self._linear_round(bucket)  # noqa: E731
+        else:
+            build = lambda: self._plain_step(bucket)  # noqa: E731
         state = self._state()
         fresh = self.runner.capture and not self.runner.has_replay(key)
         saved = [t.clone() for t in state] if fresh else None
@@ -178,7 +227,7 @@ class ResidentDecoder:
                 tokens = self.host[slot][1 : accepted + 2].tolist()
                 known_start += accepted + 1
                 if self.drafts:
-                    stats.record_round(self.drafts, accepted)
+                    stats.record_round(self.drafts if self.budget is None else self.budget, accepted)
                 finished = sink.push_many(tokens)
         finally:
             for _, event in queued:  # the dropped round still writes into this decoder's host buffers
@@ -195,6 +244,7 @@ def resident_decoder(
     drafter_cache: KVCache | None = None,
     drafts: int = 0,
     capture: tuple[int, ...] = (),
+    budget: int | None = None,
 ) -> ResidentDecoder | None:
     """The runner's resident decoder for this generation, or None when its rounds cannot serve it: no runner,
     sampling or penalties (the host loop applies them), or caches that are not the runner's. The caller also
@@ -207,12 +257,12 @@ def resident_decoder(
     if drafts and (
         drafter is None or runner.drafter is not drafter or runner.drafter_storage is None
         or drafter_cache is None or not drafter_cache.shares_memory_with(runner.drafter_storage)
-        or padded_rows(drafts + 1) > runner.max_rows
+        or padded_rows((drafts if budget is None else budget) + 1) > runner.max_rows
     ):
         return None
-    key = (drafts, capture)
+    key = (drafts, budget, capture)
     decoder = runner.residents.get(key)
     if decoder is None:  # one per shape: its graphs write into its own output buffer
-        decoder = runner.residents[key] = ResidentDecoder(runner, drafts, capture)
+        decoder = runner.residents[key] = ResidentDecoder(runner, drafts, capture, budget)
     assert isinstance(decoder, ResidentDecoder)
     return decoder

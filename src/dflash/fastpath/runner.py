@@ -98,7 +98,7 @@ class GraphRunner:
         self.drafter_storage = drafter.new_cache(capacity) if drafter is not None else None
         self._leases: dict[str, weakref.ref[KVCache]] = {}
         self._replays: dict[tuple[object, ...], _Replay] = {}
-        self.residents: dict[tuple[int, tuple[int, ...]], Any] = {}  # `dflash.fastpath.resident` decoders
+        self.residents: dict[tuple[object, ...], Any] = {}  # `dflash.fastpath.resident` decoders
         self._rows: dict[int, _RowInputs] = {}
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)  # committed slots, for the graphs
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None

@@ -99,9 +99,26 @@ def decode_ddtree(
     finished = session.finished
     # A tree of `budget` nodes is at most `budget` deep: deeper draft positions need no LM-head rows.
     draft_rows = min(block_size - 1, budget)
+    resident = None
+    if target.graph_runner is not None and drafting and draft_window is None and not seed_top1_chain:
+        from dflash.fastpath.resident import resident_decoder
+
+        resident = resident_decoder(
+            target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=draft_rows,
+            capture=tuple(layer_ids), budget=budget,
+        )
     while not finished:
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
+            break
+        produced = len(sink.token_ids)
+        if (
+            resident is not None and chooser.min_tokens <= produced
+            and state.new_features.shape[1] <= block_size
+            and resident.fits(state.start, request.max_new_tokens - produced)
+        ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
+            resident.load_linear(state.start, state.pending, state.new_features)
+            resident.decode(state.start, sink, stats, should_stop)
             break
         produced = len(sink.token_ids)
         # Nodes deeper than this could only yield tokens past max_new_tokens.

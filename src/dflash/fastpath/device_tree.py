@@ -1,0 +1,131 @@
+"""DDTree's tree building and tree walk as fixed-shape device tensor programs (no host reads), for graph capture.
+
+`dflash.spec.tree` builds the tree best-first from a heap on the host; these functions pick the same node set
+without a heap, level by level:
+
+* depth 1 keeps the ``n`` best first tokens; depth ``d+1`` keeps the ``n`` best extensions of depth ``d``'s kept
+  prefixes (K = min(n, vocab) candidates per depth, true log-softmax scores as in the host version; only the
+  extensions that can rank among the ``n`` best are scored, see `TreeBuilder`);
+* the tree is the ``n`` best-scoring prefixes over every depth's kept ones.
+
+Why that is the host's set: a score never increases along a path, so the ``n`` best prefixes are prefix-closed;
+each best prefix of depth ``d`` has its parent among depth ``d-1``'s kept ones (induction) and at most ``n - 1``
+better prefixes of its own depth, so it is kept at its depth and selected at the end. Exact score ties may break
+differently (the host orders them by rank tuples); a selected node whose parent was not selected (only possible
+on such a tie) is marked invalid and never accepted. Rows are ordered by depth (parents precede children), not in
+the host's pop order: the verification does not depend on the order.
+
+The walk accepts node ``i`` when every node on its path (itself included, the root excluded) carries the token the
+target chose at its parent; siblings carry distinct tokens, so the accepted nodes form one path from the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.spec.tree import topk_log_probs
+
+
+@dataclass
+class DeviceTree:
+    """``n`` drafted nodes plus the root (row 0), ordered by depth."""
+
+    tokens: torch.Tensor  # [n+1] long, node tokens; row 0 (the root) holds 0, the caller supplies the pending token
+    depths: torch.Tensor  # [n+1] long, 0 for the root
+    parents: torch.Tensor  # [n+1] long, parent row (the root is its own parent)
+    valid: torch.Tensor  # [n+1] bool, False for padding candidates and nodes whose parent was not selected
+    ancestors: torch.Tensor  # [n+1, n+1] bool, [i, j] = j is i or one of its ancestors
+
+
+class TreeBuilder:
+    """Grows trees of `budget` nodes over `depth` drafted positions for a vocabulary of `vocab` tokens.
+
+    Index buffers are made here, before any graph capture: at depth d+1 the extension of depth d's i-th best kept
+    prefix (sorted descending) by the r-th best token has (i+1)(r+1) - 1 extensions at least as good, so only pairs
+    with (i+1)(r+1) <= budget can be among the best `budget` (about budget x ln(budget) pairs instead of
+    budget x K)."""
+
+    def __init__(self, budget: int, depth: int, vocab: int, device: torch.device | str) -> None:
+        self.budget, self.depth, self.k = budget, depth, min(budget, vocab)
+        pairs = [(i, r) for i in range(budget) for r in range(self.k) if (i + 1) * (r + 1) <= budget]
+        self.pair_parent = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)  # [pairs]
+        self.pair_rank = torch.tensor([r for _, r in pairs], dtype=torch.long, device=device)  # [pairs]
+
+    def grow(self, draft_logits: torch.Tensor) -> DeviceTree:
+        """draft_logits: [depth, vocab] (row d-1 = block position d) -> the best `budget` prefixes."""
+        depth, n, k, device = self.depth, self.budget, self.k, draft_logits.device
+        top_lp, top_ids = topk_log_probs(draft_logits[:depth], k)  # [depth, k] each, descending
+        scores = torch.full((depth, n), float("-inf"), device=device)  # kept prefixes per depth, descending
+        parent_index = torch.zeros((depth, n), dtype=torch.long, device=device)  # into the previous depth's kept
+        rank = torch.zeros((depth, n), dtype=torch.long, device=device)  # candidate rank at this depth
+        scores[0, :k] = top_lp[0]
+        rank[0, :k] = torch.arange(k, device=device)
+        for d in range(1, depth):
+            extensions = scores[d - 1][self.pair_parent] + top_lp[d][self.pair_rank]  # [pairs]
+            best, order = extensions.sort(descending=True)
+            scores[d] = best[:n]
+            parent_index[d] = self.pair_parent[order[:n]]
+            rank[d] = self.pair_rank[order[:n]]
+        return assemble_tree(scores, parent_index, rank, top_ids)
+
+
+def assemble_tree(
+    scores: torch.Tensor, parent_index: torch.Tensor, rank: torch.Tensor, top_ids: torch.Tensor
+) -> DeviceTree:
+    """The best n of every depth's kept prefixes as tree rows. scores, parent_index, rank: [depth, n] (kept
+    prefixes per depth: score, index of the parent among the previous depth's kept, candidate rank); top_ids:
+    [depth, k] candidate tokens."""
+    depth, n = scores.shape
+    device = scores.device
+    flat_scores = scores.reshape(-1)  # [depth * n], flat index = (d-1) * n + j
+    chosen = flat_scores.sort(descending=True).indices[:n].sort().values  # [n], depth-major: parents first
+    level_offsets = (torch.arange(depth, device=device) - 1)[:, None] * n  # [depth, 1]
+    flat_parent = torch.where(level_offsets < 0, -1, level_offsets + parent_index).reshape(-1)  # [depth * n]
+    row_of = torch.full((depth * n,), -1, dtype=torch.long, device=device)
+    row_of[chosen] = torch.arange(1, n + 1, device=device)
+    parent_flat = flat_parent[chosen]  # [n]
+    parent_row = torch.where(parent_flat < 0, 0, row_of[parent_flat.clamp(min=0)])  # [n], -1: not selected
+    valid = torch.isfinite(flat_scores[chosen]) & (parent_row >= 0)  # [n]
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    parents = torch.cat((zero, parent_row.clamp(min=0)))  # [n+1]
+    tokens = torch.cat((zero, top_ids.gather(1, rank).reshape(-1)[chosen]))  # [n+1]
+    depths = torch.cat((zero, torch.div(chosen, n, rounding_mode="floor") + 1))  # [n+1]
+    valid = torch.cat((torch.ones(1, dtype=torch.bool, device=device), valid))  # [n+1]
+    # ancestor-or-self closure of the parent relation by repeated squaring: paths up to `depth` long
+    reach = torch.eye(n + 1, device=device)
+    reach.scatter_(1, parents[:, None], 1.0)
+    hops = 1
+    while hops < depth:
+        reach = (reach @ reach).clamp_(max=1.0)
+        hops *= 2
+    return DeviceTree(tokens, depths, parents, valid, reach > 0)
+
+
+def grow_tree(draft_logits: torch.Tensor, budget: int) -> DeviceTree:
+    """One-off `TreeBuilder(...).grow(draft_logits)` (its index buffers are made on the fly: not for capture)."""
+    depth, vocab = draft_logits.shape
+    return TreeBuilder(budget, depth, vocab, draft_logits.device).grow(draft_logits)
+
+
+def walk_tree(
+    tree: DeviceTree, choices: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """choices: [n+1] long, the target's choice after each row -> (path [depth+1] rows from the root (entries past
+    the path's length are row 0), length [1] (accepted nodes + 1), bonus [1], committed [depth+1] tokens: the
+    accepted nodes' tokens then the bonus, entries past `length` unspecified)."""
+    device = choices.device
+    rows = tree.tokens.shape[0]
+    is_root = torch.arange(rows, device=device) == 0
+    match = ((tree.tokens == choices.gather(0, tree.parents)) & tree.valid) | is_root  # [n+1]
+    accepted = ~(tree.ancestors & ~match[None, :]).any(dim=-1)  # [n+1]
+    length = accepted.sum().view(1)  # [1], >= 1 (the root)
+    scratch = torch.zeros(depth + 2, dtype=torch.long, device=device)  # slot depth+1 collects the rejected rows
+    slot = torch.where(accepted, tree.depths, depth + 1)
+    path = scratch.scatter(0, slot, torch.arange(rows, device=device))[: depth + 1]  # [depth+1]
+    bonus = choices.gather(0, path.gather(0, length - 1))  # [1]
+    steps = torch.arange(depth + 1, device=device)
+    next_rows = path.gather(0, (steps + 1).clamp(max=depth))
+    committed = torch.where(steps < length - 1, tree.tokens.gather(0, next_rows), bonus)  # [depth+1]
+    return path, length, bonus, committed
