@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash.fastpath.device_tree import DeviceTree, grow_tree, walk_tree
+from dflash.kernels.triton_tree import tree_kernel_usable
 from dflash.spec.tree import build_tree, follow_tree, tree_from_parents
 
 
@@ -31,13 +32,20 @@ def random_case(generator: torch.Generator, min_vocab: int) -> tuple[torch.Tenso
     return torch.randn(depth, vocab, generator=generator) * scale, budget
 
 
-def test_the_device_tree_holds_the_host_trees_nodes() -> None:
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+KERNEL = pytest.param(
+    True, marks=pytest.mark.skipif(not tree_kernel_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+)
+
+
+@pytest.mark.parametrize("kernel", [False, KERNEL], ids=["torch", "triton"])
+def test_the_device_tree_holds_the_host_trees_nodes(kernel: bool) -> None:
     """Same node set as `build_tree` (random logits: no exact ties), small vocabularies (K < budget) included."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(150):
         logits, budget = random_case(generator, min_vocab=2)
         host = build_tree(logits, budget)
-        device = grow_tree(logits, budget)
+        device = grow_tree(logits.to(DEVICE), budget, kernel=kernel)
         host_paths = token_paths([0, *host.token_ids.tolist()], host.parents.tolist())
         device_paths = token_paths(device.tokens.tolist(), device.parents.tolist(), device.valid.tolist())
         assert device_paths == host_paths

@@ -47,27 +47,52 @@ class TreeBuilder:
     with (i+1)(r+1) <= budget can be among the best `budget` (about budget x ln(budget) pairs instead of
     budget x K)."""
 
-    def __init__(self, budget: int, depth: int, vocab: int, device: torch.device | str) -> None:
+    def __init__(
+        self, budget: int, depth: int, vocab: int, device: torch.device | str, *, kernel: bool | None = None
+    ) -> None:
+        """`kernel`: run the depth loop as one Triton program (`dflash.kernels.triton_tree`; None: when usable)."""
+        from dflash.kernels.triton_tree import tree_kernel_usable
+
+        device = torch.device(device)
         self.budget, self.depth, self.k = budget, depth, min(budget, vocab)
+        self.kernel = tree_kernel_usable(device) if kernel is None else kernel
         pairs = [(i, r) for i in range(budget) for r in range(self.k) if (i + 1) * (r + 1) <= budget]
-        self.pair_parent = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)  # [pairs]
-        self.pair_rank = torch.tensor([r for _, r in pairs], dtype=torch.long, device=device)  # [pairs]
+        padded = 1 << max(0, len(pairs) - 1).bit_length() if self.kernel else len(pairs)
+        self.pair_parent = torch.zeros(padded, dtype=torch.long, device=device)  # [pairs]
+        self.pair_rank = torch.zeros(padded, dtype=torch.long, device=device)  # [pairs]
+        self.pair_parent[: len(pairs)] = torch.tensor([i for i, _ in pairs], dtype=torch.long)
+        self.pair_rank[: len(pairs)] = torch.tensor([r for _, r in pairs], dtype=torch.long)
+        self.pair_real = torch.arange(padded, device=device) < len(pairs)  # [pairs]
+        self.pair_parent32 = self.pair_parent.to(torch.int32)
+        self.scratch = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.first_rank = torch.arange(budget, device=device).clamp(max=self.k - 1)[None]  # [1, n]
 
     def grow(self, draft_logits: torch.Tensor) -> DeviceTree:
         """draft_logits: [depth, vocab] (row d-1 = block position d) -> the best `budget` prefixes."""
         depth, n, k, device = self.depth, self.budget, self.k, draft_logits.device
         top_lp, top_ids = topk_log_probs(draft_logits[:depth], k)  # [depth, k] each, descending
         scores = torch.full((depth, n), float("-inf"), device=device)  # kept prefixes per depth, descending
+        scores[0, :k] = top_lp[0]
+        if self.kernel:
+            from dflash.kernels.triton_tree import tree_levels
+
+            candidate_lp = torch.where(self.pair_real, top_lp[:, self.pair_rank], float("-inf"))  # [depth, pairs]
+            order = torch.zeros((depth, n), dtype=torch.int32, device=device)
+            tree_levels(candidate_lp, self.pair_parent32, scores, order, self.scratch)
+            kept = order[1:].long()
+            zeros = torch.zeros((1, n), dtype=torch.long, device=device)
+            parent_index = torch.cat((zeros, self.pair_parent[kept]))  # [depth, n]
+            rank = torch.cat((self.first_rank, self.pair_rank[kept]))  # [depth, n]
+            return assemble_tree(scores, parent_index, rank, top_ids)
         parent_index = torch.zeros((depth, n), dtype=torch.long, device=device)  # into the previous depth's kept
         rank = torch.zeros((depth, n), dtype=torch.long, device=device)  # candidate rank at this depth
-        scores[0, :k] = top_lp[0]
-        rank[0, :k] = torch.arange(k, device=device)
+        rank[0] = self.first_rank[0]
         for d in range(1, depth):
             extensions = scores[d - 1][self.pair_parent] + top_lp[d][self.pair_rank]  # [pairs]
-            best, order = extensions.sort(descending=True)
+            best, order_d = extensions.sort(descending=True, stable=True)
             scores[d] = best[:n]
-            parent_index[d] = self.pair_parent[order[:n]]
-            rank[d] = self.pair_rank[order[:n]]
+            parent_index[d] = self.pair_parent[order_d[:n]]
+            rank[d] = self.pair_rank[order_d[:n]]
         return assemble_tree(scores, parent_index, rank, top_ids)
 
 
@@ -103,10 +128,10 @@ def assemble_tree(
     return DeviceTree(tokens, depths, parents, valid, reach > 0)
 
 
-def grow_tree(draft_logits: torch.Tensor, budget: int) -> DeviceTree:
+def grow_tree(draft_logits: torch.Tensor, budget: int, *, kernel: bool | None = None) -> DeviceTree:
     """One-off `TreeBuilder(...).grow(draft_logits)` (its index buffers are made on the fly: not for capture)."""
     depth, vocab = draft_logits.shape
-    return TreeBuilder(budget, depth, vocab, draft_logits.device).grow(draft_logits)
+    return TreeBuilder(budget, depth, vocab, draft_logits.device, kernel=kernel).grow(draft_logits)
 
 
 def walk_tree(
