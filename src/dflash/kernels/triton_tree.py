@@ -27,7 +27,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def tree_levels_kernel(
+    def tree_levels_kernel(  # type: ignore[no-untyped-def]
         candidate_lp_ptr, pair_parent_ptr, scores_ptr, order_ptr, scratch_ptr, depth,
         N: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr,
     ):
