@@ -290,7 +290,7 @@ def test_engine_warm_up_runs_through_the_runner() -> None:
     from dflash.engine.engine import EngineOptions
     from dflash.engine.loading import load_engine
 
-    engine = load_engine("default", options=EngineOptions(spec="linear"), weights="dense")
+    engine = load_engine("default", options=EngineOptions(spec="linear"), weights="dense", device="cpu")
     assert engine.warm_up() == 0  # on the CPU no runner is attached: nothing to warm up
     runner = attach_graph_runner(engine.target, engine.drafter, capacity=1024, capture=False)
     try:

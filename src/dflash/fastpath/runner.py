@@ -5,7 +5,8 @@ model (sized for the whole context) and hands out caches that are views of it (`
 cache is such a view runs its decode steps, verifications and drafter rounds through graphs, anything else (a
 prefill chunk, a second live cache, an odd shape) falls back to the eager forward. Graphs are captured lazily per
 shape: `rows` (the new tokens, padded to a power of two up to 8, then to a multiple of 8: at these sizes the
-matrix products cost the same, they stream the weights) and `bucket` (the cache slots attention reads, a power
+matrix products cost the same, they stream the weights; prefill chunks, which need no per-row logits, pad to a
+power of two) and `bucket` (the cache slots attention reads, a power
 of two >= the slots in use), so a replay does the work of the live context, not of the whole storage.
 
 Per call the host copies the inputs into the graph's static buffers, replays it and returns copies of its
@@ -144,10 +145,12 @@ class GraphRunner:
     ) -> ForwardOutput | None:
         """The graphed equivalent of `CausalLM.forward`, or None when this call is not a graph shape."""
         batch, seq = input_ids.shape
-        rows = padded_rows(seq)
+        # decode shapes (all logits: steps, verifications) pad to 1, 2, 4, 8, then multiples of 8; prefill chunks
+        # (last or no logits) to powers of two, so the prompts' many lengths share a few graphs
+        rows = padded_rows(seq) if logits == "all" else round_up_pow2(seq)
         past = cache.length
         if (
-            batch != 1 or rows > self.max_rows or logits == "none" or (logits == "last" and seq != 1)
+            batch != 1 or rows > self.max_rows
             or not cache.shares_memory_with(self.target_storage) or past + rows > self.capacity
         ):
             return None
@@ -172,7 +175,10 @@ class GraphRunner:
         self.served += 1
         cache.advance(seq)
         features = replay.outputs[1][:, :seq].clone() if layers else None
-        return ForwardOutput(replay.outputs[0][:, :seq].clone(), features)
+        if logits == "none":
+            return ForwardOutput(None, features)
+        first = 0 if logits == "all" else seq - 1
+        return ForwardOutput(replay.outputs[0][:, first:seq].clone(), features)
 
     def _target_outputs(self, inputs: _RowInputs, bucket: int, layers: tuple[int, ...]) -> list[torch.Tensor]:
         from dflash.fastpath.static_forward import static_target_forward

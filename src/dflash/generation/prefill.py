@@ -27,6 +27,8 @@ def chunked_prefill(
     Returns (None, None) when `should_stop` asks to abandon the prefill between chunks.
     """
     total = input_ids.shape[1]
+    if model.graph_runner is not None:  # chunks the runner's graphs can serve (eager forwards are launch-bound)
+        chunk = min(chunk, model.graph_runner.max_rows)
     features: list[torch.Tensor] = []
     logits: torch.Tensor | None = None
     for lo in range(0, total, max(1, chunk)):
