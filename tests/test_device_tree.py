@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.fastpath.device_tree import DeviceTree, grow_tree, walk_tree
+from dflash.fastpath.device_tree import DeviceTree, TreeBuilder, grow_tree, walk_tree
 from dflash.kernels.triton_tree import tree_kernel_usable
 from dflash.spec.tree import build_tree, follow_tree, tree_from_parents
 
@@ -100,3 +100,21 @@ def test_a_single_position_gives_the_best_first_tokens(budget: int) -> None:
     tree = grow_tree(logits, budget)
     assert tree.tokens[1:].tolist() == logits[0].topk(budget).indices.tolist()
     assert tree.depths[1:].tolist() == [1] * budget
+
+
+def test_a_kernel_that_fails_leaves_the_torch_path(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    import dflash.kernels.triton_tree as triton_tree
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(triton_tree, "tree_levels", broken)
+    builder = TreeBuilder(8, 4, 50, "cpu", kernel=True)
+    assert not builder.kernel
+    assert "tree kernel unavailable" in caplog.text
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    host = build_tree(logits, 8)
+    tree = builder.grow(logits)
+    assert token_paths(tree.tokens.tolist(), tree.parents.tolist()) == token_paths(
+        [0, *host.token_ids.tolist()], host.parents.tolist()
+    )

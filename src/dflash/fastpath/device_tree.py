@@ -21,11 +21,14 @@ target chose at its parent; siblings carry distinct tokens, so the accepted node
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from dflash.spec.tree import topk_log_probs
+
+log = logging.getLogger("dflash.fastpath")
 
 
 @dataclass
@@ -64,8 +67,30 @@ class TreeBuilder:
         self.pair_rank[: len(pairs)] = torch.tensor([r for _, r in pairs], dtype=torch.long)
         self.pair_real = torch.arange(padded, device=device) < len(pairs)  # [pairs]
         self.pair_parent32 = self.pair_parent.to(torch.int32)
+        self.pair_rank32 = self.pair_rank.to(torch.int32)
+        self.row_of = torch.zeros(1 << max(0, depth * budget - 1).bit_length(), dtype=torch.int32, device=device)
         self.scratch = torch.zeros(padded, dtype=torch.float32, device=device)
         self.first_rank = torch.arange(budget, device=device).clamp(max=self.k - 1)[None]  # [1, n]
+        if self.kernel and not self._kernel_agrees(vocab, device):
+            self.kernel = False
+
+    def _kernel_agrees(self, vocab: int, device: torch.device) -> bool:
+        """Run the Triton path once against the torch path (random logits: no ties, so identical rows); a
+        compile failure or a mismatch keeps the torch path, with a warning."""
+        logits = torch.randn((self.depth, vocab), generator=torch.Generator().manual_seed(0)).to(device)
+        try:
+            fast = self.grow(logits)
+        except Exception as exc:  # a Triton build this kernel does not compile on
+            log.warning("tree kernel unavailable (%s); building trees with torch ops", exc)
+            return False
+        self.kernel = False
+        reference = self.grow(logits)
+        self.kernel = True
+        same = all(torch.equal(getattr(fast, name), getattr(reference, name))
+                   for name in ("tokens", "depths", "parents", "valid", "ancestors"))
+        if not same:
+            log.warning("tree kernel disagrees with the torch ops; building trees with torch ops")
+        return same
 
     def grow(self, draft_logits: torch.Tensor) -> DeviceTree:
         """draft_logits: [depth, vocab] (row d-1 = block position d) -> the best `budget` prefixes."""
@@ -74,21 +99,21 @@ class TreeBuilder:
         scores = torch.full((depth, n), float("-inf"), device=device)  # kept prefixes per depth, descending
         scores[0, :k] = top_lp[0]
         if self.kernel:
-            from dflash.kernels.triton_tree import tree_levels
+            from dflash.kernels.triton_tree import tree_assemble, tree_levels
 
             candidate_lp = torch.where(self.pair_real, top_lp[:, self.pair_rank], float("-inf"))  # [depth, pairs]
             order = torch.zeros((depth, n), dtype=torch.int32, device=device)
             tree_levels(candidate_lp, self.pair_parent32, scores, order, self.scratch)
-            kept = order[1:].long()
-            zeros = torch.zeros((1, n), dtype=torch.long, device=device)
-            parent_index = torch.cat((zeros, self.pair_parent[kept]))  # [depth, n]
-            rank = torch.cat((self.first_rank, self.pair_rank[kept]))  # [depth, n]
-            return assemble_tree(scores, parent_index, rank, top_ids)
+            return DeviceTree(*tree_assemble(
+                scores, order, self.pair_parent32, self.pair_rank32, top_ids.contiguous(), self.row_of
+            ))
         parent_index = torch.zeros((depth, n), dtype=torch.long, device=device)  # into the previous depth's kept
         rank = torch.zeros((depth, n), dtype=torch.long, device=device)  # candidate rank at this depth
         rank[0] = self.first_rank[0]
         for d in range(1, depth):
-            extensions = scores[d - 1][self.pair_parent] + top_lp[d][self.pair_rank]  # [pairs]
+            extensions = torch.where(
+                self.pair_real, scores[d - 1][self.pair_parent] + top_lp[d][self.pair_rank], float("-inf")
+            )  # [pairs], padding pairs (a power-of-two count for the kernel) never win
             best, order_d = extensions.sort(descending=True, stable=True)
             scores[d] = best[:n]
             parent_index[d] = self.pair_parent[order_d[:n]]
