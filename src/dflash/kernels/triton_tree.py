@@ -97,7 +97,7 @@ def _kernel() -> Any:
             mask=inside[:, None] & inside[None, :],
         )
         tl.debug_barrier()
-        node = rows
+        node = rows.to(tl.int64)
         for _ in range(0, depth + 1):  # the node itself, then its ancestors up to the root (its own parent)
             tl.store(ancestors_ptr + rows * (N + 1) + node, tl.full([R], 1, dtype=tl.int8), mask=inside)
             node = tl.load(parents_ptr + node, mask=inside, other=0)
