@@ -30,8 +30,8 @@ log = logging.getLogger("dflash.engine")
 SPEC_MODES = ("none", "linear", "ddtree")
 # Tree budget per device class, the fastest measured: CPU from results/cpu_speed_smollm2_drafter_v5.json (4: 1.06x
 # plain decoding, 8: 0.91x, with the Q8_0 drafter; budgets 2-5 within noise of each other in
-# results/cpu_ddtree_small_budgets_drafter_v5.json), GPU from results/gpu_ddtree_sweep_h100.json (32, with CUDA graphs
-# and fused kernels).
+# results/cpu_ddtree_small_budgets_drafter_v5.json), GPU from results/gpu_ddtree_sweep_h100.json (32, with CUDA graphs,
+# fused kernels and device-resident rounds).
 DEFAULT_DDTREE_BUDGET = {"cpu": 4, "cuda": 32}
 # Drafts verified per linear round per device class (absent: the whole block). On the CPU every verified row costs
 # about a tenth of a plain step, so short rounds win: results/cpu_num_drafts_drafter_v5.json (2-4 drafts 0.95x
