@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from dflash.generation.output import OutputSink
+import random
+
+import pytest
+
+from dflash.generation.output import RESYNC_TOKENS, OutputSink
+from dflash.models.gguf_file import GGUFFile
+from dflash.tokenizer import Tokenizer
+from tests.loading_helpers import smollm2_path
 
 VOCAB = {1: "a", 2: "b", 3: "c", 4: " STOP", 5: "é"}
 
@@ -53,3 +60,48 @@ def test_pushes_after_finish_are_ignored() -> None:
     _, sink = collect()
     sink.push(0)
     assert sink.push(1) is True and sink.token_ids == [0]
+
+
+class FullDecodeSink(OutputSink):
+    """The reference: decode every text token so far on every push (what the incremental text must equal)."""
+
+    def _decoded_text(self) -> str:
+        return self.decode(self._text_ids)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_incremental_text_equals_decoding_everything(seed: int) -> None:
+    """Real SmolLM2 tokenizer, token streams mixing word pieces, spaces, code, multi-byte characters split across
+    tokens (CJK, emoji, accents: byte tokens), special tokens and random ids; streamed pieces, final text and stop
+    handling equal the full-decode reference, past several resync points."""
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path()).metadata, source="smollm2")
+    text = "def f(x):\n    return x**2  # 平方 ✓ café 😀 naïve\n" * 3 + "Ünïcödé 漢字テスト 🚀🚀 end"
+    base = tokenizer.encode(text)
+    generator = random.Random(seed)
+    stream = []
+    while len(stream) < 600:
+        choice = generator.random()
+        if choice < 0.7:
+            start = generator.randrange(len(base))
+            stream.extend(base[start : start + generator.randint(1, 12)])
+        elif choice < 0.85:
+            stream.append(generator.randrange(tokenizer.vocab_size))
+        else:
+            stream.extend(tokenizer.encode(generator.choice(["😀", " 漢", "é", "\n\n", "  ", "<|im_end|>"])))
+    for stop in ((), ("平方 ✓", "zzz-never")):
+        pieces: list[str] = []
+        reference_pieces: list[str] = []
+        sink = OutputSink(tokenizer.decode, eos_ids=(), max_new_tokens=len(stream), stop=stop,
+                          on_text=lambda t, i, out=pieces: out.append(t))
+        reference = FullDecodeSink(tokenizer.decode, eos_ids=(), max_new_tokens=len(stream), stop=stop,
+                                   on_text=lambda t, i, out=reference_pieces: out.append(t))
+        for token in stream:
+            done = sink.push(token)
+            assert done == reference.push(token)
+            assert sink.text == reference.text
+            if done:
+                break
+        assert pieces == reference_pieces
+        assert sink.text == reference.text and sink.finish_reason == reference.finish_reason
+        assert sink.stop_reason == reference.stop_reason
+        assert len(sink.token_ids) > RESYNC_TOKENS or stop
