@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_scale_study import randomise  # benchmarks/ is the script's folder
 
 from dflash.config import ModelConfig
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
@@ -41,7 +42,6 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
-from dflash.models.rope import Rotary
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.drafter_loader import load_drafter
@@ -62,15 +62,7 @@ def random_target(device: torch.device) -> CausalLM:
     with torch.device("meta"):
         model = MODEL_CLASSES["llama"](smollm2_config())
     model = model.to_empty(device=device).to(DTYPE)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.02)
-            else:
-                param.fill_(1.0)
-        for sub in model.modules():
-            if isinstance(sub, Rotary):
-                sub.recompute()
+    randomise(model)
     model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)
 

@@ -38,6 +38,7 @@ from dflash.generation.selection import TokenChooser
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
+from dflash.spec.session import SpecState
 
 QUEUED_ROUNDS = 2  # rounds launched ahead of the host: one running, one waiting to be read
 
@@ -85,6 +86,29 @@ class ResidentDecoder:
         runner.block_ids[0, 0] = pending
         runner.draft_features[:, :rows].copy_(new_features)
         runner.draft_new_rows.fill_(rows)
+
+    def take_over(
+        self,
+        state: SpecState,
+        max_new_tokens: int,
+        sink: OutputSink,
+        chooser: TokenChooser,
+        stats: GenerationStats,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Run a speculative generation's remaining rounds here, from its host loop's `state`, when they can be
+        served now: EOS no longer suppressed, at most a block of new context rows (not the prompt's), every round
+        inside the storage. Returns whether it did (the generation is then over)."""
+        produced = len(sink.token_ids)
+        block = self.runner.draft_features.shape[1]
+        if (
+            chooser.min_tokens > produced or state.new_features.shape[1] > block
+            or not self.fits(state.start, max_new_tokens - produced)
+        ):
+            return False
+        self.load_linear(state.start, state.pending, state.new_features)
+        self.decode(state.start, sink, stats, should_stop)
+        return True
 
     # ---- rounds ------------------------------------------------------------------------------------------
     def _plain_step(self, bucket: int) -> list[torch.Tensor]:

@@ -111,14 +111,9 @@ def decode_ddtree(
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
             break
-        produced = len(sink.token_ids)
-        if (
-            resident is not None and chooser.min_tokens <= produced
-            and state.new_features.shape[1] <= block_size
-            and resident.fits(state.start, request.max_new_tokens - produced)
+        if resident is not None and resident.take_over(
+            state, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
-            resident.load_linear(state.start, state.pending, state.new_features)
-            resident.decode(state.start, sink, stats, should_stop)
             break
         produced = len(sink.token_ids)
         # Nodes deeper than this could only yield tokens past max_new_tokens.

@@ -62,14 +62,9 @@ def decode_linear(
         if should_stop is not None and should_stop():
             sink.finish_cancelled()
             break
-        produced = len(sink.token_ids)
-        if (
-            resident is not None and chooser.min_tokens <= produced
-            and state.new_features.shape[1] <= block_size
-            and resident.fits(state.start, request.max_new_tokens - produced)
+        if resident is not None and resident.take_over(
+            state, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
-            resident.load_linear(state.start, state.pending, state.new_features)
-            resident.decode(state.start, sink, stats, should_stop)
             break
         draft_logits = drafter.draft_logits(
             target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
