@@ -24,10 +24,16 @@ def token_paths(tokens: list[int], parents: list[int], valid: list[bool] | None 
     return paths
 
 
-def random_case(generator: torch.Generator, min_vocab: int) -> tuple[torch.Tensor, int]:
+def random_case(
+    generator: torch.Generator, min_vocab: int, budgets: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, int]:
+    """Random logits [depth, vocab] and a budget (from `budgets` when given: each budget is a kernel variant to
+    compile on a GPU)."""
     depth = int(torch.randint(1, 16, (1,), generator=generator))
     vocab = int(torch.randint(min_vocab, 300, (1,), generator=generator))
     budget = int(torch.randint(1, 40, (1,), generator=generator))
+    if budgets is not None:
+        budget = budgets[budget % len(budgets)]
     scale = float(torch.rand(1, generator=generator)) * 6
     return torch.randn(depth, vocab, generator=generator) * scale, budget
 
@@ -43,7 +49,7 @@ def test_the_device_tree_holds_the_host_trees_nodes(kernel: bool) -> None:
     """Same node set as `build_tree` (random logits: no exact ties), small vocabularies (K < budget) included."""
     generator = torch.Generator().manual_seed(0)
     for _ in range(150):
-        logits, budget = random_case(generator, min_vocab=2)
+        logits, budget = random_case(generator, min_vocab=2, budgets=(1, 5, 16, 32) if kernel else None)
         host = build_tree(logits, budget)
         device = grow_tree(logits.to(DEVICE), budget, kernel=kernel)
         host_paths = token_paths([0, *host.token_ids.tolist()], host.parents.tolist())

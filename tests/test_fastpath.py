@@ -185,12 +185,14 @@ def test_cuda_graph_speculation_equals_plain_greedy() -> None:
     target, drafter = golden_pair()
     target, drafter = target.to("cuda"), drafter.to("cuda")
     try:
-        attach_graph_runner(target, drafter, capacity=2048)
+        runner = attach_graph_runner(target, drafter, capacity=2048)
         prompts = random_prompts(4, target.config.vocab_size, seed=9, lengths=(12, 300))
         for prompt in prompts:
             plain = generate(target, drafter, "none", prompt, 200)
             assert generate(target, drafter, "linear", prompt, 200) == plain
             assert generate(target, drafter, "ddtree:16", prompt, 200) == plain
+        # plain, linear and tree rounds all ran as device-resident graphs (`dflash.fastpath.resident`)
+        assert len(runner.residents) == 3 and all(decoder.launched > 0 for decoder in runner.residents.values())
     finally:
         detach_graph_runner(target, drafter)
         target.to("cpu"), drafter.to("cpu")
