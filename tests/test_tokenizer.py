@@ -10,7 +10,7 @@ import pytest
 
 from dflash.errors import GenerationError, ModelLoadError
 from dflash.models.gguf_file import GGUFFile
-from dflash.tokenizer import StreamDecoder, Tokenizer
+from dflash.tokenizer import Tokenizer
 from tests.loading_helpers import smollm2_path, tiny_model_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -217,7 +217,7 @@ def test_stream_decoder_multibyte(smollm: Tokenizer) -> None:
 
 def test_stream_decoder_incomplete_tail(smollm: Tokenizer) -> None:
     ids = smollm.encode("ok 😀")
-    stream = StreamDecoder(smollm)
+    stream = smollm.stream_decoder()
     out = "".join(stream.push(i) for i in ids[:-1])
     assert out == "ok"  # the half-emoji is held back
     assert stream.flush().endswith("\ufffd")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +259,7 @@ class Tokenizer:
         )
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens))
 
 
 class StreamDecoder:
@@ -270,9 +270,8 @@ class StreamDecoder:
     sequence, unless more than `max_pending` ids are waiting (then the text really is invalid).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False, max_pending: int = 8) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
+    def __init__(self, decode: Callable[[list[int]], str], max_pending: int = 8) -> None:
+        self._decode = decode  # ids -> text, e.g. `Tokenizer.decode`
         self._max_pending = max_pending
         self._ids: list[int] = []
         self._prefix = 0  # start of the decoding window
@@ -289,8 +288,8 @@ class StreamDecoder:
     def _emit(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        seen = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
-        full = self._tok.decode(self._ids[self._prefix :], self._skip)
+        seen = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
         pending = len(self._ids) - self._read
         if not final and full.endswith("\ufffd") and pending <= self._max_pending:
             return ""

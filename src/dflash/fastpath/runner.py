@@ -2,8 +2,8 @@
 
 A graph bakes in the addresses of every tensor it touches, so the runner owns one persistent K/V storage per
 model (sized for the whole context) and hands out caches that are views of it (`lease_*_cache`); a request whose
-cache is such a view runs its decode steps, verifications and drafter rounds through graphs, anything else (a
-prefill chunk, a second live cache, an odd shape) falls back to the eager forward. Graphs are captured lazily per
+cache is such a view runs its decode steps, verifications, drafter rounds and prefill chunks (up to `max_rows`)
+through graphs, anything else (a second live cache, an odd shape) falls back to the eager forward. Graphs are captured lazily per
 shape: `rows` (the new tokens, padded to a power of two up to 8, then to a multiple of 8: at these sizes the
 matrix products cost the same, they stream the weights; prefill chunks, which need no per-row logits, pad to a
 power of two) and `bucket` (the cache slots attention reads, a power

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dflash.generation.request import TokenCallback
+from dflash.tokenizer import StreamDecoder
 
 REPLACEMENT = "\ufffd"
-RESYNC_TOKENS = 128  # a whole decode this often anchors the incremental text
 
 
 class OutputSink:
@@ -37,9 +37,8 @@ class OutputSink:
         self.stop_reason: str | None = None
         self._unreleased_ids: list[int] = []
         self._text_ids: list[int] = []  # tokens that produce text (EOS excluded)
-        # incremental decoding: text of _text_ids[:_read_offset], and where the decode window starts
-        self._settled = ""
-        self._prefix_offset = self._read_offset = 0
+        self._stream = StreamDecoder(decode)  # incremental: each push decodes a short window, not the whole
+        self._streamed = ""  # the text of the text tokens so far, complete characters only
 
     @property
     def finished(self) -> bool:
@@ -55,42 +54,18 @@ class OutputSink:
             self._finish("stop", "eos", self.decode(self._text_ids))
             return True
         self._text_ids.append(token)
-        full = self._decoded_text()
+        self._streamed += self._stream.push(token)
+        full = self._streamed  # decode(text ids), but for an incomplete character at the end (held back)
         for stop in self.stop:
             index = full.find(stop, max(0, len(self.text) - len(stop)))
             if index >= 0:
                 self._finish("stop", stop, full[:index])
                 return True
         if len(self.token_ids) >= self.max_new_tokens:
-            self._finish("length", None, full)
+            self._finish("length", None, full + self._stream.flush())
             return True
         self._release(self._safe_prefix(full))
         return False
-
-    def _decoded_text(self) -> str:
-        """decode(text ids) without decoding them all each time: only the window after `_prefix_offset` is
-        decoded, and what it adds beyond the window's previous text is appended (the window keeps a token or more
-        of context, so word-initial spaces and multi-byte characters decode as in the whole). Every
-        `RESYNC_TOKENS` tokens, and whenever the window's text does not extend its previous text, the whole is
-        decoded again."""
-        ids = self._text_ids
-        if len(ids) % RESYNC_TOKENS == 0:
-            return self._settle(self.decode(ids))
-        before = self.decode(ids[self._prefix_offset : self._read_offset])
-        window = self.decode(ids[self._prefix_offset :])
-        if not window.startswith(before) or before.endswith(REPLACEMENT):
-            return self._settle(self.decode(ids))
-        full = self._settled + window[len(before) :]
-        if not full.endswith(REPLACEMENT):  # complete characters: move the window on
-            self._settled, self._prefix_offset, self._read_offset = full, self._read_offset, len(ids)
-        return full
-
-    def _settle(self, full: str) -> str:
-        """Restart the window at the end of a whole decode `full` (unless it ends mid-character)."""
-        if not full.endswith(REPLACEMENT):
-            self._settled = full
-            self._prefix_offset = self._read_offset = len(self._text_ids)
-        return full
 
     def push_many(self, tokens: Sequence[int]) -> bool:
         return any(self.push(t) for t in tokens)
