@@ -9,7 +9,9 @@ drafter, in one run:
   copies);
 * the decoding loops (plain, linear, DDTree) over `--tokens` new tokens: wall milliseconds per token and per round,
   and the share of the wall the device is busy (rounds x graph device time / wall);
-* a cProfile of one linear and one DDTree generation: the host functions that take the round's time.
+* a cProfile of one linear and one DDTree generation: the host functions that take the round's time;
+* the device time of the tree round's own pieces, each captured alone (`tree_pieces_gpu_ms`): the drafter's top-k
+  log-probabilities, the whole tree growth, the walk.
 
 Usage: PYTHONPATH=src python benchmarks/gpu_round_profile.py [--model GGUF] --out results/gpu_round_profile.json
 """
@@ -34,6 +36,7 @@ import torch
 from gpu_scale_study import randomise  # benchmarks/ is the script's folder
 
 from dflash.config import ModelConfig
+from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.output import OutputSink
@@ -46,6 +49,7 @@ from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.drafter_loader import load_drafter
 from dflash.spec.linear import decode_linear
+from dflash.spec.tree import topk_log_probs
 
 DTYPE = torch.bfloat16
 
@@ -114,6 +118,52 @@ def kernel_table(runner: GraphRunner, key_prefix: tuple[object, ...], replays: i
     return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
+def graph_gpu_ms(fn: Callable[[], object], iters: int = 200) -> float:
+    """Device milliseconds per replay of `fn` captured alone as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def tree_pieces_gpu_ms(budget: int, depth: int, vocab: int, device: torch.device) -> dict[str, float | bool]:
+    """Device time of the tree round's own steps on random drafter logits [depth, vocab] (bf16): the builder's
+    path (Triton programs when usable) beside torch ops."""
+    logits = torch.randn((depth, vocab), generator=torch.Generator().manual_seed(1)).to(device, DTYPE)
+    builder = TreeBuilder(budget, depth, vocab, device)
+    reference = TreeBuilder(budget, depth, vocab, device, kernel=False)
+    tree = builder.grow(logits)
+    choices = torch.randint(0, vocab, (budget + 1,), device=device)
+    pieces: dict[str, float | bool] = {"kernels": builder.kernel}
+    timings: dict[str, Callable[[], object]] = {
+        "topk_log_probs_torch": lambda: topk_log_probs(logits, builder.k),
+        "grow_tree": lambda: builder.grow(logits),
+        "grow_tree_torch": lambda: reference.grow(logits),
+        "walk_tree": lambda: builder.walk(tree, choices),
+        "walk_tree_torch": lambda: walk_tree(tree, choices, depth),
+    }
+    if builder.kernel:
+        from dflash.kernels.triton_topk import draft_topk
+
+        timings["topk_log_probs"] = lambda: draft_topk(logits, builder.topk_scratch, builder.top_lp, builder.top_ids)
+    for name, fn in timings.items():
+        pieces[name] = round(graph_gpu_ms(fn), 4)
+    return pieces
+
+
 def timed_call_ms(fn: Callable[[], object], iters: int = 100) -> float:
     for _ in range(5):
         fn()
@@ -159,6 +209,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--kernel-rows", type=int, default=25, help="rows of each kernel table")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -225,8 +276,12 @@ def main() -> None:
     kernels = {}
     for name, key in (("resident_linear_round", ("resident", drafts, None)),
                       ("resident_tree_round", ("resident", drafts, args.budget))):
-        kernels[name] = kernel_table(runner, key)
+        kernels[name] = kernel_table(runner, key, rows=args.kernel_rows)
         print(f"---- kernels {name}\n{kernels[name]}", flush=True)
+
+    with torch.inference_mode():
+        pieces = tree_pieces_gpu_ms(args.budget, drafts, target.config.vocab_size, device)
+    print("tree pieces", pieces, flush=True)
 
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -239,6 +294,7 @@ def main() -> None:
         "loops": loops,
         "graphs": {k: (round(v, 4) if v is not None else None) for k, v in {**gpu, **calls}.items()},
         "cprofile_top_by_self_time": {mode: text.splitlines() for mode, text in profiles.items()},
+        "tree_pieces_gpu_ms": pieces,
         "kernels_per_20_replays": {name: text.splitlines() for name, text in kernels.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import torch
 
 from dflash.fastpath.device_tree import DeviceTree, TreeBuilder, grow_tree, walk_tree
 from dflash.kernels.triton_tree import tree_kernel_usable
-from dflash.spec.tree import build_tree, follow_tree, tree_from_parents
+from dflash.spec.tree import build_tree, follow_tree, topk_log_probs, tree_from_parents
 
 
 def token_paths(tokens: list[int], parents: list[int], valid: list[bool] | None = None) -> set[tuple[int, ...]]:
@@ -48,10 +48,12 @@ KERNEL = pytest.param(
 def test_the_device_tree_holds_the_host_trees_nodes(kernel: bool) -> None:
     """Same node set as `build_tree` (random logits: no exact ties), small vocabularies (K < budget) included."""
     generator = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    for _ in range(40 if kernel else 150):  # each kernel case also checks itself against torch ops
         logits, budget = random_case(generator, min_vocab=2, budgets=(1, 5, 16, 32) if kernel else None)
         host = build_tree(logits, budget)
-        device = grow_tree(logits.to(DEVICE), budget, kernel=kernel)
+        builder = TreeBuilder(budget, logits.shape[0], logits.shape[1], DEVICE, kernel=kernel)
+        assert builder.kernel == kernel  # the kernels agreed with torch ops on their own check
+        device = builder.grow(logits.to(DEVICE))
         host_paths = token_paths([0, *host.token_ids.tolist()], host.parents.tolist())
         device_paths = token_paths(device.tokens.tolist(), device.parents.tolist(), device.valid.tolist())
         assert device_paths == host_paths
@@ -80,18 +82,22 @@ def choices_for(tree: DeviceTree, vocab: int, generator: torch.Generator) -> tor
     return torch.tensor(choices)
 
 
-def test_the_device_walk_follows_the_host_walk() -> None:
+@pytest.mark.parametrize("kernel", [False, KERNEL], ids=["torch", "triton"])
+def test_the_device_walk_follows_the_host_walk(kernel: bool) -> None:
     generator = torch.Generator().manual_seed(1)
     lengths = []
-    for _ in range(200):
-        logits, budget = random_case(generator, min_vocab=40)
-        depth = logits.shape[0]
-        tree = grow_tree(logits, budget)
+    for _ in range(60 if kernel else 200):
+        logits, budget = random_case(generator, min_vocab=40, budgets=(5, 16, 32) if kernel else None)
+        depth, vocab = logits.shape
+        builder = TreeBuilder(budget, depth, vocab, DEVICE, kernel=kernel)
+        assert builder.kernel == kernel
+        tree = builder.grow(logits.to(DEVICE))
         tokens = tree.tokens.tolist()
         host_tree = tree_from_parents(tokens[1:], [-1, *tree.parents.tolist()[1:]])
-        choices = choices_for(tree, logits.shape[1], generator)
+        choices = choices_for(tree, vocab, generator)
         visited, bonus = follow_tree(host_tree, choices)
-        path, length, device_bonus, committed = walk_tree(tree, choices, depth)
+        path, length, device_bonus, committed = builder.walk(tree, choices.to(DEVICE))
+        assert torch.equal(path, walk_tree(tree, choices.to(DEVICE), depth)[0])
         count = int(length)
         assert path[:count].tolist() == visited
         assert int(device_bonus) == bonus
@@ -114,13 +120,41 @@ def test_a_kernel_that_fails_leaves_the_torch_path(monkeypatch: pytest.MonkeyPat
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(triton_tree, "tree_levels", broken)
+    monkeypatch.setattr(triton_tree, "tree_grow", broken)
     builder = TreeBuilder(8, 4, 50, "cpu", kernel=True)
     assert not builder.kernel
-    assert "tree kernel unavailable" in caplog.text
+    assert "tree kernels unavailable" in caplog.text
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
     host = build_tree(logits, 8)
     tree = builder.grow(logits)
     assert token_paths(tree.tokens.tolist(), tree.parents.tolist()) == token_paths(
         [0, *host.token_ids.tolist()], host.parents.tolist()
     )
+
+
+@pytest.mark.skipif(not tree_kernel_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize(("rows", "vocab", "k"), [(3, 700, 5), (2, 2600, 32), (1, 40, 40)])
+def test_the_top_k_program_matches_torch(rows: int, vocab: int, k: int) -> None:
+    """`draft_topk` against `topk_log_probs`: the same tokens in the same order (random logits, no ties) and the
+    same log-probabilities up to the logsumexp's summation order; segments of fewer than k entries included."""
+    from dflash.kernels.triton_topk import TopKScratch, draft_topk
+
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).to(DEVICE)
+    log_probs = torch.empty((rows, k), device=DEVICE)
+    ids = torch.empty((rows, k), dtype=torch.long, device=DEVICE)
+    draft_topk(logits, TopKScratch(rows, vocab, k, DEVICE), log_probs, ids)
+    expected_lp, expected_ids = topk_log_probs(logits, k)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(log_probs, expected_lp, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not tree_kernel_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+def test_the_top_k_program_breaks_ties_by_token_id() -> None:
+    from dflash.kernels.triton_topk import TopKScratch, draft_topk
+
+    logits = torch.zeros(1, 3000, device=DEVICE)
+    logits[0, [2500, 7, 1200]] = 1.0  # three equal maxima in different segments
+    log_probs = torch.empty((1, 5), device=DEVICE)
+    ids = torch.empty((1, 5), dtype=torch.long, device=DEVICE)
+    draft_topk(logits, TopKScratch(1, 3000, 5, DEVICE), log_probs, ids)
+    assert ids[0].tolist() == [7, 1200, 2500, 0, 1]

@@ -53,72 +53,95 @@ class TreeBuilder:
     def __init__(
         self, budget: int, depth: int, vocab: int, device: torch.device | str, *, kernel: bool | None = None
     ) -> None:
-        """`kernel`: run the depth loop as one Triton program (`dflash.kernels.triton_tree`; None: when usable)."""
-        from dflash.kernels.triton_tree import tree_kernel_usable
+        """`kernel`: grow and walk trees with Triton programs (`dflash.kernels.triton_topk` for the drafter's
+        top-k, `dflash.kernels.triton_tree` for the rest; None: when usable)."""
+        from dflash.kernels.triton_topk import TopKScratch
+        from dflash.kernels.triton_tree import GrowScratch, tree_kernel_usable
 
         device = torch.device(device)
         self.budget, self.depth, self.k = budget, depth, min(budget, vocab)
         self.kernel = tree_kernel_usable(device) if kernel is None else kernel
         pairs = [(i, r) for i in range(budget) for r in range(self.k) if (i + 1) * (r + 1) <= budget]
+        self.pairs = len(pairs)
         padded = 1 << max(0, len(pairs) - 1).bit_length() if self.kernel else len(pairs)
         self.pair_parent = torch.zeros(padded, dtype=torch.long, device=device)  # [pairs]
         self.pair_rank = torch.zeros(padded, dtype=torch.long, device=device)  # [pairs]
         self.pair_parent[: len(pairs)] = torch.tensor([i for i, _ in pairs], dtype=torch.long)
         self.pair_rank[: len(pairs)] = torch.tensor([r for _, r in pairs], dtype=torch.long)
         self.pair_real = torch.arange(padded, device=device) < len(pairs)  # [pairs]
-        self.pair_parent32 = self.pair_parent.to(torch.int32)
-        self.pair_rank32 = self.pair_rank.to(torch.int32)
-        self.row_of = torch.zeros(1 << max(0, depth * budget - 1).bit_length(), dtype=torch.int32, device=device)
-        self.scratch = torch.zeros(padded, dtype=torch.float32, device=device)
         self.first_rank = torch.arange(budget, device=device).clamp(max=self.k - 1)[None]  # [1, n]
-        if self.kernel and not self._kernel_agrees(vocab, device):
-            self.kernel = False
+        if self.kernel:
+            self.pair_parent32 = self.pair_parent.to(torch.int32)
+            self.pair_rank32 = self.pair_rank.to(torch.int32)
+            self.top_lp = torch.zeros((depth, self.k), dtype=torch.float32, device=device)  # [depth, k]
+            self.top_ids = torch.zeros((depth, self.k), dtype=torch.long, device=device)  # [depth, k]
+            self.topk_scratch = TopKScratch(depth, vocab, self.k, device)
+            self.grow_scratch = GrowScratch(depth, budget, device)
+            if not self._kernel_agrees(vocab, device):
+                self.kernel = False
 
     def _kernel_agrees(self, vocab: int, device: torch.device) -> bool:
-        """Run the Triton path once against the torch path (random logits: no ties, so identical rows); a
-        compile failure or a mismatch keeps the torch path, with a warning."""
-        logits = torch.randn((self.depth, vocab), generator=torch.Generator().manual_seed(0)).to(device)
+        """Grow and walk a tree once with the Triton programs and once with torch ops (random logits: no ties,
+        so identical rows); a compile failure or a mismatch keeps the torch path, with a warning."""
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn((self.depth, vocab), generator=generator).to(device)
+        follow = torch.rand(self.budget + 1, generator=generator) < 0.8
         try:
-            fast = self.grow(logits)
-        except Exception as exc:  # a Triton build this kernel does not compile on
-            log.warning("tree kernel unavailable (%s); building trees with torch ops", exc)
+            tree = self.grow(logits)  # target choices that follow the tree for a while, then leave it
+            choices = torch.where(follow.to(device), tree.tokens.roll(-1), 0)
+            fast = (*_tree_fields(tree), *self.walk(tree, choices))
+        except Exception as exc:  # a Triton build these programs do not compile on
+            log.warning("tree kernels unavailable (%s); building trees with torch ops", exc)
             return False
         self.kernel = False
-        reference = self.grow(logits)
+        reference_tree = self.grow(logits)
+        reference = (*_tree_fields(reference_tree), *self.walk(reference_tree, choices))
         self.kernel = True
-        same = all(torch.equal(getattr(fast, name), getattr(reference, name))
-                   for name in ("tokens", "depths", "parents", "valid", "ancestors"))
+        same = all(torch.equal(a, b) for a, b in zip(fast, reference, strict=True))
         if not same:
-            log.warning("tree kernel disagrees with the torch ops; building trees with torch ops")
+            log.warning("tree kernels disagree with the torch ops; building trees with torch ops")
         return same
 
     def grow(self, draft_logits: torch.Tensor) -> DeviceTree:
         """draft_logits: [depth, vocab] (row d-1 = block position d) -> the best `budget` prefixes."""
         depth, n, k, device = self.depth, self.budget, self.k, draft_logits.device
+        if self.kernel:
+            from dflash.kernels.triton_topk import draft_topk
+            from dflash.kernels.triton_tree import tree_grow
+
+            draft_topk(draft_logits[:depth], self.topk_scratch, self.top_lp, self.top_ids)
+            return DeviceTree(*tree_grow(
+                self.top_lp, self.top_ids, self.pair_parent32, self.pair_rank32, self.pairs, self.grow_scratch
+            ))
         top_lp, top_ids = topk_log_probs(draft_logits[:depth], k)  # [depth, k] each, descending
         scores = torch.full((depth, n), float("-inf"), device=device)  # kept prefixes per depth, descending
         scores[0, :k] = top_lp[0]
-        if self.kernel:
-            from dflash.kernels.triton_tree import tree_assemble, tree_levels
-
-            candidate_lp = torch.where(self.pair_real, top_lp[:, self.pair_rank], float("-inf"))  # [depth, pairs]
-            order = torch.zeros((depth, n), dtype=torch.int32, device=device)
-            tree_levels(candidate_lp, self.pair_parent32, scores, order, self.scratch)
-            return DeviceTree(*tree_assemble(
-                scores, order, self.pair_parent32, self.pair_rank32, top_ids.contiguous(), self.row_of
-            ))
         parent_index = torch.zeros((depth, n), dtype=torch.long, device=device)  # into the previous depth's kept
         rank = torch.zeros((depth, n), dtype=torch.long, device=device)  # candidate rank at this depth
         rank[0] = self.first_rank[0]
         for d in range(1, depth):
             extensions = torch.where(
                 self.pair_real, scores[d - 1][self.pair_parent] + top_lp[d][self.pair_rank], float("-inf")
-            )  # [pairs], padding pairs (a power-of-two count for the kernel) never win
+            )  # [pairs]
             best, order_d = extensions.sort(descending=True, stable=True)
             scores[d] = best[:n]
             parent_index[d] = self.pair_parent[order_d[:n]]
             rank[d] = self.pair_rank[order_d[:n]]
         return assemble_tree(scores, parent_index, rank, top_ids)
+
+    def walk(
+        self, tree: DeviceTree, choices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`walk_tree` over this builder's depth, as one Triton program when the builder uses kernels."""
+        if self.kernel:
+            from dflash.kernels.triton_tree import tree_walk
+
+            return tree_walk(tree.tokens, tree.parents, tree.valid, tree.depths, tree.ancestors, choices, self.depth)
+        return walk_tree(tree, choices, self.depth)
+
+
+def _tree_fields(tree: DeviceTree) -> tuple[torch.Tensor, ...]:
+    return tree.tokens, tree.depths, tree.parents, tree.valid, tree.ancestors
 
 
 def assemble_tree(

@@ -29,12 +29,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash.fastpath.device_tree import TreeBuilder, walk_tree
+from dflash.fastpath.device_tree import TreeBuilder
 from dflash.fastpath.runner import GraphRunner, padded_rows
 from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationStats
 from dflash.generation.selection import TokenChooser
+from dflash.kernels.triton_kv_move import move_path_rows, move_usable
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
@@ -176,14 +177,17 @@ class ResidentDecoder:
         )  # [1, rows, vocab], [1, rows, n*hidden]
         assert features is not None
         choices = logits[0, : budget + 1].argmax(dim=-1)  # [budget + 1]
-        path, length, bonus, committed = walk_tree(tree, choices, depth)  # path [depth + 1]: rows from the root
+        path, length, bonus, committed = builder.walk(tree, choices)  # path [depth + 1]: rows from the root
         # the accepted rows' K/V move to the slots right after the committed prefix (the path's positions)
         storage = runner.target_storage
-        source = runner.length + path  # [depth + 1]
-        dest = runner.length + torch.arange(depth + 1, device=runner.device)
-        storage.keys.index_copy_(3, dest, storage.keys.index_select(3, source))
-        storage.values.index_copy_(3, dest, storage.values.index_select(3, source))
-        storage.positions[0].index_copy_(0, dest, dest)
+        if builder.kernel and move_usable(storage.keys, storage.values):
+            move_path_rows(storage.keys, storage.values, storage.positions[0], runner.length, path)
+        else:
+            source = runner.length + path  # [depth + 1]
+            dest = runner.length + torch.arange(depth + 1, device=runner.device)
+            storage.keys.index_copy_(3, dest, storage.keys.index_select(3, source))
+            storage.values.index_copy_(3, dest, storage.values.index_select(3, source))
+            storage.positions[0].index_copy_(0, dest, dest)
         self.out[:1].copy_(length - 1)
         self.out[1:].copy_(committed)
         runner.block_ids[0, :1].copy_(bonus)

@@ -1,10 +1,20 @@
-"""One Triton program for the level-by-level part of DDTree's device tree building.
+"""DDTree's device tree as Triton programs: growing the tree (one program) and walking it (one program).
 
 `dflash.fastpath.device_tree.TreeBuilder` keeps, at every depth, the `n` best extensions of the previous depth's
-kept prefixes. In torch ops that is about ten tiny kernels per depth (gathers, a sort, slices); here one program
-walks the depths in a loop: per depth it scores the candidate pairs (gather + add), ranks each candidate by
-counting the better ones (score, then candidate index on ties) and scatters the best `n` to their rank. Same
-result as a descending sort that breaks ties by index.
+kept prefixes, and the tree is the `n` best of all kept prefixes. In torch ops that is about ten tiny kernels per
+depth plus a global sort; `tree_grow` does it in one program whose data stays in registers:
+
+* per depth, every candidate pair (kept parent, token rank) is scored (parent score gathered by a one-hot
+  reduction, plus the token's log-probability) and ranked by counting the better candidates (score, then pair
+  index on ties); the `n` best become the depth's kept list, sorted;
+* a running list of the `n` best kept prefixes over all depths so far is merged with each depth's list (ties go to
+  the shallower depth, then the better rank: the order of a descending sort over (depth, rank)-major indices);
+  its last entry is the selection threshold;
+* each depth's selected prefixes are a prefix of its sorted list, so rows follow from per-depth counts (rows are
+  depth-major: parents precede children), parent rows from the previous depth's offset, and the ancestor matrix
+  from chasing parents `depth` times.
+
+`tree_walk` is the acceptance walk over the target's choices, in one program.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dflash.kernels.triton_decode import interpreting, triton_available
+from dflash.kernels.triton_decode import interpreting, next_power_of_two, triton_available
 
 
 def tree_kernel_usable(device: torch.device) -> bool:
@@ -22,122 +32,183 @@ def tree_kernel_usable(device: torch.device) -> bool:
 
 
 @cache
-def _kernel() -> Any:
+def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def tree_levels_kernel(  # type: ignore[no-untyped-def]
-        candidate_lp_ptr, pair_parent_ptr, scores_ptr, order_ptr, scratch_ptr, depth,
-        N: tl.constexpr, P: tl.constexpr, CHUNK: tl.constexpr,
+    def tree_grow_kernel(  # type: ignore[no-untyped-def]
+        top_lp_ptr, top_ids_ptr, pair_parent_ptr, pair_rank_ptr, level_scores_ptr, level_pairs_ptr,
+        tokens_ptr, depths_ptr, parents_ptr, valid_ptr, ancestors_ptr, depth, pairs, K,
+        N: tl.constexpr, NP: tl.constexpr, P: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
     ):
-        pairs = tl.arange(0, P)
-        parent = tl.load(pair_parent_ptr + pairs)
+        kept = tl.arange(0, NP)  # slots N.. are padding (-inf)
+        real_slot = kept < N
+        pair = tl.arange(0, P)
+        pair_parent = tl.load(pair_parent_ptr + pair)
+        pair_rank = tl.load(pair_rank_ptr + pair)
+        real = pair < pairs
+        # depth 1: the best first tokens
+        kept_score = tl.load(top_lp_ptr + kept, mask=kept < K, other=-float("inf"))  # K <= N
+        tl.store(level_scores_ptr + kept, kept_score, mask=real_slot)
+        tl.store(level_pairs_ptr + kept, kept, mask=real_slot)
+        best_score = kept_score  # the n best kept prefixes of all depths so far, by (score desc, flat index asc)
         for d in range(1, depth):
-            score = tl.load(scores_ptr + (d - 1) * N + parent) + tl.load(candidate_lp_ptr + d * P + pairs)
-            tl.store(scratch_ptr + pairs, score)
-            tl.debug_barrier()
-            rank = tl.zeros([P], dtype=tl.int32)
-            for start in tl.static_range(0, P, CHUNK):
-                other_index = start + tl.arange(0, CHUNK)
-                other = tl.load(scratch_ptr + other_index)
-                better = (other[None, :] > score[:, None]) | (
-                    (other[None, :] == score[:, None]) & (other_index[None, :] < pairs[:, None])
-                )
-                rank += tl.sum(better.to(tl.int32), axis=1)
-            kept = rank < N
-            tl.store(scores_ptr + d * N + rank, score, mask=kept)
-            tl.store(order_ptr + d * N + rank, pairs, mask=kept)
-            tl.debug_barrier()
+            token_lp = tl.load(top_lp_ptr + d * K + pair_rank, mask=real, other=-float("inf"))
+            is_parent = pair_parent[:, None] == kept[None, :]  # [P, N]
+            parent_score = tl.max(tl.where(is_parent, kept_score[None, :], -float("inf")), axis=1)
+            score = tl.where(real, parent_score + token_lp, -float("inf"))  # [P]
+            better = (score[None, :] > score[:, None]) | (
+                (score[None, :] == score[:, None]) & (pair[None, :] < pair[:, None])
+            )  # [P, P]: [p, q] = candidate q ranks before p
+            rank = tl.sum(better.to(tl.int32), axis=1)
+            at_rank = rank[None, :] == kept[:, None]  # [N, P]
+            kept_score = tl.max(tl.where(at_rank & real_slot[:, None], score[None, :], -float("inf")), axis=1)
+            kept_pair = tl.max(tl.where(at_rank, pair[None, :], -1), axis=1)
+            tl.store(level_scores_ptr + d * N + kept, kept_score, mask=real_slot)
+            tl.store(level_pairs_ptr + d * N + kept, kept_pair, mask=real_slot)
+            # merge: earlier entries win ties (smaller flat index), so a new entry counts only strictly better
+            # old ones... and an old entry counts the new entries strictly better than it
+            old_rank = kept + tl.sum((kept_score[None, :] > best_score[:, None]).to(tl.int32), axis=1)
+            new_rank = kept + tl.sum((best_score[None, :] >= kept_score[:, None]).to(tl.int32), axis=1)
+            best_score = tl.maximum(
+                tl.max(tl.where(old_rank[None, :] == kept[:, None], best_score[None, :], -float("inf")), axis=1),
+                tl.max(tl.where(new_rank[None, :] == kept[:, None], kept_score[None, :], -float("inf")), axis=1),
+            )
+        tl.debug_barrier()
+        # the threshold is the n-th best score; how many entries equal to it each depth keeps follows from the
+        # tie rule (shallower depths first, then rank)
+        threshold = tl.max(tl.where(kept == N - 1, best_score, -float("inf")), axis=0)
+        level = tl.arange(0, D)
+        inside = (level[:, None] < depth) & real_slot[None, :]  # [D, NP]
+        scores = tl.load(level_scores_ptr + level[:, None] * N + kept[None, :], mask=inside, other=-float("inf"))
+        level_pair = tl.load(level_pairs_ptr + level[:, None] * N + kept[None, :], mask=inside, other=0)
+        above = tl.sum((inside & (scores > threshold)).to(tl.int32), axis=1)  # [D]
+        ties = tl.sum((inside & (scores == threshold)).to(tl.int32), axis=1)  # [D]
+        tie_quota = N - tl.sum(above, axis=0)
+        ties_before = tl.cumsum(ties, axis=0) - ties
+        count = above + tl.minimum(ties, tl.maximum(tie_quota - ties_before, 0))  # [D] selected per depth
+        offset = tl.cumsum(count, axis=0) - count  # [D] rows before the depth's
+        is_previous = level[None, :] == level[:, None] - 1  # [D, D]
+        previous_offset = tl.sum(tl.where(is_previous, offset[None, :], 0), axis=1)
+        previous_count = tl.sum(tl.where(is_previous, count[None, :], 0), axis=1)
+        chosen = kept[None, :] < count[:, None]  # [D, N]
+        row = offset[:, None] + kept[None, :] + 1
+        deeper = inside & (level[:, None] > 0)
+        parent_kept = tl.load(pair_parent_ptr + level_pair, mask=deeper, other=0)
+        token_rank = tl.where(
+            level[:, None] > 0, tl.load(pair_rank_ptr + level_pair, mask=deeper, other=0),
+            tl.minimum(kept[None, :], K - 1),
+        )
+        parent_row = tl.where(
+            level[:, None] > 0,
+            tl.where(parent_kept < previous_count[:, None], previous_offset[:, None] + parent_kept + 1, -1),
+            0,
+        )
+        token = tl.load(top_ids_ptr + level[:, None] * K + token_rank, mask=inside, other=0)
+        valid = (scores > -float("inf")) & (parent_row >= 0)
+        tl.store(tokens_ptr + row, token, mask=chosen)
+        tl.store(depths_ptr + row, (level[:, None] + 1 + kept[None, :] * 0).to(tl.int64), mask=chosen)
+        tl.store(parents_ptr + row, tl.maximum(parent_row, 0).to(tl.int64), mask=chosen)
+        tl.store(valid_ptr + row, valid.to(tl.int8), mask=chosen)
+        tl.store(tokens_ptr, 0)
+        tl.store(depths_ptr, 0)
+        tl.store(parents_ptr, 0)
+        tl.store(valid_ptr, 1)
+        tl.debug_barrier()
+        rows = tl.arange(0, R)
+        live = rows < N + 1
+        parent_of = tl.load(parents_ptr + rows, mask=live, other=0)  # [R]
+        node = rows.to(tl.int64)
+        reach = (rows[None, :] == rows[:, None]).to(tl.int32)  # [R, R]: the node itself
+        for _ in range(0, depth):  # then its ancestors up to the root (its own parent)
+            node = tl.sum(tl.where(rows[None, :] == node[:, None], parent_of[None, :], 0), axis=1)
+            reach = tl.maximum(reach, (rows[None, :] == node[:, None]).to(tl.int32))
+        tl.store(
+            ancestors_ptr + rows[:, None] * (N + 1) + rows[None, :], reach.to(tl.int8),
+            mask=live[:, None] & live[None, :],
+        )
 
     @triton.jit
-    def tree_assemble_kernel(  # type: ignore[no-untyped-def]
-        scores_ptr, order_ptr, pair_parent_ptr, pair_rank_ptr, top_ids_ptr, row_of_ptr,
-        tokens_ptr, depths_ptr, parents_ptr, valid_ptr, ancestors_ptr, depth, K,
-        N: tl.constexpr, M: tl.constexpr, R: tl.constexpr, CHUNK: tl.constexpr,
+    def tree_walk_kernel(  # type: ignore[no-untyped-def]
+        tokens_ptr, parents_ptr, valid_ptr, depths_ptr, ancestors_ptr, choices_ptr,
+        path_ptr, length_ptr, bonus_ptr, committed_ptr, rows, depth,
+        R: tl.constexpr, S: tl.constexpr,
     ):
-        flat = tl.arange(0, M)  # kept prefix d * N + j (depth d + 1, j-th best there)
-        total = depth * N
-        live = flat < total
-        score = tl.load(scores_ptr + flat, mask=live, other=-float("inf"))
-        rank = tl.zeros([M], dtype=tl.int32)
-        for start in tl.static_range(0, M, CHUNK):
-            other_index = start + tl.arange(0, CHUNK)
-            other = tl.load(scores_ptr + other_index, mask=other_index < total, other=-float("inf"))
-            better = (other[None, :] > score[:, None]) | (
-                (other[None, :] == score[:, None]) & (other_index[None, :] < flat[:, None])
-            )
-            rank += tl.sum(better.to(tl.int32), axis=1)
-        chosen = (rank < N) & live
-        row = tl.cumsum(chosen.to(tl.int32), axis=0)  # rows 1..N in depth-major order
-        tl.store(row_of_ptr + flat, tl.where(chosen, row, -1))
-        tl.debug_barrier()
-        level = flat // N
-        deeper = live & (level > 0)
-        pair = tl.load(order_ptr + flat, mask=deeper, other=0)
-        parent_kept = tl.load(pair_parent_ptr + pair, mask=deeper, other=0)
-        token_rank = tl.where(level > 0, tl.load(pair_rank_ptr + pair, mask=deeper, other=0),
-                              tl.minimum(flat % N, K - 1))
-        parent_row = tl.where(level > 0, tl.load(row_of_ptr + (level - 1) * N + parent_kept, mask=deeper, other=0), 0)
-        token = tl.load(top_ids_ptr + level * K + token_rank, mask=live, other=0)
-        valid = (score > -float("inf")) & (parent_row >= 0)
-        tl.store(tokens_ptr + row, token, mask=chosen)
-        tl.store(depths_ptr + row, level + 1, mask=chosen)
-        tl.store(parents_ptr + row, tl.maximum(parent_row, 0), mask=chosen)
-        tl.store(valid_ptr + row, valid.to(tl.int8), mask=chosen)
-        root = flat == 0
-        tl.store(tokens_ptr + flat, tl.zeros([M], dtype=tl.int64), mask=root)
-        tl.store(depths_ptr + flat, tl.zeros([M], dtype=tl.int64), mask=root)
-        tl.store(parents_ptr + flat, tl.zeros([M], dtype=tl.int64), mask=root)
-        tl.store(valid_ptr + flat, tl.full([M], 1, dtype=tl.int8), mask=root)
-        rows = tl.arange(0, R)
-        inside = rows < N + 1
-        tl.store(
-            ancestors_ptr + rows[:, None] * (N + 1) + rows[None, :], tl.zeros([R, R], dtype=tl.int8),
-            mask=inside[:, None] & inside[None, :],
-        )
-        tl.debug_barrier()
-        node = rows.to(tl.int64)
-        for _ in range(0, depth + 1):  # the node itself, then its ancestors up to the root (its own parent)
-            tl.store(ancestors_ptr + rows * (N + 1) + node, tl.full([R], 1, dtype=tl.int8), mask=inside)
-            node = tl.load(parents_ptr + node, mask=inside, other=0)
+        row = tl.arange(0, R)
+        live = row < rows
+        token = tl.load(tokens_ptr + row, mask=live, other=0)
+        parent = tl.load(parents_ptr + row, mask=live, other=0)
+        node_depth = tl.load(depths_ptr + row, mask=live, other=-1)
+        valid = tl.load(valid_ptr + row, mask=live, other=0) != 0
+        target_choice = tl.load(choices_ptr + parent, mask=live, other=-1)
+        match = ((token == target_choice) & valid) | (row == 0)  # [R]
+        ancestor = tl.load(
+            ancestors_ptr + row[:, None] * rows + row[None, :], mask=live[:, None] & live[None, :], other=0
+        ) != 0  # [R, R]
+        blocked = tl.sum((ancestor & (match[None, :] == 0)).to(tl.int32), axis=1)
+        accepted = live & (blocked == 0)
+        length = tl.sum(accepted.to(tl.int32), axis=0)  # accepted nodes + 1 (the root)
+        step = tl.arange(0, S)
+        on_path = accepted[None, :] & (node_depth[None, :] == step[:, None])  # [S, R]
+        path = tl.sum(tl.where(on_path, row[None, :], 0), axis=1)  # [S], 0 past the path
+        next_on_path = accepted[None, :] & (node_depth[None, :] == step[:, None] + 1)
+        next_token = tl.sum(tl.where(next_on_path, token[None, :], 0), axis=1)  # [S]
+        last = tl.sum(tl.where(accepted & (node_depth == length - 1), row, 0), axis=0)
+        bonus = tl.load(choices_ptr + last)
+        tl.store(path_ptr + step, path.to(tl.int64), mask=step < depth + 1)
+        tl.store(committed_ptr + step, tl.where(step < length - 1, next_token, bonus), mask=step < depth + 1)
+        tl.store(length_ptr, length.to(tl.int64))
+        tl.store(bonus_ptr, bonus)
 
-    return tree_levels_kernel, tree_assemble_kernel
+    return tree_grow_kernel, tree_walk_kernel
 
 
-def tree_levels(
-    candidate_lp: torch.Tensor, pair_parent: torch.Tensor, scores: torch.Tensor, order: torch.Tensor,
-    scratch: torch.Tensor,
-) -> None:
-    """candidate_lp: [depth, P] float32, the log-probability of each candidate pair's token at each depth (-inf for
-    padding pairs, P a power of two); pair_parent: [P] int32, the pair's parent among the previous depth's kept;
-    scores: [depth, n] float32 with row 0 filled (the first depth's kept); order: [depth, n] int32; scratch: [P]
-    float32. Fills rows 1.. of `scores` (descending) and `order` (the kept pair per rank)."""
-    depth, pairs = candidate_lp.shape
-    _kernel()[0][(1,)](
-        candidate_lp, pair_parent, scores, order, scratch, depth,
-        N=scores.shape[1], P=pairs, CHUNK=min(pairs, 32), num_warps=4,
-    )
+class GrowScratch:
+    """`tree_grow`'s per-depth kept lists for `depth` depths of `budget` (made once, before graph capture)."""
+
+    def __init__(self, depth: int, budget: int, device: torch.device) -> None:
+        self.scores = torch.empty((depth, budget), dtype=torch.float32, device=device)
+        self.pairs = torch.empty((depth, budget), dtype=torch.int32, device=device)
 
 
-def tree_assemble(
-    scores: torch.Tensor, order: torch.Tensor, pair_parent: torch.Tensor, pair_rank: torch.Tensor,
-    top_ids: torch.Tensor, row_of: torch.Tensor,
+def tree_grow(
+    top_lp: torch.Tensor, top_ids: torch.Tensor, pair_parent: torch.Tensor, pair_rank: torch.Tensor, pairs: int,
+    scratch: GrowScratch,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The best n of every depth's kept prefixes as tree rows (depth-major), from `tree_levels`' output.
-
-    scores, order: [depth, n]; pair_parent, pair_rank: [P] int32; top_ids: [depth, k] long; row_of: [M] int32
-    scratch, M a power of two >= depth * n. Returns tokens, depths, parents [n+1] long, valid [n+1] bool and
-    ancestors [n+1, n+1] bool, as `dflash.fastpath.device_tree.assemble_tree`."""
-    depth, n = scores.shape
-    device = scores.device
+    """top_lp, top_ids: [depth, k] (descending log-probabilities, float32; token ids, long); pair_parent,
+    pair_rank: [P] int32 with P a power of two, the first `pairs` real. Returns tokens, depths, parents [n+1]
+    long, valid [n+1] bool and ancestors [n+1, n+1] bool, as `dflash.fastpath.device_tree.assemble_tree`."""
+    depth, n = scratch.scores.shape
+    device = top_lp.device
     tokens = torch.empty(n + 1, dtype=torch.long, device=device)
     depths = torch.empty(n + 1, dtype=torch.long, device=device)
     parents = torch.empty(n + 1, dtype=torch.long, device=device)
     valid = torch.empty(n + 1, dtype=torch.uint8, device=device)
     ancestors = torch.empty((n + 1, n + 1), dtype=torch.uint8, device=device)
-    _kernel()[1][(1,)](
-        scores, order, pair_parent, pair_rank, top_ids, row_of, tokens, depths, parents, valid, ancestors,
-        depth, top_ids.shape[1], N=n, M=row_of.shape[0], R=1 << n.bit_length(), CHUNK=32, num_warps=4,
+    _kernels()[0][(1,)](
+        top_lp, top_ids, pair_parent, pair_rank, scratch.scores, scratch.pairs,
+        tokens, depths, parents, valid, ancestors, depth, pairs, top_lp.shape[1],
+        N=n, NP=next_power_of_two(n), P=pair_parent.shape[0], D=next_power_of_two(depth), R=next_power_of_two(n + 1), num_warps=8,
     )
     return tokens, depths, parents, valid.view(torch.bool), ancestors.view(torch.bool)
+
+
+def tree_walk(
+    tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depths: torch.Tensor,
+    ancestors: torch.Tensor, choices: torch.Tensor, depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`dflash.fastpath.device_tree.walk_tree` in one program: (path [depth+1], length [1], bonus [1],
+    committed [depth+1])."""
+    rows = tokens.shape[0]
+    device = tokens.device
+    path = torch.empty(depth + 1, dtype=torch.long, device=device)
+    committed = torch.empty(depth + 1, dtype=torch.long, device=device)
+    length = torch.empty(1, dtype=torch.long, device=device)
+    bonus = torch.empty(1, dtype=torch.long, device=device)
+    _kernels()[1][(1,)](
+        tokens, parents, valid.view(torch.uint8), depths, ancestors.view(torch.uint8), choices,
+        path, length, bonus, committed, rows, depth,
+        R=next_power_of_two(rows), S=next_power_of_two(depth + 1), num_warps=4,
+    )
+    return path, length, bonus, committed

@@ -1,0 +1,68 @@
+"""Moving a DDTree round's accepted K/V rows next to the committed prefix, as one Triton program per plane.
+
+After a tree verification the cache holds one K/V row per tree node at slots ``length + row``; the accepted path's
+rows must move to slots ``length, length + 1, ...`` (and their positions be reset) before the next round. torch
+needs a gather and a scatter per tensor (four kernels with a temporary copy); here each (layer, batch, kv head)
+plane of the cache is one program that loads the path's rows, waits for its threads, and stores them at their new
+slots (the path's row at depth i is at slot ``length + i`` or later, so the loads must finish before the stores).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+from dflash.kernels.triton_decode import next_power_of_two
+
+
+@cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def move_rows_kernel(  # type: ignore[no-untyped-def]
+        keys_ptr, values_ptr, positions_ptr, length_ptr, path_ptr, count, capacity,
+        S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        plane = tl.program_id(0).to(tl.int64)
+        step = tl.arange(0, S)
+        dims = tl.arange(0, HEAD_DIM)
+        moving = step < count
+        length = tl.load(length_ptr)
+        source = length + tl.load(path_ptr + step, mask=moving, other=0)  # [S]
+        dest = length + step
+        base = plane * capacity * HEAD_DIM
+        inside = moving[:, None]
+        keys = tl.load(keys_ptr + base + source[:, None] * HEAD_DIM + dims[None, :], mask=inside)
+        values = tl.load(values_ptr + base + source[:, None] * HEAD_DIM + dims[None, :], mask=inside)
+        tl.debug_barrier()
+        tl.store(keys_ptr + base + dest[:, None] * HEAD_DIM + dims[None, :], keys, mask=inside)
+        tl.store(values_ptr + base + dest[:, None] * HEAD_DIM + dims[None, :], values, mask=inside)
+        if plane == 0:
+            tl.store(positions_ptr + dest, dest, mask=moving)
+
+    return move_rows_kernel
+
+
+def move_usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `move_path_rows` takes this cache layout (contiguous planes, a power-of-two head dim)."""
+    head_dim = keys.shape[-1]
+    return keys.is_contiguous() and values.is_contiguous() and head_dim == next_power_of_two(head_dim)
+
+
+def move_path_rows(
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: torch.Tensor, path: torch.Tensor
+) -> None:
+    """keys, values: [layers, batch, kv_heads, capacity, head_dim] contiguous; positions: [capacity] long (the
+    first batch row's); length: [1] long, the committed prefix; path: [count] long rows from the root. Slot
+    ``length + path[i]`` moves to ``length + i`` in every plane, and ``positions[length + i] = length + i``."""
+    layers, batch, heads, capacity, head_dim = keys.shape
+    assert move_usable(keys, values)
+    count = path.shape[0]
+    _kernel()[(layers * batch * heads,)](
+        keys, values, positions, length, path, count, capacity,
+        S=next_power_of_two(count), HEAD_DIM=head_dim, num_warps=2,
+    )

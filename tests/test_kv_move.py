@@ -1,0 +1,35 @@
+"""The Triton K/V row move of a DDTree round (`dflash.kernels.triton_kv_move`) against torch's gather + scatter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.kernels.triton_tree import tree_kernel_usable
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not tree_kernel_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("path", [[0, 1, 2, 3], [0, 2, 5, 9, 13], [0, 3, 4, 0, 0, 0]])
+def test_moving_the_path_rows_matches_torch(path: list[int]) -> None:
+    """Paths whose rows overlap the slots they move to (row 2 moves to slot 1 while row 5 moves to slot 2...);
+    entries past the accepted length (row 0 again) move too, as in the torch version."""
+    generator = torch.Generator().manual_seed(len(path))
+    keys = torch.randn((3, 1, 2, 40, 16), generator=generator).to(DEVICE, torch.bfloat16)
+    values = torch.randn((3, 1, 2, 40, 16), generator=generator).to(DEVICE, torch.bfloat16)
+    positions = torch.arange(40, device=DEVICE)[None].repeat(1, 1) * 7
+    length = torch.tensor([11], device=DEVICE)
+    rows = torch.tensor(path, device=DEVICE)
+    expected_keys, expected_values, expected_positions = keys.clone(), values.clone(), positions.clone()
+    source, dest = length + rows, length + torch.arange(len(path), device=DEVICE)
+    expected_keys.index_copy_(3, dest, expected_keys.index_select(3, source))
+    expected_values.index_copy_(3, dest, expected_values.index_select(3, source))
+    expected_positions[0].index_copy_(0, dest, dest)
+
+    from dflash.kernels.triton_kv_move import move_path_rows
+
+    move_path_rows(keys, values, positions[0], length, rows)
+    assert torch.equal(keys, expected_keys)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(positions, expected_positions)
