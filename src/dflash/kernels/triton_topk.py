@@ -5,10 +5,12 @@ DDTree's device tree needs, per drafted position, the k best tokens and their lo
 a sort, the logsumexp's reductions); here:
 
 1. one program per (row, vocabulary segment): the segment's max and sum of ``exp(x - max)``, and its k best
-   entries, by sorting packed (value, index) keys in registers;
+   entries;
 2. one program per row: the k best of its segments' candidates, and the row's logsumexp from the partial sums.
 
-Keys order entries by value (descending), then by index (ascending): ties go to the lower token id.
+Entries travel as packed int64 keys (the float's order-preserving bits above the inverted index), so one max
+reduction finds the best entry, ties going to the lower token id; k best = k rounds of max-and-remove (a
+register sort of the segment is several times slower on the GPU).
 """
 
 from __future__ import annotations
@@ -44,19 +46,27 @@ def _kernels() -> tuple[Any, Any]:
         bits = x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         ordered = tl.where(bits >= 0x80000000, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
         keys = tl.where(inside, (ordered << 31) | (0x7FFFFFFF - cols.to(tl.int64)), -1)
-        keys = tl.sort(keys, descending=True)
-        slots = tl.arange(0, SEG)
-        tl.store(keys_ptr + (row * segments + segment) * K + slots, keys, mask=slots < K)
+        out = keys_ptr + (row * segments + segment) * K
+        for slot in range(0, K):
+            best = tl.max(keys, axis=0)
+            tl.store(out + slot, best)
+            keys = tl.where(keys == best, -1, keys)
 
     @triton.jit
     def merge_topk_kernel(  # type: ignore[no-untyped-def]
         keys_ptr, max_ptr, sum_ptr, log_probs_ptr, ids_ptr, segments,
-        C: tl.constexpr, S: tl.constexpr, K: tl.constexpr,
+        C: tl.constexpr, S: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     ):
         row = tl.program_id(0)
         candidates = tl.arange(0, C)
         keys = tl.load(keys_ptr + row * segments * K + candidates, mask=candidates < segments * K, other=-1)
-        keys = tl.sort(keys, descending=True)
+        slots = tl.arange(0, KP)
+        top_keys = tl.full([KP], -1, dtype=tl.int64)
+        for slot in range(0, K):
+            best = tl.max(keys, axis=0)
+            top_keys = tl.where(slots == slot, best, top_keys)
+            keys = tl.where(keys == best, -1, keys)
+        keys = top_keys
         parts = tl.arange(0, S)
         part_max = tl.load(max_ptr + row * segments + parts, mask=parts < segments, other=-float("inf"))
         part_sum = tl.load(sum_ptr + row * segments + parts, mask=parts < segments, other=0.0)
@@ -66,8 +76,8 @@ def _kernels() -> tuple[Any, Any]:
         ordered = keys >> 31
         bits = tl.where(ordered >= 0x80000000, ordered ^ 0x80000000, (~ordered) & 0xFFFFFFFF)
         value = bits.to(tl.uint32).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True)
-        tl.store(log_probs_ptr + row * K + candidates, value - log_sum, mask=candidates < K)
-        tl.store(ids_ptr + row * K + candidates, index, mask=candidates < K)
+        tl.store(log_probs_ptr + row * K + slots, value - log_sum, mask=slots < K)
+        tl.store(ids_ptr + row * K + slots, index, mask=slots < K)
 
     return segment_topk_kernel, merge_topk_kernel
 
@@ -80,8 +90,8 @@ class TopKScratch:
     """The intermediate buffers of `draft_topk` for `rows` rows of `vocab` logits and k = `k` (made once, before
     graph capture)."""
 
-    def __init__(self, rows: int, vocab: int, k: int, device: torch.device) -> None:
-        self.segment = max(_power_of_two(k), min(SEGMENT, _power_of_two(vocab)))
+    def __init__(self, rows: int, vocab: int, k: int, device: torch.device, segment: int = SEGMENT) -> None:
+        self.segment = max(_power_of_two(k), min(segment, _power_of_two(vocab)))
         self.segments = -(-vocab // self.segment)
         self.k = k
         self.keys = torch.empty((rows, self.segments * k), dtype=torch.long, device=device)
@@ -104,5 +114,5 @@ def draft_topk(
     )
     merge_kernel[(rows,)](
         scratch.keys, scratch.maxima, scratch.sums, log_probs, ids, segments,
-        C=_power_of_two(segments * k), S=_power_of_two(segments), K=k, num_warps=8,
+        C=_power_of_two(segments * k), S=_power_of_two(segments), K=k, KP=_power_of_two(k), num_warps=8,
     )

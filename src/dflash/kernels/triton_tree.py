@@ -41,6 +41,7 @@ def _kernels() -> tuple[Any, Any]:
         top_lp_ptr, top_ids_ptr, pair_parent_ptr, pair_rank_ptr, level_scores_ptr, level_pairs_ptr,
         tokens_ptr, depths_ptr, parents_ptr, valid_ptr, ancestors_ptr, depth, pairs, K,
         N: tl.constexpr, NP: tl.constexpr, P: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+        STAGES: tl.constexpr,
     ):
         kept = tl.arange(0, NP)  # slots N.. are padding (-inf)
         real_slot = kept < N
@@ -75,6 +76,8 @@ def _kernels() -> tuple[Any, Any]:
                 tl.max(tl.where(old_rank[None, :] == kept[:, None], best_score[None, :], -float("inf")), axis=1),
                 tl.max(tl.where(new_rank[None, :] == kept[:, None], kept_score[None, :], -float("inf")), axis=1),
             )
+        if STAGES < 2:  # profiling: the levels alone
+            return
         tl.debug_barrier()
         # the threshold is the n-th best score; how many entries equal to it each depth keeps follows from the
         # tie rule (shallower depths first, then rank)
@@ -118,12 +121,16 @@ def _kernels() -> tuple[Any, Any]:
         tl.debug_barrier()
         rows = tl.arange(0, R)
         live = rows < N + 1
+        if STAGES < 3:  # profiling: without the ancestor matrix
+            return
         parent_of = tl.load(parents_ptr + rows, mask=live, other=0)  # [R]
-        node = rows.to(tl.int64)
-        reach = (rows[None, :] == rows[:, None]).to(tl.int32)  # [R, R]: the node itself
-        for _ in range(0, depth):  # then its ancestors up to the root (its own parent)
-            node = tl.sum(tl.where(rows[None, :] == node[:, None], parent_of[None, :], 0), axis=1)
-            reach = tl.maximum(reach, (rows[None, :] == node[:, None]).to(tl.int32))
+        # ancestor-or-self closure: (I + A)^(2^k) clamped to 0/1 reaches 2^k hops up (A: the parent one-hot,
+        # the root its own parent); exact in fp16 products with fp32 sums
+        reach = ((rows[None, :] == rows[:, None]) | (rows[None, :] == parent_of[:, None])).to(tl.float16)
+        hops = 1
+        while hops < depth:
+            reach = tl.minimum(tl.dot(reach, reach), 1.0).to(tl.float16)
+            hops *= 2
         tl.store(
             ancestors_ptr + rows[:, None] * (N + 1) + rows[None, :], reach.to(tl.int8),
             mask=live[:, None] & live[None, :],
@@ -174,11 +181,12 @@ class GrowScratch:
 
 def tree_grow(
     top_lp: torch.Tensor, top_ids: torch.Tensor, pair_parent: torch.Tensor, pair_rank: torch.Tensor, pairs: int,
-    scratch: GrowScratch,
+    scratch: GrowScratch, *, stages: int = 3, num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """top_lp, top_ids: [depth, k] (descending log-probabilities, float32; token ids, long); pair_parent,
     pair_rank: [P] int32 with P a power of two, the first `pairs` real. Returns tokens, depths, parents [n+1]
-    long, valid [n+1] bool and ancestors [n+1, n+1] bool, as `dflash.fastpath.device_tree.assemble_tree`."""
+    long, valid [n+1] bool and ancestors [n+1, n+1] bool, as `dflash.fastpath.device_tree.assemble_tree`
+    (`stages` 1: the levels only, 2: without the ancestors; for profiling)."""
     depth, n = scratch.scores.shape
     device = top_lp.device
     tokens = torch.empty(n + 1, dtype=torch.long, device=device)
@@ -189,7 +197,8 @@ def tree_grow(
     _kernels()[0][(1,)](
         top_lp, top_ids, pair_parent, pair_rank, scratch.scores, scratch.pairs,
         tokens, depths, parents, valid, ancestors, depth, pairs, top_lp.shape[1],
-        N=n, NP=next_power_of_two(n), P=pair_parent.shape[0], D=next_power_of_two(depth), R=next_power_of_two(n + 1), num_warps=8,
+        N=n, NP=next_power_of_two(n), P=pair_parent.shape[0], D=next_power_of_two(depth),
+        R=max(16, next_power_of_two(n + 1)), STAGES=stages, num_warps=num_warps,
     )
     return tokens, depths, parents, valid.view(torch.bool), ancestors.view(torch.bool)
 
