@@ -51,21 +51,21 @@ def main() -> None:
         k = min(budget, vocab)
         expected_lp, expected_ids = topk_log_probs(logits, k)
         record(f"b{budget}/topk_torch", lambda k=k: topk_log_probs(logits, k))
-        for segment in (1024, 2048, 4096):
-            scratch = TopKScratch(depth, vocab, k, device, segment=segment)
+        for segment, warps in ((512, 1), (1024, 1), (1024, 2), (2048, 2), (2048, 4), (2048, 8), (4096, 8)):
+            scratch = TopKScratch(depth, vocab, k, device, segment=segment, warps=warps)
             lp = torch.empty((depth, k), device=device)
             ids = torch.empty((depth, k), dtype=torch.long, device=device)
             draft_topk(logits, scratch, lp, ids)
             torch.testing.assert_close(lp, expected_lp, rtol=0, atol=1e-4)
-            timings[f"b{budget}/topk_seg{segment}_same_ids"] = bool(torch.equal(ids, expected_ids))
-            record(f"b{budget}/topk_seg{segment}", lambda s=scratch, lp=lp, ids=ids: draft_topk(logits, s, lp, ids))
+            timings[f"b{budget}/topk_seg{segment}_w{warps}_same_ids"] = bool(torch.equal(ids, expected_ids))
+            record(f"b{budget}/topk_seg{segment}_w{warps}", lambda s=scratch, lp=lp, ids=ids: draft_topk(logits, s, lp, ids))
         builder = TreeBuilder(budget, depth, vocab, device)
         assert builder.kernel, "the tree kernels fell back to torch ops"
         reference = TreeBuilder(budget, depth, vocab, device, kernel=False)
         record(f"b{budget}/grow_torch", lambda r=reference: r.grow(logits))
         builder.grow(logits)  # fills builder.top_lp / top_ids
         for stages in (1, 2, 3):
-            for warps in (4, 8, 16):
+            for warps in (1, 2, 4, 8):
                 def grow(b: TreeBuilder = builder, s: int = stages, w: int = warps) -> object:
                     return tree_grow(b.top_lp, b.top_ids, b.pair_parent32, b.pair_rank32, b.pairs, b.grow_scratch,
                                      stages=s, num_warps=w)

@@ -76,7 +76,7 @@ class TreeBuilder:
             self.top_lp = torch.zeros((depth, self.k), dtype=torch.float32, device=device)  # [depth, k]
             self.top_ids = torch.zeros((depth, self.k), dtype=torch.long, device=device)  # [depth, k]
             self.topk_scratch = TopKScratch(depth, vocab, self.k, device)
-            self.grow_scratch = GrowScratch(depth, budget, device)
+            self.grow_scratch = GrowScratch(depth, budget, padded, device)
             if not self._kernel_agrees(vocab, device):
                 self.kernel = False
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 SEGMENT = 2048  # vocabulary entries per first-stage program (fewer for a smaller vocabulary)
+WARPS = 8  # per program; each of the k rounds is a cross-warp reduction
 
 
 @cache
@@ -90,10 +91,12 @@ class TopKScratch:
     """The intermediate buffers of `draft_topk` for `rows` rows of `vocab` logits and k = `k` (made once, before
     graph capture)."""
 
-    def __init__(self, rows: int, vocab: int, k: int, device: torch.device, segment: int = SEGMENT) -> None:
+    def __init__(
+        self, rows: int, vocab: int, k: int, device: torch.device, segment: int = SEGMENT, warps: int = WARPS
+    ) -> None:
         self.segment = max(_power_of_two(k), min(segment, _power_of_two(vocab)))
         self.segments = -(-vocab // self.segment)
-        self.k = k
+        self.k, self.warps = k, warps
         self.keys = torch.empty((rows, self.segments * k), dtype=torch.long, device=device)
         self.maxima = torch.empty((rows, self.segments), dtype=torch.float32, device=device)
         self.sums = torch.empty((rows, self.segments), dtype=torch.float32, device=device)
@@ -110,9 +113,9 @@ def draft_topk(
     assert logits.stride(1) == 1 and k <= vocab
     segment_kernel[(rows, segments)](
         logits, scratch.keys, scratch.maxima, scratch.sums, vocab, logits.stride(0), segments,
-        SEG=scratch.segment, K=k, num_warps=8,
+        SEG=scratch.segment, K=k, num_warps=scratch.warps,
     )
     merge_kernel[(rows,)](
         scratch.keys, scratch.maxima, scratch.sums, log_probs, ids, segments,
-        C=_power_of_two(segments * k), S=_power_of_two(segments), K=k, KP=_power_of_two(k), num_warps=8,
+        C=_power_of_two(segments * k), S=_power_of_two(segments), K=k, KP=_power_of_two(k), num_warps=scratch.warps,
     )

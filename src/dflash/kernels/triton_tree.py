@@ -2,17 +2,19 @@
 
 `dflash.fastpath.device_tree.TreeBuilder` keeps, at every depth, the `n` best extensions of the previous depth's
 kept prefixes, and the tree is the `n` best of all kept prefixes. In torch ops that is about ten tiny kernels per
-depth plus a global sort; `tree_grow` does it in one program whose data stays in registers:
+depth plus a global sort; `tree_grow` does it in one program:
 
-* per depth, every candidate pair (kept parent, token rank) is scored (parent score gathered by a one-hot
-  reduction, plus the token's log-probability) and ranked by counting the better candidates (score, then pair
-  index on ties); the `n` best become the depth's kept list, sorted;
-* a running list of the `n` best kept prefixes over all depths so far is merged with each depth's list (ties go to
-  the shallower depth, then the better rank: the order of a descending sort over (depth, rank)-major indices);
+* per depth, every candidate pair (kept parent, token rank) is scored (the parent's score plus the token's
+  log-probability) and ranked by counting the better candidates (score, then pair index on ties); the `n` best
+  become the depth's kept list, sorted. Comparisons run as [rows, 32] tiles whose columns are read back from a
+  small global scratch, so that every vector keeps one register layout (layout shuffles between reductions made a
+  register-only version four times slower on the GPU);
+* a running list of the `n` best scores over all depths so far is merged with each depth's list the same way;
   its last entry is the selection threshold;
-* each depth's selected prefixes are a prefix of its sorted list, so rows follow from per-depth counts (rows are
-  depth-major: parents precede children), parent rows from the previous depth's offset, and the ancestor matrix
-  from chasing parents `depth` times.
+* each depth's selected prefixes are a prefix of its sorted list (entries equal to the threshold go to shallower
+  depths first, then to better ranks, as a descending sort over depth-major indices would), so rows follow from
+  per-depth counts (rows are depth-major: parents precede children), parent rows from the previous depth's
+  offset, and the ancestor matrix from squaring (I + parent one-hot) in fp16 matrix products.
 
 `tree_walk` is the acceptance walk over the target's choices, in one program.
 """
@@ -39,49 +41,67 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def tree_grow_kernel(  # type: ignore[no-untyped-def]
         top_lp_ptr, top_ids_ptr, pair_parent_ptr, pair_rank_ptr, level_scores_ptr, level_pairs_ptr,
-        tokens_ptr, depths_ptr, parents_ptr, valid_ptr, ancestors_ptr, depth, pairs, K,
+        candidates_ptr, best_ptr, tokens_ptr, depths_ptr, parents_ptr, valid_ptr, ancestors_ptr, depth, pairs, K,
         N: tl.constexpr, NP: tl.constexpr, P: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-        STAGES: tl.constexpr,
+        CHUNK: tl.constexpr, MERGE_CHUNK: tl.constexpr, STAGES: tl.constexpr,
     ):
-        kept = tl.arange(0, NP)  # slots N.. are padding (-inf)
+        kept = tl.arange(0, NP)  # slots N.. are padding
         real_slot = kept < N
         pair = tl.arange(0, P)
         pair_parent = tl.load(pair_parent_ptr + pair)
         pair_rank = tl.load(pair_rank_ptr + pair)
         real = pair < pairs
-        # depth 1: the best first tokens
-        kept_score = tl.load(top_lp_ptr + kept, mask=kept < K, other=-float("inf"))  # K <= N
-        tl.store(level_scores_ptr + kept, kept_score, mask=real_slot)
+        # depth 1: the best first tokens; they also start the list of the n best kept prefixes of all depths
+        first = tl.load(top_lp_ptr + kept, mask=kept < K, other=-float("inf"))  # K <= N
+        tl.store(level_scores_ptr + kept, first, mask=real_slot)
         tl.store(level_pairs_ptr + kept, kept, mask=real_slot)
-        best_score = kept_score  # the n best kept prefixes of all depths so far, by (score desc, flat index asc)
+        tl.store(best_ptr + kept, first, mask=real_slot)
+        merged = tl.arange(0, 2 * NP)  # merge candidates: the best list, then the new depth's kept list
+        from_best = merged < NP
+        merged_slot = tl.where(from_best, merged, merged - NP)
+        tl.debug_barrier()
+        # every [rows, CHUNK] comparison reads its columns back from global scratch: the vectors keep one register
+        # layout (no cross-thread shuffles), which is what keeps a depth at about a microsecond
         for d in range(1, depth):
-            token_lp = tl.load(top_lp_ptr + d * K + pair_rank, mask=real, other=-float("inf"))
-            is_parent = pair_parent[:, None] == kept[None, :]  # [P, N]
-            parent_score = tl.max(tl.where(is_parent, kept_score[None, :], -float("inf")), axis=1)
-            score = tl.where(real, parent_score + token_lp, -float("inf"))  # [P]
-            better = (score[None, :] > score[:, None]) | (
-                (score[None, :] == score[:, None]) & (pair[None, :] < pair[:, None])
-            )  # [P, P]: [p, q] = candidate q ranks before p
-            rank = tl.sum(better.to(tl.int32), axis=1)
-            at_rank = rank[None, :] == kept[:, None]  # [N, P]
-            kept_score = tl.max(tl.where(at_rank & real_slot[:, None], score[None, :], -float("inf")), axis=1)
-            kept_pair = tl.max(tl.where(at_rank, pair[None, :], -1), axis=1)
-            tl.store(level_scores_ptr + d * N + kept, kept_score, mask=real_slot)
-            tl.store(level_pairs_ptr + d * N + kept, kept_pair, mask=real_slot)
-            # merge: earlier entries win ties (smaller flat index), so a new entry counts only strictly better
-            # old ones... and an old entry counts the new entries strictly better than it
-            old_rank = kept + tl.sum((kept_score[None, :] > best_score[:, None]).to(tl.int32), axis=1)
-            new_rank = kept + tl.sum((best_score[None, :] >= kept_score[:, None]).to(tl.int32), axis=1)
-            best_score = tl.maximum(
-                tl.max(tl.where(old_rank[None, :] == kept[:, None], best_score[None, :], -float("inf")), axis=1),
-                tl.max(tl.where(new_rank[None, :] == kept[:, None], kept_score[None, :], -float("inf")), axis=1),
-            )
+            score = tl.load(level_scores_ptr + (d - 1) * N + pair_parent) + tl.load(
+                top_lp_ptr + d * K + pair_rank, mask=real, other=-float("inf"))
+            score = tl.where(real, score, -float("inf"))  # [P]
+            tl.store(candidates_ptr + pair, score)
+            tl.debug_barrier()
+            rank = tl.zeros([P], dtype=tl.int32)  # better candidates: higher score, then lower pair index
+            for start in tl.static_range(0, P, CHUNK):
+                other_index = start + tl.arange(0, CHUNK)
+                other = tl.load(candidates_ptr + other_index)
+                better = (other[None, :] > score[:, None]) | (
+                    (other[None, :] == score[:, None]) & (other_index[None, :] < pair[:, None])
+                )
+                rank += tl.sum(better.to(tl.int32), axis=1)
+            kept_here = rank < N
+            tl.store(level_scores_ptr + d * N + rank, score, mask=kept_here)
+            tl.store(level_pairs_ptr + d * N + rank, pair, mask=kept_here)
+            tl.debug_barrier()
+            # merge the n best so far with this depth's n (values only: any strict order of equal values does)
+            level_base = level_scores_ptr + d * N
+            value = tl.load(tl.where(from_best, best_ptr + merged_slot, level_base + merged_slot),
+                            mask=merged_slot < N, other=-float("inf"))
+            merged_rank = tl.zeros([2 * NP], dtype=tl.int32)
+            for start in tl.static_range(0, 2 * NP, MERGE_CHUNK):
+                other_index = start + tl.arange(0, MERGE_CHUNK)
+                other_slot = tl.where(other_index < NP, other_index, other_index - NP)
+                other = tl.load(tl.where(other_index < NP, best_ptr + other_slot, level_base + other_slot),
+                                mask=other_slot < N, other=-float("inf"))
+                better = (other[None, :] > value[:, None]) | (
+                    (other[None, :] == value[:, None]) & (other_index[None, :] < merged[:, None])
+                )
+                merged_rank += tl.sum(better.to(tl.int32), axis=1)
+            tl.debug_barrier()
+            tl.store(best_ptr + merged_rank, value, mask=merged_rank < N)
+            tl.debug_barrier()
         if STAGES < 2:  # profiling: the levels alone
             return
-        tl.debug_barrier()
         # the threshold is the n-th best score; how many entries equal to it each depth keeps follows from the
         # tie rule (shallower depths first, then rank)
-        threshold = tl.max(tl.where(kept == N - 1, best_score, -float("inf")), axis=0)
+        threshold = tl.load(best_ptr + N - 1)
         level = tl.arange(0, D)
         inside = (level[:, None] < depth) & real_slot[None, :]  # [D, NP]
         scores = tl.load(level_scores_ptr + level[:, None] * N + kept[None, :], mask=inside, other=-float("inf"))
@@ -172,16 +192,19 @@ def _kernels() -> tuple[Any, Any]:
 
 
 class GrowScratch:
-    """`tree_grow`'s per-depth kept lists for `depth` depths of `budget` (made once, before graph capture)."""
+    """`tree_grow`'s scratch for `depth` depths of `budget` over `pairs` (a power of two) candidate pairs: the
+    per-depth kept lists, one depth's candidate scores, the running best list (made once, before capture)."""
 
-    def __init__(self, depth: int, budget: int, device: torch.device) -> None:
+    def __init__(self, depth: int, budget: int, pairs: int, device: torch.device) -> None:
         self.scores = torch.empty((depth, budget), dtype=torch.float32, device=device)
         self.pairs = torch.empty((depth, budget), dtype=torch.int32, device=device)
+        self.candidates = torch.empty(pairs, dtype=torch.float32, device=device)
+        self.best = torch.empty(budget, dtype=torch.float32, device=device)
 
 
 def tree_grow(
     top_lp: torch.Tensor, top_ids: torch.Tensor, pair_parent: torch.Tensor, pair_rank: torch.Tensor, pairs: int,
-    scratch: GrowScratch, *, stages: int = 3, num_warps: int = 8,
+    scratch: GrowScratch, *, stages: int = 3, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """top_lp, top_ids: [depth, k] (descending log-probabilities, float32; token ids, long); pair_parent,
     pair_rank: [P] int32 with P a power of two, the first `pairs` real. Returns tokens, depths, parents [n+1]
@@ -195,10 +218,12 @@ def tree_grow(
     valid = torch.empty(n + 1, dtype=torch.uint8, device=device)
     ancestors = torch.empty((n + 1, n + 1), dtype=torch.uint8, device=device)
     _kernels()[0][(1,)](
-        top_lp, top_ids, pair_parent, pair_rank, scratch.scores, scratch.pairs,
+        top_lp, top_ids, pair_parent, pair_rank, scratch.scores, scratch.pairs, scratch.candidates, scratch.best,
         tokens, depths, parents, valid, ancestors, depth, pairs, top_lp.shape[1],
         N=n, NP=next_power_of_two(n), P=pair_parent.shape[0], D=next_power_of_two(depth),
-        R=max(16, next_power_of_two(n + 1)), STAGES=stages, num_warps=num_warps,
+        R=max(16, next_power_of_two(n + 1)), CHUNK=min(32, pair_parent.shape[0]),
+        MERGE_CHUNK=min(32, 2 * next_power_of_two(n)), STAGES=stages,
+        num_warps=num_warps,
     )
     return tokens, depths, parents, valid.view(torch.bool), ancestors.view(torch.bool)
 
