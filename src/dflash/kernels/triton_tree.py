@@ -204,7 +204,7 @@ class GrowScratch:
 
 def tree_grow(
     top_lp: torch.Tensor, top_ids: torch.Tensor, pair_parent: torch.Tensor, pair_rank: torch.Tensor, pairs: int,
-    scratch: GrowScratch, *, stages: int = 3, num_warps: int = 4,
+    scratch: GrowScratch, *, stages: int = 3, num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """top_lp, top_ids: [depth, k] (descending log-probabilities, float32; token ids, long); pair_parent,
     pair_rank: [P] int32 with P a power of two, the first `pairs` real. Returns tokens, depths, parents [n+1]
