@@ -210,8 +210,11 @@ fused = pytest.mark.skipif(not fused_kernels_runnable(), reason="needs Triton (a
 @fused
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_fused_layers_match_the_static_forward(family: str) -> None:
-    """The fused kernels give the unfused static forward's logits, features and cache rows (fp32)."""
+@pytest.mark.parametrize("attention", ["sdpa", "split"])
+def test_fused_layers_match_the_static_forward(family: str, attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused kernels give the unfused static forward's logits, features and cache rows (fp32), with SDPA or
+    the split-key attention program."""
+    monkeypatch.setenv("DFLASH_ATTENTION", attention)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = ours_from_hf(hf_tiny(family)).to(device)
     plain = GraphRunner(target, None, capacity=512, capture=False, fused=False)
@@ -240,7 +243,9 @@ def test_fused_layers_match_the_static_forward(family: str) -> None:
 @fused
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6"])
-def test_generation_with_fused_layers_equals_eager(mode: str) -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "split"])
+def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_ATTENTION", attention)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = golden_pair()
     target, drafter = target.to(device), drafter.to(device)

@@ -2,23 +2,31 @@
 
 Same inputs, outputs and cache writes as `static_target_forward`'s layer loop, for the pre-norm families whose
 layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3). Per layer: add+RMSNorm, QKV product,
-q/k norm + rotary + cache store, attention, output product, add+RMSNorm, gate/up product, SiLU*up, down product.
+q/k norm + rotary + cache store, attention (SDPA, or the split-key program when opted into), output product, add+RMSNorm, gate/up product, SiLU*up, down product.
 The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
 previous layer's output (what feature capture needs).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from dflash.kernels.triton_attention import few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.layers import DecoderLayer
 from dflash.models.model import CausalLM
+
+
+def split_key_attention() -> bool:
+    """Whether attention runs through the split-key Triton program (`dflash.kernels.triton_attention`) instead of
+    SDPA: experimental, opted into with DFLASH_ATTENTION=split (read when a graph is captured)."""
+    return os.environ.get("DFLASH_ATTENTION") == "split"
 
 
 def supports_fused_layers(model: CausalLM) -> bool:
@@ -56,6 +64,7 @@ def fused_layers(
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
+    split_keys = split_key_attention() and storage.keys.is_contiguous()
     x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
     pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
     layer: Any
@@ -72,12 +81,18 @@ def fused_layers(
             k_norm_weight=k_norm.weight if k_norm is not None else None,
             eps=q_norm.eps if q_norm is not None else 1e-6,
         )
-        q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1)[None]  # [1, heads, rows, head_dim]
-        out = F.scaled_dot_product_attention(
-            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
-            scale=attention.scale, enable_gqa=heads != kv_heads,
-        )  # [1, heads, rows, head_dim]
-        attended = attention.o_proj(out[0].transpose(0, 1).reshape(rows, heads * head_dim))
+        if split_keys:
+            attended = attention.o_proj(few_row_attention(
+                qkv[:, : heads * head_dim].view(rows, heads, head_dim), storage.keys[index, 0],
+                storage.values[index, 0], additive[0, 0], bucket, attention.scale,
+            ).reshape(rows, heads * head_dim))
+        else:
+            q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1)[None]  # [1, heads, rows, hd]
+            out = F.scaled_dot_product_attention(
+                q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
+                scale=attention.scale, enable_gqa=heads != kv_heads,
+            )  # [1, heads, rows, head_dim]
+            attended = attention.o_proj(out[0].transpose(0, 1).reshape(rows, heads * head_dim))
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h)))
     hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
