@@ -24,8 +24,9 @@ from dflash.models.model import CausalLM
 
 
 def split_key_attention() -> bool:
-    """Whether attention runs through the split-key Triton program (`dflash.kernels.triton_attention`) instead of
-    SDPA: experimental, opted into with DFLASH_ATTENTION=split (read when a graph is captured)."""
+    """Whether multi-row forwards (verifications, prefill chunks) attend through the split-key Triton program
+    (`dflash.kernels.triton_attention`) instead of SDPA: experimental, opted into with DFLASH_ATTENTION=split (read
+    when a graph is captured). One-row steps keep SDPA, which is faster there."""
     return os.environ.get("DFLASH_ATTENTION") == "split"
 
 
@@ -64,7 +65,7 @@ def fused_layers(
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
-    split_keys = split_key_attention() and storage.keys.is_contiguous()
+    split_keys = split_key_attention() and rows > 1 and storage.keys.is_contiguous()  # SDPA wins at one row
     x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
     pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
     layer: Any
