@@ -24,6 +24,7 @@ from dflash.kernels.triton_decode import next_power_of_two
 
 BLOCK_N = 64  # keys per step inside a slice
 TARGET_PROGRAMS = 264  # about two programs per SM on an H100
+MIN_SLICE = 64  # keys per program at least (longer slices: fewer partials to write and combine)
 
 
 @cache
@@ -126,7 +127,7 @@ def few_row_attention(
     block_m = min(64, max(16, next_power_of_two(group * rows)))
     m_blocks = -(-group * rows // block_m)
     wanted = max(1, TARGET_PROGRAMS // (kv_heads * m_blocks))
-    slice_len = max(BLOCK_N, next_power_of_two(-(-bucket // wanted)))
+    slice_len = max(MIN_SLICE, BLOCK_N, next_power_of_two(-(-bucket // wanted)))
     slices = -(-bucket // slice_len)
     device = q.device
     part_acc = torch.empty((kv_heads * m_blocks * slices * block_m, head_dim), dtype=torch.float32, device=device)
