@@ -14,16 +14,14 @@ Usage: PYTHONPATH=src python benchmarks/gpu_tree_kernels.py --out results/gpu_tr
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from gpu_round_profile import graph_gpu_ms  # benchmarks/ is the script's folder
 
+from dflash.bench.provenance import provenance
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.kernels.triton_kv_move import move_path_rows
 from dflash.kernels.triton_topk import TopKScratch, draft_topk
@@ -93,14 +91,7 @@ def main() -> None:
         positions.index_copy_(0, dest, dest)
 
     record("move_rows_torch", move_torch)
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "command": " ".join(["python", *sys.argv]),
-        "depth": depth, "vocab": vocab,
-        "gpu_ms": timings,
-    }
+    result = {**provenance(device), "depth": depth, "vocab": vocab, "gpu_ms": timings}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
