@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_scale_study import randomise  # benchmarks/ is the script's folder
+from gpu_scale_study import as_graph, randomise  # benchmarks/ is the script's folder
 
 from dflash.config import ModelConfig
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
@@ -93,11 +93,16 @@ def replay_gpu_ms(runner: GraphRunner, key_prefix: tuple[object, ...], iters: in
     replay = runner._replays[keys[0]]
     for _ in range(10):
         replay.run()
+    return device_ms_per_call(replay.run, iters)
+
+
+def device_ms_per_call(run: Callable[[], object], iters: int) -> float:
+    """Device milliseconds per call of `run` over `iters` back-to-back calls."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
     for _ in range(iters):
-        replay.run()
+        run()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
@@ -120,23 +125,9 @@ def kernel_table(runner: GraphRunner, key_prefix: tuple[object, ...], replays: i
 
 def graph_gpu_ms(fn: Callable[[], object], iters: int = 200) -> float:
     """Device milliseconds per replay of `fn` captured alone as a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    replay = as_graph(fn)
+    replay()
+    return device_ms_per_call(replay, iters)
 
 
 def tree_pieces_gpu_ms(budget: int, depth: int, vocab: int, device: torch.device) -> dict[str, float | bool]:

@@ -18,7 +18,7 @@ def test_moving_the_path_rows_matches_torch(path: list[int]) -> None:
     generator = torch.Generator().manual_seed(len(path))
     keys = torch.randn((3, 1, 2, 40, 16), generator=generator).to(DEVICE, torch.bfloat16)
     values = torch.randn((3, 1, 2, 40, 16), generator=generator).to(DEVICE, torch.bfloat16)
-    positions = torch.arange(40, device=DEVICE)[None].repeat(1, 1) * 7
+    positions = torch.arange(40, device=DEVICE)[None] * 7  # [1, capacity], not yet the slots' own
     length = torch.tensor([11], device=DEVICE)
     rows = torch.tensor(path, device=DEVICE)
     expected_keys, expected_values, expected_positions = keys.clone(), values.clone(), positions.clone()

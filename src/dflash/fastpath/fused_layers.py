@@ -2,7 +2,8 @@
 
 Same inputs, outputs and cache writes as `static_target_forward`'s layer loop, for the pre-norm families whose
 layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3). Per layer: add+RMSNorm, QKV product,
-q/k norm + rotary + cache store, attention (SDPA, or the split-key program when opted into), output product, add+RMSNorm, gate/up product, SiLU*up, down product.
+q/k norm + rotary + cache store, attention (SDPA, or the split-key program when opted into), output product,
+add+RMSNorm, gate/up product, SiLU*up, down product.
 The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
 previous layer's output (what feature capture needs).
 """
