@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +43,15 @@ def test_bench_acceptance_reports_sets_prompts_and_provenance(tmp_path: Path) ->
     out_file = tmp_path / "acceptance.json"
     args = ["bench", "acceptance", "--prompts-file", str(code), "--prompts-file", str(chat), "--max-tokens", "16",
             "--json", "--out", str(out_file)]
-    done = subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True, timeout=600)
+    environment = {**os.environ, "DFLASH_ATTENTION": "sdpa"}  # recorded with the results
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash", *args], capture_output=True, text=True, timeout=600, env=environment
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     printed = json.loads(done.stdout.strip().splitlines()[-1])
     saved = json.loads(out_file.read_text())
     assert printed == saved
+    assert saved["environment"]["DFLASH_ATTENTION"] == "sdpa"
     assert saved["sets"].keys() == {"code", "chat"}
     assert saved["sets"]["code"]["prompts"] == 2 and saved["sets"]["chat"]["prompts"] == 1
     assert len(saved["per_prompt"]) == 3

@@ -207,6 +207,22 @@ def fused_kernels_runnable() -> bool:
 fused = pytest.mark.skipif(not fused_kernels_runnable(), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
 
 
+def test_split_key_attention_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multi-row forwards up to the graph rows use the split-key program by default, one-row steps and larger
+    forwards SDPA; DFLASH_ATTENTION=sdpa opts out, an unknown value is an error that names the choices."""
+    from dflash.fastpath.fused_layers import SPLIT_MAX_ROWS, split_key_attention
+
+    monkeypatch.delenv("DFLASH_ATTENTION", raising=False)
+    assert [split_key_attention(rows) for rows in (1, 2, 16, SPLIT_MAX_ROWS, SPLIT_MAX_ROWS + 1)] == [
+        False, True, True, True, False,
+    ]
+    monkeypatch.setenv("DFLASH_ATTENTION", "sdpa")
+    assert not split_key_attention(16)
+    monkeypatch.setenv("DFLASH_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="'split' or 'sdpa'"):
+        split_key_attention(16)
+
+
 @fused
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -1,8 +1,10 @@
-"""Where a measurement came from: date, device, library versions, the command line (recorded in results files)."""
+"""Where a measurement came from: date, device, library versions, the command line and the `DFLASH_*` environment
+settings that change the engine's kernels (recorded in results files)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import os
 import platform
 import sys
 from pathlib import Path
@@ -29,12 +31,14 @@ def versions() -> dict[str, str]:
 
 
 def provenance(device: torch.device) -> dict[str, Any]:
-    """date (UTC), device, versions and the `dflash ...` command that is running (recorded in every results file)."""
+    """date (UTC), device, versions, the `dflash ...` command that is running and the DFLASH_* variables set
+    (recorded in every results file)."""
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
         "versions": versions(),
         "command": command_line(),
+        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DFLASH_")},
     }
 
 

@@ -2,7 +2,7 @@
 
 Same inputs, outputs and cache writes as `static_target_forward`'s layer loop, for the pre-norm families whose
 layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3). Per layer: add+RMSNorm, QKV product,
-q/k norm + rotary + cache store, attention (SDPA, or the split-key program when opted into), output product,
+q/k norm + rotary + cache store, attention (SDPA for one row, the split-key program for a few), output product,
 add+RMSNorm, gate/up product, SiLU*up, down product.
 The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
 previous layer's output (what feature capture needs).
@@ -23,12 +23,18 @@ from dflash.kv.cache import KVCache
 from dflash.models.layers import DecoderLayer
 from dflash.models.model import CausalLM
 
+SPLIT_MAX_ROWS = 128  # the largest forward measured (`benchmarks/gpu_attention_rows.py`): the runner's graph rows
 
-def split_key_attention() -> bool:
-    """Whether multi-row forwards (verifications, prefill chunks) attend through the split-key Triton program
-    (`dflash.kernels.triton_attention`) instead of SDPA: experimental, opted into with DFLASH_ATTENTION=split (read
-    when a graph is captured). One-row steps keep SDPA, which is faster there."""
-    return os.environ.get("DFLASH_ATTENTION") == "split"
+
+def split_key_attention(rows: int) -> bool:
+    """Whether a forward of `rows` query rows attends through the split-key Triton program
+    (`dflash.kernels.triton_attention`) instead of SDPA: for 2 to `SPLIT_MAX_ROWS` rows (verifications, tree
+    verifications, prefill chunks), where it measured 1.3x to 10x faster than SDPA on an H100; one-row steps keep
+    SDPA, which is faster there. DFLASH_ATTENTION=sdpa keeps SDPA everywhere (read when a graph is captured)."""
+    choice = os.environ.get("DFLASH_ATTENTION", "split")
+    if choice not in ("split", "sdpa"):
+        raise ValueError(f"DFLASH_ATTENTION must be 'split' or 'sdpa', not {choice!r}")
+    return 1 < rows <= SPLIT_MAX_ROWS and choice == "split"
 
 
 def supports_fused_layers(model: CausalLM) -> bool:
@@ -66,7 +72,7 @@ def fused_layers(
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
-    split_keys = split_key_attention() and rows > 1 and storage.keys.is_contiguous()  # SDPA wins at one row
+    split_keys = split_key_attention(rows) and storage.keys.is_contiguous()
     x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
     pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
     layer: Any
