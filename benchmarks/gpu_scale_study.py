@@ -185,7 +185,7 @@ def drafter_round(model: CausalLM, drafter: DFlashDrafter, cache: KVCache, conte
     def round_() -> object:
         cache.length = context
         hidden = drafter.draft_hidden(model.embed(block), block_positions, new_features, new_positions, cache)
-        return model.project_logits(hidden[0, 1:]).argmax(-1)
+        return drafter.project(model, hidden[0, 1:]).argmax(-1)
 
     return round_
 
@@ -243,6 +243,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="2048,16384")
     parser.add_argument("--shapes", default="step_1,verify_16,tree_32,tree_64,drafter_round")
     parser.add_argument("--compile", action="store_true", help="torch.compile the target and drafter forwards first")
+    parser.add_argument("--draft-vocab", type=int, default=0,
+                        help="the drafter scores this many (random) token ids only (`dflash.spec.draft_vocab`); 0: all")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -252,7 +254,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
         "command": "python benchmarks/gpu_scale_study.py"
-        + (" --compile" if args.compile else "") + f" --contexts {args.contexts} --shapes {args.shapes} --out {args.out}",
+        + (" --compile" if args.compile else "") + (f" --draft-vocab {args.draft_vocab}" if args.draft_vocab else "")
+        + f" --contexts {args.contexts} --shapes {args.shapes} --out {args.out}",
         "weights": "random, bfloat16; target Qwen3-8B-shaped (36 layers, hidden 4096, 32/8 heads, head_dim 128, "
         "vocab 151936, untied), drafter 5 layers hidden 4096, block 16",
     }
@@ -260,6 +263,9 @@ def main() -> None:
     print(f"copy bandwidth {result['copy_bandwidth_TBps']} TB/s", flush=True)
     model = build_target(device)
     drafter = build_drafter(device)
+    if args.draft_vocab:
+        shortlist = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+        drafter.use_draft_vocab(shortlist[: args.draft_vocab].sort().values, model)
     if args.compile:
         model.forward = torch.compile(model.forward, dynamic=False)  # type: ignore[method-assign]
         drafter.draft_hidden = torch.compile(drafter.draft_hidden, dynamic=False)  # type: ignore[method-assign]

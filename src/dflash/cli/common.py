@@ -29,6 +29,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="drafter weights: Q8_0 blocks through the CPU kernel, or dense; auto = quantized when the target "
         "runs quantized",
     )
+    group.add_argument(
+        "--draft-vocab", default="auto",
+        help="tokens the drafter scores: auto (the drafter folder's draft_vocab.safetensors when present, else all), "
+        "off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
+    )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
@@ -78,5 +83,5 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     )
     return load_engine(
         args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights,
-        draft_weights=args.draft_weights,
+        draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
     )

@@ -76,6 +76,16 @@ def register(commands: Any) -> None:
     export.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     export.set_defaults(run=run_export)
 
+    vocab = steps.add_parser(
+        "vocab", help="the drafter's token shortlist: the most frequent tokens of the target's answers",
+        description="Counts the answer tokens of answered data (`dflash train data`) and writes the SIZE most "
+        "frequent as draft_vocab.safetensors (put it in the drafter's folder; see --draft-vocab).",
+    )
+    vocab.add_argument("--data", type=Path, required=True, action="append", help="answered data (repeatable)")
+    vocab.add_argument("--size", type=int, required=True, help="tokens on the shortlist")
+    vocab.add_argument("--out", type=Path, required=True, help="the draft_vocab.safetensors to write")
+    vocab.set_defaults(run=run_vocab)
+
 
 def _target_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default")
@@ -234,4 +244,24 @@ def run_export(args: argparse.Namespace) -> int:
     drafter.load_state_dict(state["drafter"])
     paths = export_drafter(drafter, args.out, dtype=getattr(torch, args.export_dtype))
     print(json.dumps({"files": [str(p) for p in paths], "step": state["step"]}))
+    return 0
+
+
+def run_vocab(args: argparse.Namespace) -> int:
+    """Shortlist of the most frequent answer tokens; prints its size and the share of answer tokens it covers."""
+    from dflash.spec.draft_vocab import most_frequent_tokens, write_draft_vocab
+    from dflash.training.datagen import read_examples
+
+    if args.size < 1:
+        raise DFlashError("--size must be at least 1")
+    answers = [response for path in args.data for _, response in read_examples(path)]
+    if not answers:
+        raise DFlashError("no answered examples in " + ", ".join(str(path) for path in args.data))
+    ids = most_frequent_tokens(answers, args.size)
+    chosen = set(ids.tolist())
+    total = sum(len(answer) for answer in answers)
+    covered = sum(token in chosen for answer in answers for token in answer)
+    write_draft_vocab(ids, args.out)
+    print(json.dumps({"tokens": ids.numel(), "answers": len(answers), "answer_tokens": total,
+                      "coverage": round(covered / max(total, 1), 5), "out": str(args.out)}))
     return 0

@@ -10,13 +10,15 @@ import torch
 
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import Engine, EngineOptions
-from dflash.errors import DFlashError
+from dflash.errors import DFlashError, ModelLoadError
+from dflash.models.model import CausalLM
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint, resolve_model_path
 from dflash.models.weight_choice import choose_weights
-from dflash.spec.drafter_loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter
+from dflash.spec.drafter import DFlashDrafter
+from dflash.spec.drafter_loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter, resolve_drafter_path
 
 log = logging.getLogger("dflash.loading")
 
@@ -38,12 +40,17 @@ def load_engine(
     dtype: str = "auto",
     weights: str = "auto",
     draft_weights: str = "auto",
+    draft_vocab: str = "auto",
 ) -> Engine:
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
     `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
-    target runs there, dense otherwise), dense or quantized (`dflash.spec.drafter_quantize`)."""
+    target runs there, dense otherwise), dense or quantized (`dflash.spec.drafter_quantize`). `draft_vocab` is
+    auto (the drafter folder's `draft_vocab.safetensors` when it has one), off, or a shortlist file
+    (`dflash.spec.draft_vocab`)."""
     options = options or EngineOptions()
+    if draft_vocab not in ("auto", "off") and not Path(draft_vocab).expanduser().is_file():
+        raise ModelLoadError(f"--draft-vocab {draft_vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     started = time.perf_counter()
@@ -70,6 +77,7 @@ def load_engine(
             from dflash.spec.drafter_quantize import quantize_drafter
 
             log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
+        _attach_draft_vocab(drafter, target, draft, draft_vocab)
     if drafter is None and options.spec != "none":
         options.spec = "none"
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
@@ -90,3 +98,19 @@ def _quantize_drafter_weights(choice: str, target_weights: str, device: torch.de
 
 
 __all__ = ["load_engine", "resolve_model_path"]
+
+
+def _attach_draft_vocab(drafter: DFlashDrafter, target: CausalLM, draft: str, choice: str) -> None:
+    from dflash.spec.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+
+    if choice == "off":
+        return
+    if choice == "auto":
+        path = resolve_drafter_path(draft) / DRAFT_VOCAB_FILE
+        if not path.is_file():
+            return
+    else:
+        path = Path(choice).expanduser()
+    ids = read_draft_vocab(path, target.config.vocab_size)
+    drafter.use_draft_vocab(ids, target)
+    log.info("drafter: scores %d of %d tokens (%s)", ids.numel(), target.config.vocab_size, path)

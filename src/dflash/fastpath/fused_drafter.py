@@ -112,4 +112,4 @@ def fused_drafter_round(
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = layer.mlp.down_proj(silu_and_mul(F.linear(h, weights.gate_up[index])))
     hidden, _ = add_rms_norm(x, pending, drafter.norm.weight, drafter.norm.eps)
-    return target.project_logits(hidden[1 : 1 + drafts])
+    return drafter.project(target, hidden[1 : 1 + drafts])

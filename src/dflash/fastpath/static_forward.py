@@ -125,4 +125,4 @@ def static_drafter_round(
         context_v = storage.values[index, :, :, :bucket]
         x = layer(x, cos, sin, context_k, context_v, sliding if drafter.sliding[index] else full)
     hidden = drafter.norm(x)
-    return target.project_logits(hidden[0, 1 : 1 + drafts])
+    return drafter.project(target, hidden[0, 1 : 1 + drafts])

@@ -24,6 +24,7 @@ from dflash.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
     from dflash.fastpath.runner import GraphRunner
+    from dflash.spec.draft_vocab import DraftHead
 
 
 class TargetModel(Protocol):
@@ -210,6 +211,8 @@ class DrafterLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Module tree mirrors the published checkpoint names (fc, hidden_norm, layers.N..., norm)."""
 
+    draft_head: DraftHead | None
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config
@@ -220,6 +223,20 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types] or [False] * config.num_layers
         self.graph_runner: GraphRunner | None = None  # CUDA graphs for the drafter round (`dflash.fastpath`)
+        # the target's LM head cut to a shortlist (`dflash.spec.draft_vocab`); kept out of the module tree so
+        # it is neither exported, quantized nor moved with the drafter (it lives where the target's head does)
+        object.__setattr__(self, "draft_head", None)
+
+    def use_draft_vocab(self, ids: torch.Tensor | None, target: Any) -> None:
+        """Score only the token ids in `ids` (None: the whole vocabulary). Call after both models are placed."""
+        from dflash.spec.draft_vocab import DraftHead
+
+        object.__setattr__(self, "draft_head", None if ids is None else DraftHead(ids, target))
+
+    def project(self, target: TargetModel, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed drafter hidden [..., hidden] -> draft logits [..., vocab] (-inf outside a shortlist)."""
+        head = self.draft_head
+        return target.project_logits(hidden) if head is None else head(hidden)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """Context K/V of committed positions, one slot per position."""
@@ -335,4 +352,4 @@ class DFlashDrafter(nn.Module):
         block_positions = torch.arange(start, start + self.config.block_size, device=device)[None]
         new_positions = torch.arange(cache.length, cache.length + new_features.shape[1], device=device)[None]
         hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache, window=window)
-        return target.project_logits(hidden[0, 1:last])
+        return self.project(target, hidden[0, 1:last])
