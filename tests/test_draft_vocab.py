@@ -149,3 +149,12 @@ def test_static_forward_path_uses_the_shortlist(mode: str) -> None:
     drafter.use_draft_vocab(torch.tensor(sorted({t for answer in plain for t in answer})[1::2]), target)
     eager, static, runner = eager_then_static(target, drafter, mode, prompts, 32, capacity=256)
     assert eager == plain and static == plain and runner.served > 0
+
+
+def test_default_drafter_on_the_cpu_uses_its_shipped_shortlist() -> None:
+    shipped = load_engine("default", device="cpu")
+    assert shipped.drafter is not None and shipped.drafter.draft_head is not None
+    ids = shipped.drafter.draft_head.ids
+    assert 4096 < ids.numel() < shipped.target.config.vocab_size and 2 in ids.tolist()  # <|im_end|> is listed
+    whole = load_engine("default", device="cpu", draft_vocab="off")
+    assert whole.drafter is not None and whole.drafter.draft_head is None

@@ -31,8 +31,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--draft-vocab", default="auto",
-        help="tokens the drafter scores: auto (the drafter folder's draft_vocab.safetensors when present, else all), "
-        "off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
+        help="tokens the drafter scores: auto (the drafter folder's draft_vocab.safetensors when it has one and runs "
+        "on the CPU, else all), off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
     )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")

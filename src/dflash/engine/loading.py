@@ -46,8 +46,8 @@ def load_engine(
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
     `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
     target runs there, dense otherwise), dense or quantized (`dflash.spec.drafter_quantize`). `draft_vocab` is
-    auto (the drafter folder's `draft_vocab.safetensors` when it has one), off, or a shortlist file
-    (`dflash.spec.draft_vocab`)."""
+    auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
+    LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`)."""
     options = options or EngineOptions()
     if draft_vocab not in ("auto", "off") and not Path(draft_vocab).expanduser().is_file():
         raise ModelLoadError(f"--draft-vocab {draft_vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
@@ -105,9 +105,9 @@ def _attach_draft_vocab(drafter: DFlashDrafter, target: CausalLM, draft: str, ch
 
     if choice == "off":
         return
-    if choice == "auto":
+    if choice == "auto":  # the folder's shortlist where the drafter runs on the CPU (measured there only)
         path = resolve_drafter_path(draft) / DRAFT_VOCAB_FILE
-        if not path.is_file():
+        if not path.is_file() or drafter.fc.weight.device.type != "cpu":
             return
     else:
         path = Path(choice).expanduser()
