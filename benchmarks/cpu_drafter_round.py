@@ -3,6 +3,7 @@
 Part 1 times `draft_logits` (4 and 15 drafted positions, best of 3 x 40 rounds after a 300-position context) and the
 drafter's projections alone at 16 rows, for the shipped drafter dense and as Q8_0 blocks
 (`dflash.spec.drafter_quantize`), beside the quantized default target.
+With `--draft-vocab FILE` (repeatable) it also times the Q8_0 drafter's 4-draft round scoring only a shortlist.
 Part 2 (`--slots 16,8,5`) measures DDTree (budget 4) acceptance when the drafter runs only the first S slots of its
 16-slot block (8 prompts, 128 tokens): the drafter was trained on whole blocks, so fewer slots change its drafts.
 
@@ -27,6 +28,7 @@ from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import QuantizedLinear
+from dflash.spec.draft_vocab import read_draft_vocab
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.drafter_quantize import quantize_drafter
 from dflash.training.prompts import read_prompt_file
@@ -94,16 +96,25 @@ def slot_acceptance(engine: Any, slots: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", default="16,8,5", help="block slots for part 2 (empty: skip it)")
+    parser.add_argument("--draft-vocab", type=Path, action="append", default=[],
+                        help="a token shortlist (repeatable): the Q8_0 drafter's 4-draft round scoring only its ids")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4), device="cpu",
-                         draft_weights="dense")
+                         draft_weights="dense", draft_vocab="off")
     assert engine.drafter is not None
     quantized = copy.deepcopy(engine.drafter)
     quantize_drafter(quantized)
     result: dict[str, Any] = {**provenance(engine.device), "model": engine.model_name,
                               "dense": round_times(engine.drafter, engine.target),
                               "q8_0": round_times(quantized, engine.target)}
+    shortlists: dict[str, float] = {}
+    for path in args.draft_vocab:
+        ids = read_draft_vocab(path, engine.target.config.vocab_size)
+        quantized.use_draft_vocab(ids, engine.target)
+        shortlists[f"{path.name} ({ids.numel()} ids)"] = round_times(quantized, engine.target)["draft_logits_4_ms"]
+    quantized.use_draft_vocab(None, engine.target)
+    result["q8_0_draft_logits_4_ms_with_shortlist"] = shortlists
     engine.drafter = quantized
     slots = [int(s) for s in args.slots.split(",") if s.strip()]
     result["ddtree_4_acceptance_by_block_slots"] = {str(s): slot_acceptance(engine, s) for s in slots}

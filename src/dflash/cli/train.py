@@ -249,19 +249,25 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_vocab(args: argparse.Namespace) -> int:
     """Shortlist of the most frequent answer tokens; prints its size and the share of answer tokens it covers."""
+    from collections import Counter
+
     from dflash.spec.draft_vocab import most_frequent_tokens, write_draft_vocab
     from dflash.training.datagen import read_examples
 
     if args.size < 1:
         raise DFlashError("--size must be at least 1")
-    answers = [response for path in args.data for _, response in read_examples(path)]
+    counts: Counter[int] = Counter()
+    answers = 0
+    for path in args.data:
+        for _, response in read_examples(path):
+            counts.update(response)
+            answers += 1
     if not answers:
         raise DFlashError("no answered examples in " + ", ".join(str(path) for path in args.data))
-    ids = most_frequent_tokens(answers, args.size)
-    chosen = set(ids.tolist())
-    total = sum(len(answer) for answer in answers)
-    covered = sum(token in chosen for answer in answers for token in answer)
+    ids = most_frequent_tokens(counts, args.size)
+    total = sum(counts.values())
+    covered = sum(counts[token] for token in ids.tolist())
     write_draft_vocab(ids, args.out)
-    print(json.dumps({"tokens": ids.numel(), "answers": len(answers), "answer_tokens": total,
+    print(json.dumps({"tokens": ids.numel(), "answers": answers, "answer_tokens": total,
                       "coverage": round(covered / max(total, 1), 5), "out": str(args.out)}))
     return 0

@@ -47,12 +47,9 @@ def write_draft_vocab(ids: torch.Tensor, path: Path) -> None:
     save_file({"ids": ids.to(torch.int64).sort().values.contiguous()}, str(path))
 
 
-def most_frequent_tokens(sequences: Iterable[Iterable[int]], size: int, always: Iterable[int] = ()) -> torch.Tensor:
-    """The `size` most frequent ids over `sequences` (ties to the lower id), plus `always` (e.g. end-of-turn
-    tokens) -> ids [<= size + len(always)] int64, ascending."""
-    counts: Counter[int] = Counter()
-    for sequence in sequences:
-        counts.update(sequence)
+def most_frequent_tokens(counts: Counter[int], size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """The `size` most frequent ids of `counts` (ties to the lower id), plus `always` (e.g. end-of-turn tokens)
+    -> ids [<= size + len(always)] int64, ascending."""
     ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:size]
     chosen = {token for token, _ in ranked} | set(always)
     return torch.tensor(sorted(chosen), dtype=torch.int64)
