@@ -279,7 +279,11 @@ def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, mo
 
 @fused
 @pytest.mark.gpu
-def test_fused_drafter_round_matches_the_static_round() -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "split"])
+def test_fused_drafter_round_matches_the_static_round(attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused drafter round (block rows attending through SDPA or the split-key program) gives the static
+    round's logits and cache rows (fp32)."""
+    monkeypatch.setenv("DFLASH_ATTENTION", attention)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = golden_pair()
     target, drafter = target.to(device), drafter.to(device)

@@ -4,7 +4,9 @@ Same inputs, outputs and cache writes as `static_drafter_round` for drafters who
 sliding window) with SiLU MLPs. The new context rows and the block rows go through each layer's q/k/v product
 together ([2B, hidden]); the kernel stores the context rows' K/V at their positions (scratch rows past the real
 ones store nothing) and the block's K/V in the slots right after the context, which attention then reads as one
-range: every committed position and the whole block, as in the eager round.
+range: every committed position and the whole block, as in the eager round. The block's rows attend through the
+split-key program (`dflash.kernels.triton_attention`) unless DFLASH_ATTENTION=sdpa: with SDPA a 16-row block's
+attention grows with the context several times faster than the program's (`benchmarks/gpu_attention_rows.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.fastpath.fused_layers import split_key_attention
+from dflash.kernels.triton_attention import few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
@@ -88,6 +92,7 @@ def fused_drafter_round(
     visible = (torch.arange(bucket, device=block_ids.device) < start + block).expand(block, bucket)
     additive = torch.zeros((1, 1, block, bucket), dtype=dtype, device=block_ids.device)
     additive.masked_fill_(~visible, float("-inf"))
+    split_keys = split_key_attention(block) and storage.keys.is_contiguous()
     context, _ = add_rms_norm(
         drafter.fc(new_features[0].to(dtype)), None, drafter.hidden_norm.weight, drafter.hidden_norm.eps
     )  # [B, hidden]
@@ -103,12 +108,17 @@ def fused_drafter_round(
             num_kv_heads=kv_heads, q_norm_weight=attention.q_norm.weight, k_norm_weight=attention.k_norm.weight,
             eps=attention.q_norm.eps,
         )
-        q = qkv[block:, : heads * head_dim].view(block, heads, head_dim).transpose(0, 1)[None]  # [1, heads, B, hd]
-        out = F.scaled_dot_product_attention(
-            q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
-            enable_gqa=heads != kv_heads,
-        )
-        attended = attention.o_proj(out[0].transpose(0, 1).reshape(block, heads * head_dim))
+        q = qkv[block:, : heads * head_dim].view(block, heads, head_dim)  # [B, heads, head_dim]
+        if split_keys:
+            out = few_row_attention(
+                q, storage.keys[index, 0], storage.values[index, 0], additive[0, 0], bucket, head_dim**-0.5
+            )  # [B, heads, head_dim]
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket],
+                attn_mask=additive, enable_gqa=heads != kv_heads,
+            )[0].transpose(0, 1)  # [B, heads, head_dim]
+        attended = attention.o_proj(out.reshape(block, heads * head_dim))
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = layer.mlp.down_proj(silu_and_mul(F.linear(h, weights.gate_up[index])))
     hidden, _ = add_rms_norm(x, pending, drafter.norm.weight, drafter.norm.eps)
