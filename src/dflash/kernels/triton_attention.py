@@ -8,7 +8,7 @@ context under a mask. torch's SDPA handles GQA and a mask for such shapes with l
    the group times every query row (``m = g * rows + r``), so each key/value row is read once per group; scores
    (fp32, plus the additive mask), an online softmax and the weighted values over the slice, written as partial
    (max, sum, accumulator);
-2. one program per (key/value head, block of query rows): the partials combined.
+2. one program per (key/value head, `COMBINE_M` rows of a block): the partials combined.
 
 Masked-out entries are ``-inf`` in the additive mask; a slice a row cannot see leaves a zero partial.
 """
@@ -25,6 +25,7 @@ from dflash.kernels.triton_decode import next_power_of_two
 BLOCK_N = 64  # keys per step inside a slice
 TARGET_PROGRAMS = 132  # about one program per SM on an H100 (measured best of 132 and 264)
 MIN_SLICE = 256  # keys per program at least (longer slices: fewer partials to write and combine)
+COMBINE_M = 16  # query rows per combining program (a block's rows are combined by several programs in parallel)
 
 
 @cache
@@ -82,21 +83,21 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def combine_kernel(  # type: ignore[no-untyped-def]
-        part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, rows, group, slices, out_row_stride, out_head_stride,
-        BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, rows, group, slices, m_blocks, out_row_stride,
+        out_head_stride, BLOCK_M: tl.constexpr, COMBINE_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
-        m_block = tl.program_id(1)
-        local = tl.arange(0, BLOCK_M)
+        m_block = tl.program_id(1) // (BLOCK_M // COMBINE_M)
+        local = tl.program_id(1) % (BLOCK_M // COMBINE_M) * COMBINE_M + tl.arange(0, COMBINE_M)  # rows of the block
         m = m_block * BLOCK_M + local
         live_m = m < group * rows
         dims = tl.arange(0, HEAD_DIM)
-        first = (kv_head * tl.num_programs(1) + m_block) * slices
-        top = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        first = (kv_head * m_blocks + m_block) * slices
+        top = tl.full([COMBINE_M], -1.0e30, dtype=tl.float32)
         for part in range(0, slices):
             top = tl.maximum(top, tl.load(part_max_ptr + (first + part) * BLOCK_M + local))
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        total = tl.zeros([COMBINE_M], dtype=tl.float32)
+        acc = tl.zeros([COMBINE_M, HEAD_DIM], dtype=tl.float32)
         for part in range(0, slices):
             slot = first + part
             weight = tl.exp(tl.load(part_max_ptr + slot * BLOCK_M + local) - top)
@@ -141,8 +142,9 @@ def few_row_attention(
         SLICE=slice_len, BLOCK_N=BLOCK_N, BLOCK_M=block_m, HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
-    combine[(kv_heads, m_blocks)](
-        part_acc, part_max, part_sum, out, rows, group, slices, out.stride(0), out.stride(1),
-        BLOCK_M=block_m, HEAD_DIM=head_dim, num_warps=4,
+    combine_m = min(block_m, COMBINE_M)
+    combine[(kv_heads, m_blocks * (block_m // combine_m))](
+        part_acc, part_max, part_sum, out, rows, group, slices, m_blocks, out.stride(0), out.stride(1),
+        BLOCK_M=block_m, COMBINE_M=combine_m, HEAD_DIM=head_dim, num_warps=4,
     )
     return out

@@ -12,6 +12,7 @@ File: `draft_vocab.safetensors` in a drafter's folder, one int64 tensor `ids` (d
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -80,11 +81,12 @@ class DraftHead(nn.Module):
 
 def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
     """A copy of the rows `ids` of an LM head: dense `nn.Linear`, or GGUF blocks on the CPU kernel."""
-    from dflash.models.quantized_layers import QuantizedLinear
-
-    if isinstance(lm_head, QuantizedLinear):
+    # a quantized head exists only where its module was loaded (it needs gguf, which dense models do without)
+    quantized = sys.modules.get("dflash.models.quantized_layers")
+    if quantized is not None and isinstance(lm_head, quantized.QuantizedLinear):
         from gguf import GGMLQuantizationType
 
+        from dflash.models.quantized_layers import QuantizedLinear
         from dflash.models.quantized_weights import QuantizedMatrix
 
         blocks = lm_head.blocks.index_select(0, ids.to(lm_head.blocks.device))
