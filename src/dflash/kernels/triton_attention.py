@@ -84,7 +84,8 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def combine_kernel(  # type: ignore[no-untyped-def]
         part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, rows, group, slices, m_blocks, out_row_stride,
-        out_head_stride, BLOCK_M: tl.constexpr, COMBINE_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+        out_head_stride, BLOCK_M: tl.constexpr, COMBINE_M: tl.constexpr, SLICES: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         m_block = tl.program_id(1) // (BLOCK_M // COMBINE_M)
@@ -93,16 +94,19 @@ def _kernels() -> tuple[Any, Any]:
         live_m = m < group * rows
         dims = tl.arange(0, HEAD_DIM)
         first = (kv_head * m_blocks + m_block) * slices
-        top = tl.full([COMBINE_M], -1.0e30, dtype=tl.float32)
-        for part in range(0, slices):
-            top = tl.maximum(top, tl.load(part_max_ptr + (first + part) * BLOCK_M + local))
+        parts = tl.arange(0, SLICES)  # SLICES: a power of two >= slices
+        live_parts = parts < slices
+        top = tl.max(tl.load(part_max_ptr + (first + parts)[:, None] * BLOCK_M + local[None, :],
+                             mask=live_parts[:, None], other=-1.0e30), axis=0)  # [COMBINE_M]
         total = tl.zeros([COMBINE_M], dtype=tl.float32)
         acc = tl.zeros([COMBINE_M, HEAD_DIM], dtype=tl.float32)
-        for part in range(0, slices):
+        for part in tl.static_range(SLICES):  # unrolled: the loads do not wait for each other
+            live = local * 0 + part < slices  # [COMBINE_M] (every row alike)
             slot = first + part
-            weight = tl.exp(tl.load(part_max_ptr + slot * BLOCK_M + local) - top)
-            total += weight * tl.load(part_sum_ptr + slot * BLOCK_M + local)
-            acc += weight[:, None] * tl.load(part_acc_ptr + (slot * BLOCK_M + local)[:, None] * HEAD_DIM + dims[None, :])
+            weight = tl.exp(tl.load(part_max_ptr + slot * BLOCK_M + local, mask=live, other=-float("inf")) - top)
+            total += weight * tl.load(part_sum_ptr + slot * BLOCK_M + local, mask=live, other=0.0)
+            acc += weight[:, None] * tl.load(part_acc_ptr + (slot * BLOCK_M + local)[:, None] * HEAD_DIM + dims[None, :],
+                                             mask=live[:, None], other=0.0)
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         row = m % rows
         head = kv_head * group + m // rows
@@ -145,6 +149,6 @@ def few_row_attention(
     combine_m = min(block_m, COMBINE_M)
     combine[(kv_heads, m_blocks * (block_m // combine_m))](
         part_acc, part_max, part_sum, out, rows, group, slices, m_blocks, out.stride(0), out.stride(1),
-        BLOCK_M=block_m, COMBINE_M=combine_m, HEAD_DIM=head_dim, num_warps=4,
+        BLOCK_M=block_m, COMBINE_M=combine_m, SLICES=next_power_of_two(slices), HEAD_DIM=head_dim, num_warps=4,
     )
     return out
