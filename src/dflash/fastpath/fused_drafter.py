@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.fastpath.fused_layers import split_key_attention
-from dflash.kernels.triton_attention import few_row_attention
+from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
@@ -92,7 +92,7 @@ def fused_drafter_round(
     visible = (torch.arange(bucket, device=block_ids.device) < start + block).expand(block, bucket)
     additive = torch.zeros((1, 1, block, bucket), dtype=dtype, device=block_ids.device)
     additive.masked_fill_(~visible, float("-inf"))
-    split_keys = split_key_attention(block) and storage.keys.is_contiguous()
+    split_keys = split_key_attention(block) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
     context, _ = add_rms_norm(
         drafter.fc(new_features[0].to(dtype)), None, drafter.hidden_norm.weight, drafter.hidden_norm.eps
     )  # [B, hidden]

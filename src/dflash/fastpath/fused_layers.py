@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels.triton_attention import few_row_attention
+from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.layers import DecoderLayer
@@ -72,7 +72,7 @@ def fused_layers(
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
-    split_keys = split_key_attention(rows) and storage.keys.is_contiguous()
+    split_keys = split_key_attention(rows) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
     x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
     pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
     layer: Any
