@@ -258,6 +258,36 @@ def test_fused_layers_match_the_static_forward(family: str, attention: str, monk
 
 @fused
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_skinny_products_in_bf16_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on the device (where the skinny program replaces cuBLAS): a step, a 5-row verify and a 3-row tree give
+    cuBLAS's logits within bf16 rounding."""
+    target = ours_from_hf(hf_tiny("qwen3")).to("cuda", torch.bfloat16)
+    prompt = torch.tensor([random_prompts(1, 512, seed=6, lengths=(40,))[0]], device="cuda")
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool, device="cuda")
+    logits: dict[str, list[torch.Tensor]] = {}
+    for products in ("cublas", "skinny"):
+        monkeypatch.setenv("DFLASH_PRODUCTS", products)
+        runner = GraphRunner(target, None, capacity=512, capture=False, fused=True)
+        cache = runner.lease_target_cache(300)
+        assert cache is not None
+        with torch.inference_mode():
+            target(prompt, cache=cache)
+            logits[products] = []
+            for ids, positions, mask in (
+                (torch.tensor([[7]], device="cuda"), None, None),
+                (torch.tensor([[5, 9, 200, 17, 3]], device="cuda"), None, None),
+                (torch.tensor([[5, 9, 10]], device="cuda"), torch.tensor([[46, 47, 47]], device="cuda"), ancestors),
+            ):
+                out = runner.target_forward(ids, positions, cache, mask, (), "all")
+                assert out is not None
+                logits[products].append(out.logits.float())
+    for got, expected in zip(logits["skinny"], logits["cublas"], strict=True):
+        assert ((got - expected).abs().max() / expected.abs().max()).item() < 3e-2
+
+
+@fused
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6"])
 @pytest.mark.parametrize("attention", ["sdpa", "split"])
 def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.fastpath.fused_layers import split_key_attention
+from dflash.fastpath.fused_layers import apply_linear, fused_logits, split_key_attention
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
+from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
@@ -94,7 +95,8 @@ def fused_drafter_round(
     additive.masked_fill_(~visible, float("-inf"))
     split_keys = split_key_attention(block) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
     context, _ = add_rms_norm(
-        drafter.fc(new_features[0].to(dtype)), None, drafter.hidden_norm.weight, drafter.hidden_norm.eps
+        apply_linear(new_features[0].to(dtype).contiguous(), drafter.fc), None, drafter.hidden_norm.weight,
+        drafter.hidden_norm.eps,
     )  # [B, hidden]
     x = target.embed(block_ids)[0].to(dtype).contiguous()  # [B, hidden]
     pending: torch.Tensor | None = None
@@ -102,7 +104,7 @@ def fused_drafter_round(
     for index, layer in enumerate(drafter.layers):
         attention = layer.self_attn
         h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        qkv = F.linear(torch.cat((context, h)), weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
+        qkv = fast_linear(torch.cat((context, h)), weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
         rope_and_store(
             qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
             num_kv_heads=kv_heads, q_norm_weight=attention.q_norm.weight, k_norm_weight=attention.k_norm.weight,
@@ -118,8 +120,10 @@ def fused_drafter_round(
                 q.transpose(0, 1)[None], storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket],
                 attn_mask=additive, enable_gqa=heads != kv_heads,
             )[0].transpose(0, 1)  # [B, heads, head_dim]
-        attended = attention.o_proj(out.reshape(block, heads * head_dim))
+        attended = apply_linear(out.reshape(block, heads * head_dim), attention.o_proj)
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = layer.mlp.down_proj(silu_and_mul(F.linear(h, weights.gate_up[index])))
+        pending = apply_linear(silu_and_mul(fast_linear(h, weights.gate_up[index])), layer.mlp.down_proj)
     hidden, _ = add_rms_norm(x, pending, drafter.norm.weight, drafter.norm.eps)
+    if drafter.draft_head is None:
+        return fused_logits(target, hidden[1 : 1 + drafts])  # [drafts, vocab]
     return drafter.project(target, hidden[1 : 1 + drafts])

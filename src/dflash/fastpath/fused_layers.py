@@ -3,7 +3,8 @@
 Same inputs, outputs and cache writes as `static_target_forward`'s layer loop, for the pre-norm families whose
 layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3). Per layer: add+RMSNorm, QKV product,
 q/k norm + rotary + cache store, attention (SDPA for one row, the split-key program for a few), output product,
-add+RMSNorm, gate/up product, SiLU*up, down product.
+add+RMSNorm, gate/up product, SiLU*up, down product. The products (and the LM head, `fused_logits`) go through
+`dflash.kernels.triton_skinny.fast_linear`: the skinny program for up to 64 rows, cuBLAS beyond.
 The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
 previous layer's output (what feature capture needs).
 """
@@ -16,9 +17,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
+from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
 from dflash.models.layers import DecoderLayer
 from dflash.models.model import CausalLM
@@ -51,6 +54,19 @@ def supports_fused_layers(model: CausalLM) -> bool:
     )
 
 
+def apply_linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """module(x) for x [rows, in] through `fast_linear`."""
+    return fast_linear(x, module.weight, module.bias)
+
+
+def fused_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """`model.project_logits(hidden)` for hidden [rows, hidden] -> [rows, vocab], the head through `fast_linear`
+    where it is a plain linear layer and no soft-capping follows."""
+    if isinstance(model.lm_head, nn.Linear) and not model.config.final_logit_softcapping:
+        return apply_linear(hidden, model.lm_head)
+    return model.project_logits(hidden)
+
+
 def fused_layers(
     model: CausalLM,
     storage: KVCache,
@@ -81,7 +97,7 @@ def fused_layers(
         h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
         if index - 1 in wanted:
             captured[index - 1] = x
-        qkv = attention.qkv_proj(h)  # [rows, (heads + 2 kv_heads) * head_dim]
+        qkv = apply_linear(h, attention.qkv_proj)  # [rows, (heads + 2 kv_heads) * head_dim]
         q_norm, k_norm = attention.q_norm, attention.k_norm
         rope_and_store(
             qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
@@ -90,19 +106,20 @@ def fused_layers(
             eps=q_norm.eps if q_norm is not None else 1e-6,
         )
         if split_keys:
-            attended = attention.o_proj(few_row_attention(
+            out = few_row_attention(
                 qkv[:, : heads * head_dim].view(rows, heads, head_dim), storage.keys[index, 0],
                 storage.values[index, 0], additive[0, 0], bucket, attention.scale,
-            ).reshape(rows, heads * head_dim))
+            )  # [rows, heads, head_dim]
+            attended = apply_linear(out.reshape(rows, heads * head_dim), attention.o_proj)
         else:
             q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1)[None]  # [1, heads, rows, hd]
             out = F.scaled_dot_product_attention(
                 q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
                 scale=attention.scale, enable_gqa=heads != kv_heads,
             )  # [1, heads, rows, head_dim]
-            attended = attention.o_proj(out[0].transpose(0, 1).reshape(rows, heads * head_dim))
+            attended = apply_linear(out[0].transpose(0, 1).reshape(rows, heads * head_dim), attention.o_proj)
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(h)))
+        pending = apply_linear(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
     hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
     last = len(model.layers) - 1
     if last in wanted:

@@ -64,10 +64,10 @@ def static_target_forward(
     storage.positions[0].index_copy_(0, slots, positions[0])
     full = block_visibility(length, tree_mask, bucket)[None, None]  # [1, 1, rows, bucket]
     if fused:
-        from dflash.fastpath.fused_layers import fused_layers
+        from dflash.fastpath.fused_layers import fused_layers, fused_logits
 
         hidden, features = fused_layers(model, storage, input_ids, positions, slots, full, bucket, capture)
-        return model.project_logits(hidden), features
+        return fused_logits(model, hidden[0])[None], features
     sliding = None
     window = model.config.sliding_window
     if window is not None and any(model.sliding):

@@ -1,0 +1,142 @@
+"""Skinny matrix products for batch-one decoding (GPU fast path): out = x @ W^T for a few rows of x.
+
+At 1 to 64 rows a decoder's products read every weight once and do almost no arithmetic, so their time is the
+weight bytes over the memory bandwidth. `skinny_linear` streams W once: each program owns `block_n` output columns
+(rows of W), walks the whole reduction dimension in `block_k` steps (the loads pipelined `stages` deep) and multiplies
+the tile by all of x's rows at once (tensor cores through `tl.dot`, x padded to `block_m` rows; or, for one row,
+multiply-and-sum on the CUDA cores). No split of the reduction, so no second pass and no float32 scratch.
+
+`benchmarks/gpu_skinny_gemm.py` measures it against cuBLAS on chains of a model's matrices; `skinny_config` holds
+what it found on an H100, and `fast_linear` is what the fused forwards call: the program where it serves, cuBLAS
+elsewhere (more than 64 rows, the CPU, float32, strided operands) or everywhere with DFLASH_PRODUCTS=cublas.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.kernels.triton_decode import interpreting
+
+MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 32
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 3
+    use_dot: bool = True  # False: multiply-and-sum, one row only
+
+
+@cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def skinny_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, out_ptr, rows, n, k,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+        EVEN_K: tl.constexpr,
+    ):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = rows of W
+        cols_inside = cols < n
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * k  # [BLOCK_N, 1]
+        reach = tl.arange(0, BLOCK_K)
+        if USE_DOT:
+            row_ids = tl.arange(0, BLOCK_M)
+            rows_inside = row_ids < rows
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for start in range(0, k, BLOCK_K):
+                ks = start + reach
+                ks_inside = reach >= 0 if EVEN_K else ks < k
+                w = tl.load(w_rows + ks[None, :], mask=cols_inside[:, None] & ks_inside[None, :], other=0.0)  # [BN, BK]
+                x = tl.load(
+                    x_ptr + row_ids[:, None] * k + ks[None, :], mask=rows_inside[:, None] & ks_inside[None, :],
+                    other=0.0,
+                )  # [BM, BK]
+                acc = tl.dot(x, tl.trans(w), acc)
+            tl.store(
+                out_ptr + row_ids[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                mask=rows_inside[:, None] & cols_inside[None, :],
+            )
+        else:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for start in range(0, k, BLOCK_K):
+                ks = start + reach
+                ks_inside = reach >= 0 if EVEN_K else ks < k
+                w = tl.load(w_rows + ks[None, :], mask=cols_inside[:, None] & ks_inside[None, :], other=0.0)  # [BN, BK]
+                x = tl.load(x_ptr + ks, mask=ks_inside, other=0.0).to(tl.float32)  # [BK]
+                total += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols_inside)
+
+    return skinny_kernel
+
+
+def skinny_usable(rows: int, config: SkinnyConfig) -> bool:
+    """Whether `skinny_linear` serves `rows` rows of x with `config`."""
+    return rows <= MAX_ROWS if config.use_dot else rows == 1
+
+
+def skinny_config(rows: int, k: int) -> SkinnyConfig | None:
+    """The configuration for x [rows, k], from the H100 grid (`results/gpu_skinny_gemm_h100_*.json`): one row
+    multiplies and sums on the CUDA cores in long steps; 2-64 rows go through tensor cores, in longer steps for a
+    wide reduction. None past `MAX_ROWS` rows (cuBLAS's tiles win there)."""
+    wide = k >= 4096
+    if rows == 1:
+        return SkinnyConfig(8, 2048, 16, 2, False) if wide else SkinnyConfig(4, 1024, 8, 2, False)
+    if rows <= 16:
+        return SkinnyConfig(32, 512 if wide else 128, 4, 4)
+    if rows <= MAX_ROWS:
+        return SkinnyConfig(32, 256 if wide else 128, 4, 4)
+    return None
+
+
+def skinny_products_enabled() -> bool:
+    """DFLASH_PRODUCTS=skinny (the default) or cublas; read when a forward runs (so when a graph is captured)."""
+    choice = os.environ.get("DFLASH_PRODUCTS", "skinny")
+    if choice not in ("skinny", "cublas"):
+        raise ValueError(f"DFLASH_PRODUCTS must be 'skinny' or 'cublas', not {choice!r}")
+    return choice == "skinny"
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [rows, K]: through `skinny_linear` where it serves (CUDA, 16-bit floats,
+    contiguous operands, at most `MAX_ROWS` rows; any device and float type under TRITON_INTERPRET=1, for the CPU
+    tests), else cuBLAS."""
+    config = skinny_config(x.shape[0], x.shape[1])
+    on_device = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    if (
+        config is None
+        or not (on_device or interpreting())
+        or weight.dtype != x.dtype
+        or not (x.is_contiguous() and weight.is_contiguous())
+        or not skinny_products_enabled()
+    ):
+        return F.linear(x, weight, bias)
+    out = skinny_linear(x, weight, config)
+    return out if bias is None else out.add_(bias)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
+    """x: [rows, K] contiguous, weight: [N, K] contiguous, same dtype -> x @ weight^T [rows, N] (float32
+    accumulation, rounded once to x's dtype)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if not skinny_usable(rows, config):
+        raise ValueError(f"skinny_linear does not serve {rows} rows with {config}")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block_m = max(16, 1 << max(0, rows - 1).bit_length())
+    _kernel()[(-(-n // config.block_n),)](
+        x, weight, out, rows, n, k,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
+        EVEN_K=k % config.block_k == 0, num_warps=config.warps, num_stages=config.stages,
+    )
+    return out
