@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 from collections.abc import Callable
@@ -256,6 +257,7 @@ def main() -> None:
         "command": "python benchmarks/gpu_scale_study.py"
         + (" --compile" if args.compile else "") + (f" --draft-vocab {args.draft_vocab}" if args.draft_vocab else "")
         + f" --contexts {args.contexts} --shapes {args.shapes} --out {args.out}",
+        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DFLASH_")},
         "weights": "random, bfloat16; target Qwen3-8B-shaped (36 layers, hidden 4096, 32/8 heads, head_dim 128, "
         "vocab 151936, untied), drafter 5 layers hidden 4096, block 16",
     }

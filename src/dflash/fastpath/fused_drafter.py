@@ -124,6 +124,9 @@ def fused_drafter_round(
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         pending = apply_linear(silu_and_mul(fast_linear(h, weights.gate_up[index])), layer.mlp.down_proj)
     hidden, _ = add_rms_norm(x, pending, drafter.norm.weight, drafter.norm.eps)
-    if drafter.draft_head is None:
+    head = drafter.draft_head
+    if head is None:
         return fused_logits(target, hidden[1 : 1 + drafts])  # [drafts, vocab]
+    if isinstance(head.rows, nn.Linear):
+        return head.spread(apply_linear(hidden[1 : 1 + drafts], head.rows))  # [drafts, vocab]
     return drafter.project(target, hidden[1 : 1 + drafts])

@@ -44,7 +44,7 @@ def _kernel() -> Any:
     def skinny_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, out_ptr, rows, n, k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     ):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = rows of W
         cols_inside = cols < n
@@ -62,7 +62,7 @@ def _kernel() -> Any:
                     x_ptr + row_ids[:, None] * k + ks[None, :], mask=rows_inside[:, None] & ks_inside[None, :],
                     other=0.0,
                 )  # [BM, BK]
-                acc = tl.dot(x, tl.trans(w), acc)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
             tl.store(
                 out_ptr + row_ids[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                 mask=rows_inside[:, None] & cols_inside[None, :],
@@ -137,6 +137,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = 
     _kernel()[(-(-n // config.block_n),)](
         x, weight, out, rows, n, k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
-        EVEN_K=k % config.block_k == 0, num_warps=config.warps, num_stages=config.stages,
+        EVEN_K=k % config.block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.warps, num_stages=config.stages,
     )
     return out

@@ -70,11 +70,14 @@ class DraftHead(nn.Module):
         self.rows = _head_rows(target.lm_head, ids)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        scores = self.rows(hidden)  # [..., size]
+        return self.spread(self.rows(hidden))
+
+    def spread(self, scores: torch.Tensor) -> torch.Tensor:
+        """The shortlist's raw scores [..., size] -> logits [..., vocab] (capped, -inf off the list)."""
         if self.cap:
             scores = torch.tanh(scores / self.cap) * self.cap
         logits = torch.full(
-            (*hidden.shape[:-1], self.vocab_size), float("-inf"), dtype=scores.dtype, device=scores.device
+            (*scores.shape[:-1], self.vocab_size), float("-inf"), dtype=scores.dtype, device=scores.device
         )
         return logits.index_copy_(-1, self.ids, scores)
 
