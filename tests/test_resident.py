@@ -216,3 +216,37 @@ def test_accepting_rounds_match_the_host_loop(pair_with_runner, monkeypatch, mod
     assert stats.acceptance_length > 2.0
     assert stats.accepted_per_round[:-1] == host_stats.accepted_per_round[: len(stats.accepted_per_round) - 1]
     assert max(runner.residents[key].launched for key in runner.residents) > 5
+
+
+def test_absorbed_context_drafts_what_one_round_drafts() -> None:
+    """Writing the prompt's context rows first (`absorb_context`) and running the round over the rest gives the
+    round's logits and cache rows of one round over every row."""
+    target, drafter = golden_pair()
+    generator = torch.Generator().manual_seed(5)
+    features = torch.randn(1, 40, drafter.config.feature_size, generator=generator)  # [1, 40, n*hidden]
+    whole, split = drafter.new_cache(64), drafter.new_cache(64)
+    one_round = drafter.draft_logits(target, 7, 40, features, whole)  # [B-1, vocab]
+    drafter.absorb_context(features[:, :33], torch.arange(33)[None], split)
+    assert split.length == 33
+    after_absorbing = drafter.draft_logits(target, 7, 40, features[:, 33:], split)
+    assert whole.length == split.length == 40
+    torch.testing.assert_close(after_absorbing, one_round, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.keys[:, :, :, :40], whole.keys[:, :, :, :40], rtol=1e-5, atol=1e-5)
+    assert torch.equal(split.positions[:, :40], whole.positions[:, :40])
+
+
+@pytest.mark.parametrize("mode", ["linear", "ddtree:8"])
+def test_long_prompts_go_straight_to_resident_rounds(pair_with_runner, monkeypatch, mode: str) -> None:
+    """A prompt longer than the drafter's block needs no host-driven first round: its context rows are absorbed
+    and every round is a resident one."""
+    target, drafter, _ = pair_with_runner
+    prompt = random_prompts(1, target.config.vocab_size, seed=38, lengths=(150,))[0]
+    reference, _ = host_loop(target, drafter, "plain", prompt, 50)
+
+    def no_host_round(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a host-driven drafter round ran")
+
+    monkeypatch.setattr(drafter, "draft_logits", no_host_round)
+    sink, stats = generate(target, drafter, mode, prompt, 50)
+    assert sink.token_ids == reference.token_ids
+    assert stats.rounds > 0

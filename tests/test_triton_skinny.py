@@ -76,13 +76,14 @@ def test_fast_linear_adds_the_bias_through_the_program(monkeypatch: pytest.Monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [1, 2, 16, 32, 64])
-def test_skinny_linear_bf16_on_the_gpu(rows: int) -> None:
-    """bf16 on the device with each row count's own configuration: within bf16 rounding of a float32 product."""
+@pytest.mark.parametrize("rows", [1, 2, 16, 32, 40, 64])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (960, 576), (576, 1536)])
+def test_skinny_linear_bf16_on_the_gpu(rows: int, n: int, k: int) -> None:
+    """bf16 on the device with each shape's own configuration: within bf16 rounding of a float32 product."""
     generator = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn((rows, 4096), generator=generator, device="cuda").bfloat16()
-    weight = (torch.randn((6144, 4096), generator=generator, device="cuda") * 0.02).bfloat16()
-    config = skinny_config(rows, 4096)
+    x = torch.randn((rows, k), generator=generator, device="cuda").bfloat16()
+    weight = (torch.randn((n, k), generator=generator, device="cuda") * 0.02).bfloat16()
+    config = skinny_config(rows, k)
     assert config is not None
     expected = F.linear(x.float(), weight.float())
     torch.testing.assert_close(skinny_linear(x, weight, config).float(), expected, rtol=1e-2, atol=2e-2)

@@ -91,6 +91,7 @@ class ResidentDecoder:
     def take_over(
         self,
         state: SpecState,
+        drafter_cache: KVCache,
         max_new_tokens: int,
         sink: OutputSink,
         chooser: TokenChooser,
@@ -98,16 +99,21 @@ class ResidentDecoder:
         should_stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Run a speculative generation's remaining rounds here, from its host loop's `state`, when they can be
-        served now: EOS no longer suppressed, at most a block of new context rows (not the prompt's), every round
-        inside the storage. Returns whether it did (the generation is then over)."""
+        served now: EOS no longer suppressed, every round inside the storage. Returns whether it did (the
+        generation is then over). Context rows beyond the block the round's graph takes (the prompt's, on the
+        first round) are written into `drafter_cache` first (`DFlashDrafter.absorb_context`)."""
         produced = len(sink.token_ids)
-        block = self.runner.draft_features.shape[1]
-        if (
-            chooser.min_tokens > produced or state.new_features.shape[1] > block
-            or not self.fits(state.start, max_new_tokens - produced)
-        ):
+        if chooser.min_tokens > produced or not self.fits(state.start, max_new_tokens - produced):
             return False
-        self.load_linear(state.start, state.pending, state.new_features)
+        block = self.runner.draft_features.shape[1]
+        features = state.new_features  # [1, new, n*hidden]: positions drafter_cache.length .. start-1
+        excess = features.shape[1] - block
+        if excess > 0:
+            assert self.runner.drafter is not None
+            positions = torch.arange(drafter_cache.length, drafter_cache.length + excess, device=features.device)
+            self.runner.drafter.absorb_context(features[:, :excess], positions[None], drafter_cache)
+            features = features[:, excess:]
+        self.load_linear(state.start, state.pending, features)
         self.decode(state.start, sink, stats, should_stop)
         return True
 

@@ -112,7 +112,7 @@ def decode_ddtree(
             sink.finish_cancelled()
             break
         if resident is not None and resident.take_over(
-            state, request.max_new_tokens, sink, chooser, stats, should_stop
+            state, drafter_cache, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
             break
         produced = len(sink.token_ids)

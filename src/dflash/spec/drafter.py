@@ -250,6 +250,22 @@ class DFlashDrafter(nn.Module):
         """features: [batch, rows, n*target_hidden] -> ctx [batch, rows, hidden]."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
+    def absorb_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        """Append committed context rows to `cache` without running a block: their keys/values in every layer.
+
+        features: [batch, rows, n*target_hidden] of the positions [batch, rows] that follow cache.length."""
+        rows = features.shape[1]
+        if not rows:
+            return
+        cache.reserve(rows)
+        ctx = self.context(features)  # [batch, rows, hidden]
+        cos, sin = self.rotary.cos_sin(positions, self.fc.weight.dtype)
+        cache.write_positions(positions)
+        layer: Any
+        for index, layer in enumerate(self.layers):
+            cache.write(index, *layer.self_attn.keys_values(ctx, cos, sin))
+        cache.advance(rows)
+
     def draft_hidden(
         self,
         block_embeds: torch.Tensor,
@@ -264,29 +280,17 @@ class DFlashDrafter(nn.Module):
         runs the block. block_embeds: [batch, block, hidden]; block_positions: [batch, block];
         new_features: [batch, new, n*target_hidden]; new_positions: [batch, new] -> final-normed [batch, block, hidden].
         `window` limits attention to the last `window` context positions."""
-        dtype = self.fc.weight.dtype
-        new_rows = new_features.shape[1]
-        if new_rows:
-            cache.reserve(new_rows)
-            ctx = self.context(new_features)
-            ctx_cos, ctx_sin = self.rotary.cos_sin(new_positions, dtype)
-            key_positions = cache.write_positions(new_positions)
-        else:
-            key_positions = cache.positions[:, : cache.length]
-        first = max(0, key_positions.shape[1] - window) if window else 0
-        masks = self._inference_masks(block_positions, key_positions[:, first:])
-        cos, sin = self.rotary.cos_sin(block_positions, dtype)
-        x = block_embeds.to(dtype)
+        self.absorb_context(new_features, new_positions, cache)
+        length = cache.length
+        first = max(0, length - window) if window else 0
+        masks = self._inference_masks(block_positions, cache.positions[:, first:length])
+        cos, sin = self.rotary.cos_sin(block_positions, self.fc.weight.dtype)
+        x = block_embeds.to(self.fc.weight.dtype)
         layer: Any
         for index, layer in enumerate(self.layers):
-            if new_rows:
-                k, v = layer.self_attn.keys_values(ctx, ctx_cos, ctx_sin)
-                context_k, context_v = cache.write(index, k, v)
-            else:
-                context_k = cache.keys[index, :, :, : cache.length]
-                context_v = cache.values[index, :, :, : cache.length]
-            x = layer(x, cos, sin, context_k[:, :, first:], context_v[:, :, first:], masks[self.sliding[index]])
-        cache.advance(new_rows)
+            context_k = cache.keys[index, :, :, first:length]
+            context_v = cache.values[index, :, :, first:length]
+            x = layer(x, cos, sin, context_k, context_v, masks[self.sliding[index]])
         return self.norm(x)
 
     def forward_blocks(
