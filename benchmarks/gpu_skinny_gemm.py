@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels.triton_skinny import SkinnyConfig, skinny_linear, skinny_usable
+from dflash.kernels.triton_skinny import SkinnyConfig, skinny_config, skinny_linear, skinny_usable
 
 DTYPE = torch.bfloat16
 SHAPES = {  # model -> matrix kind -> (N, K, copies)
@@ -59,10 +59,10 @@ def graph_ms(fn: Callable[[], object], iters: int = 15) -> float:
     return statistics.median(times)
 
 
-def config_grid(rows: int) -> list[SkinnyConfig]:
+def config_grid(rows: int, tensor_core_tiles: list[tuple[int, ...]]) -> list[SkinnyConfig]:
     grid = [
         SkinnyConfig(block_n, block_k, warps, stages, True)
-        for block_n, block_k, warps, stages in itertools.product((16, 32, 64), (128, 256, 512, 1024), (4, 8), (3, 4, 6))
+        for block_n, block_k, warps, stages in itertools.product(*tensor_core_tiles)
     ]
     if rows == 1:
         grid += [
@@ -77,11 +77,16 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,32")
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--kinds", default="qkv,o,gate_up,down,head")
+    parser.add_argument("--block-n", default="16,32,64", help="tensor-core tiles: output columns per program")
+    parser.add_argument("--block-k", default="128,256,512,1024", help="tensor-core tiles: reduction step")
+    parser.add_argument("--warps", default="4,8", help="tensor-core tiles: warps per program")
+    parser.add_argument("--stages", default="3,4,6", help="tensor-core tiles: pipelined loads")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     kinds = args.kinds.split(",")
+    tiles = [tuple(int(v) for v in option.split(",")) for option in (args.block_n, args.block_k, args.warps, args.stages)]
     weights = {
         kind: [torch.randn(n, k, dtype=DTYPE, device=device) * 0.02 for _ in range(copies)]
         for kind, (n, k, copies) in SHAPES[args.shape].items() if kind in kinds
@@ -97,7 +102,9 @@ def main() -> None:
             entry: dict[str, object] = {"cublas_ms": round(cublas, 4), "cublas_TBps": round(bytes_of[kind] / cublas / 1e9, 3)}
             best: tuple[float, SkinnyConfig] | None = None
             tried = {}
-            for config in config_grid(rows):
+            chosen = skinny_config(rows, x.shape[1])  # the configuration in use, measured in the same run
+            grid = config_grid(rows, tiles)
+            for config in grid + ([chosen] if chosen is not None and chosen not in grid else []):
                 if not skinny_usable(rows, config):
                     continue
                 expected = F.linear(x, ws[0]).float()
@@ -139,7 +146,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "python": platform.python_version(),
                      "triton": __import__("triton").__version__},
         "command": "python benchmarks/gpu_skinny_gemm.py " + " ".join(
-            f"--{key} {value}" for key, value in vars(args).items() if value),
+            f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items() if value),
         "weights": f"random bf16, {args.shape} shapes: one copy of each layer matrix per layer, the LM head once",
         "results": results,
     }
