@@ -83,28 +83,28 @@ def fused_drafter_round(
     block = block_ids.shape[1]
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     dtype = drafter.fc.weight.dtype
-    offsets = torch.arange(block, device=block_ids.device)
+    device = block_ids.device
+    offsets = torch.arange(block, device=device)
     context_positions = start - new_rows + offsets  # [B]
     storage.positions[0].index_copy_(0, context_positions, context_positions)
     block_positions = start + offsets  # [B]
     slots = torch.cat((torch.where(offsets < new_rows, context_positions, -1), block_positions))  # [2B]
-    cos, sin = drafter.rotary.cos_sin(torch.cat((context_positions, block_positions))[None], dtype)
-    cos, sin = cos.reshape(2 * block, head_dim).contiguous(), sin.reshape(2 * block, head_dim).contiguous()
-    visible = (torch.arange(bucket, device=block_ids.device) < start + block).expand(block, bucket)
-    additive = torch.zeros((1, 1, block, bucket), dtype=dtype, device=block_ids.device)
-    additive.masked_fill_(~visible, float("-inf"))
+    cos, sin = drafter.rotary.rows_cos_sin(torch.cat((context_positions, block_positions)), dtype)  # [2B, head_dim]
+    visible = torch.arange(bucket, device=device) < start + block  # [bucket]: committed slots and the block
+    additive = torch.where(visible, 0.0, float("-inf")).to(dtype).expand(1, 1, block, bucket)
     split_keys = split_key_attention(block) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
-    context, _ = add_rms_norm(
+    rows = torch.empty((2 * block, config.hidden_size), dtype=dtype, device=device)  # [context rows; block rows]
+    add_rms_norm(
         apply_linear(new_features[0].to(dtype).contiguous(), drafter.fc), None, drafter.hidden_norm.weight,
-        drafter.hidden_norm.eps,
-    )  # [B, hidden]
+        drafter.hidden_norm.eps, out=rows[:block],
+    )
     x = target.embed(block_ids)[0].to(dtype).contiguous()  # [B, hidden]
     pending: torch.Tensor | None = None
     layer: Any
     for index, layer in enumerate(drafter.layers):
         attention = layer.self_attn
-        h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        qkv = fast_linear(torch.cat((context, h)), weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
+        _, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps, out=rows[block:])
+        qkv = fast_linear(rows, weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
         rope_and_store(
             qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
             num_kv_heads=kv_heads, q_norm_weight=attention.q_norm.weight, k_norm_weight=attention.k_norm.weight,

@@ -83,8 +83,7 @@ def fused_layers(
     rows = input_ids.shape[1]
     dtype = model.embed_tokens.weight.dtype
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    cos, sin = model.rotary.cos_sin(positions, dtype)  # [1, 1, rows, head_dim]
-    cos, sin = cos.reshape(rows, head_dim).contiguous(), sin.reshape(rows, head_dim).contiguous()
+    cos, sin = model.rotary.rows_cos_sin(positions[0], dtype)  # [rows, head_dim]
     additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}

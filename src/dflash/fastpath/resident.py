@@ -35,6 +35,7 @@ from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationStats
 from dflash.generation.selection import TokenChooser
+from dflash.kernels.triton_argmax import fast_argmax
 from dflash.kernels.triton_kv_move import move_path_rows, move_usable
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
@@ -125,7 +126,7 @@ class ResidentDecoder:
             runner.target, runner.target_storage, inputs.input_ids, runner.length.view(1, 1), runner.length,
             inputs.causal, bucket=bucket, capture=(), fused=runner.fused,
         )  # [1, 1, vocab]
-        token = logits[0, 0].argmax().view(1)  # [1]
+        token = fast_argmax(logits[0, :1])  # [1]
         inputs.input_ids.view(1).copy_(token)
         self.out[1:2].copy_(token)
         runner.length.add_(1)
@@ -135,7 +136,7 @@ class ResidentDecoder:
         runner, drafts = self.runner, self.drafts
         device = runner.device
         runner.draft_start.copy_(runner.length)
-        proposed = runner.drafter_block_logits(bucket, drafts).argmax(dim=-1)  # [drafts]
+        proposed = fast_argmax(runner.drafter_block_logits(bucket, drafts))  # [drafts]
         inputs = runner.row_inputs(self.rows)
         ids = inputs.input_ids[0]
         ids[:1].copy_(runner.block_ids[0, :1])
@@ -146,7 +147,7 @@ class ResidentDecoder:
             bucket=bucket, capture=self.capture, fused=runner.fused,
         )  # [1, rows, vocab], [1, rows, n*hidden]
         assert features is not None
-        choices = logits[0, : drafts + 1].argmax(dim=-1)  # [drafts + 1]
+        choices = fast_argmax(logits[0, : drafts + 1])  # [drafts + 1]
         accepted = (proposed == choices[:drafts]).to(torch.long).cumprod(0).sum().view(1)  # [1]
         bonus = choices.gather(0, accepted)  # [1]
         slots = torch.arange(drafts + 1, device=device)
@@ -182,7 +183,7 @@ class ResidentDecoder:
             inputs.tree_mask, bucket=bucket, capture=self.capture, fused=runner.fused,
         )  # [1, rows, vocab], [1, rows, n*hidden]
         assert features is not None
-        choices = logits[0, : budget + 1].argmax(dim=-1)  # [budget + 1]
+        choices = fast_argmax(logits[0, : budget + 1])  # [budget + 1]
         path, length, bonus, committed = builder.walk(tree, choices)  # path [depth + 1]: rows from the root
         # the accepted rows' K/V move to the slots right after the committed prefix (the path's positions)
         storage = runner.target_storage

@@ -96,6 +96,10 @@ class GraphRunner:
         self.capacity = capacity
         self.max_rows = max_rows
         self.target_storage = KVCache.matching(target.config, capacity, target.embed_tokens.weight)
+        if fused:  # the fused forwards gather their rotary rows (positions stay below capacity + a graph's rows)
+            target.rotary.prepare_table(capacity + 2 * max_rows, target.embed_tokens.weight.dtype, self.device)
+            if drafter is not None and self.drafter_weights is not None:
+                drafter.rotary.prepare_table(capacity + 2 * max_rows, drafter.fc.weight.dtype, self.device)
         self.drafter_storage = drafter.new_cache(capacity) if drafter is not None else None
         self._leases: dict[str, weakref.ref[KVCache]] = {}
         self._replays: dict[tuple[object, ...], _Replay] = {}

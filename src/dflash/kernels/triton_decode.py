@@ -121,13 +121,17 @@ def _kernels() -> Any:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [rows, width] contiguous -> (RMSNorm(x + residual) * weight, x + residual); without a
-    residual the second output is x itself."""
+    residual the second output is x itself. `out` ([rows, width] contiguous, x's dtype) receives the first."""
     add_kernel = _kernels()[0]
     rows, width = x.shape
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"add_rms_norm out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
     summed = torch.empty_like(x) if residual is not None else x
     add_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed, width, eps,

@@ -42,11 +42,30 @@ class Rotary(torch.nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling), persistent=False)
+        # (dtype, device) -> cos, sin [positions, head_dim] precomputed for the graphed forwards (`prepare_table`)
+        self._tables: dict[tuple[torch.dtype, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def recompute(self) -> None:
         """Refill the frequency buffer in place (after a model was materialised from the meta device)."""
         fresh = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
         self.inv_freq = fresh.to(self.inv_freq.device)
+        self._tables.clear()
+
+    def prepare_table(self, length: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Precompute cos/sin for positions 0 .. length-1, so that `rows_cos_sin` gathers rows instead of computing
+        them (one kernel per table instead of several). Call it outside CUDA graph capture; positions passed to
+        `rows_cos_sin` must then stay below `length`."""
+        cos, sin = self.cos_sin(torch.arange(length, device=device)[None], dtype)  # [1, 1, length, head_dim]
+        self._tables[(dtype, str(device))] = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
+
+    def rows_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [rows] -> cos, sin: [rows, head_dim] contiguous, equal to `cos_sin`'s (the same float32
+        angles), from the prepared table when there is one."""
+        table = self._tables.get((dtype, str(positions.device)))
+        if table is not None:
+            return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        cos, sin = self.cos_sin(positions[None], dtype)  # [1, 1, rows, head_dim]
+        return cos[0, 0].contiguous(), sin[0, 0].contiguous()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [batch, seq] -> cos, sin: [batch, 1, seq, head_dim]"""
