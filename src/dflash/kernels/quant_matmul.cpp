@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -123,6 +124,20 @@ inline void store(const Weights& w, float* out) {
   _mm512_storeu_ps(out + 16, w.hi);
 }
 
+// Parts: `accumulate` split into its lane groups (part 0: weights 0..15 -> lo, part 1: 16..31 -> hi), for
+// weights already dequantised into memory. Same operations in the same order per accumulator.
+constexpr int kParts = 2;
+constexpr int kPartWidth = 16;
+using Part = __m512;
+inline Part load_part(const float* p) { return _mm512_loadu_ps(p); }
+inline void accumulate_part(Accumulator& acc, int part, Part w, Part x) {
+  if (part == 0) {
+    acc.lo = _mm512_fmadd_ps(w, x, acc.lo);
+  } else {
+    acc.hi = _mm512_fmadd_ps(w, x, acc.hi);
+  }
+}
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 
@@ -182,6 +197,20 @@ inline void store(const Weights& w, float* out) {
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, w.v[i]);
 }
 
+// Parts: `accumulate` split into its four lane groups (even parts -> acc.even, odd parts -> acc.odd), for
+// weights already dequantised into memory. Same operations in the same order per accumulator.
+constexpr int kParts = 4;
+constexpr int kPartWidth = 8;
+using Part = __m256;
+inline Part load_part(const float* p) { return _mm256_loadu_ps(p); }
+inline void accumulate_part(Accumulator& acc, int part, Part w, Part x) {
+  if (part % 2 == 0) {
+    acc.even = _mm256_fmadd_ps(w, x, acc.even);
+  } else {
+    acc.odd = _mm256_fmadd_ps(w, x, acc.odd);
+  }
+}
+
 #else
 constexpr const char* kIsa = "generic";
 
@@ -231,6 +260,21 @@ inline float reduce(const Accumulator& acc) {
 }
 
 inline void store(const Weights& w, float* out) { std::memcpy(out, w.v, sizeof w.v); }
+
+// Parts: one part of all 32 lanes (the same operations as `accumulate`).
+constexpr int kParts = 1;
+constexpr int kPartWidth = kBlockValues;
+struct Part {
+  float v[kBlockValues];
+};
+inline Part load_part(const float* p) {
+  Part part;
+  std::memcpy(part.v, p, sizeof part.v);
+  return part;
+}
+inline void accumulate_part(Accumulator& acc, int /*part*/, const Part& w, const Part& x) {
+  for (int j = 0; j < kBlockValues; ++j) acc.v[j] += w.v[j] * x.v[j];
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
@@ -253,7 +297,7 @@ int64_t block_bytes(int64_t qtype) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Register tile: ROWS output rows x COLS input rows, all blocks of K.
+// One input row: register tile of ROWS output rows x COLS input rows, all blocks of K.
 // ---------------------------------------------------------------------------------------------------------
 template <class Format, int ROWS, int COLS>
 void tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float* x, int64_t k, float* y,
@@ -280,40 +324,90 @@ void tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float
   }
 }
 
-// All input rows against ROWS output rows: tiles of COLS input rows, then one smaller tile for the rest.
-template <class Format, int ROWS, int COLS>
-void rows_times_inputs(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float* x, int64_t m,
-                       int64_t k, float* y, int64_t n) {
-  int64_t c = 0;
-  for (; c + COLS <= m; c += COLS) tile<Format, ROWS, COLS>(weights, row_bytes, blocks, x + c * k, k, y + c * n, n);
-  if constexpr (COLS > 1) {
-    if (c < m) rows_times_inputs<Format, ROWS, COLS - 1>(weights, row_bytes, blocks, x + c * k, m - c, k, y + c * n, n);
+// ---------------------------------------------------------------------------------------------------------
+// Several input rows: panels of dequantised weights.
+// A panel of PANEL_ROWS output rows is dequantised once (all of K, into a scratch buffer that stays in L1/L2)
+// and then multiplied with every input row, INPUTS input rows at a time, one lane group (part) at a time so
+// that only the accumulators, one part of each panel row and one part of one input row are live in registers.
+// Every accumulator sees the same operations in the same order as in `tile`, so results are bitwise those of
+// the one-row path.
+// ---------------------------------------------------------------------------------------------------------
+template <int PANEL_ROWS, int INPUTS>
+void panel_tile(const float* panel, int64_t blocks, const float* x, int64_t k, float* y, int64_t n) {
+  // panel: PANEL_ROWS rows of k dequantised weights; x: INPUTS rows of k floats; y: INPUTS rows of n floats
+  Accumulator acc[PANEL_ROWS][INPUTS];
+#pragma GCC unroll 8
+  for (int r = 0; r < PANEL_ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < INPUTS; ++c) zero(acc[r][c]);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t offset = b * kBlockValues;
+#pragma GCC unroll 8
+    for (int part = 0; part < kParts; ++part) {
+      Part w[PANEL_ROWS];
+#pragma GCC unroll 8
+      for (int r = 0; r < PANEL_ROWS; ++r) w[r] = load_part(panel + r * k + offset + part * kPartWidth);
+#pragma GCC unroll 8
+      for (int c = 0; c < INPUTS; ++c) {
+        const Part xs = load_part(x + c * k + offset + part * kPartWidth);
+#pragma GCC unroll 8
+        for (int r = 0; r < PANEL_ROWS; ++r) accumulate_part(acc[r][c], part, w[r], xs);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < PANEL_ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < INPUTS; ++c) y[c * n + r] = reduce(acc[r][c]);
   }
 }
 
-// Tile shapes (output rows x input rows); they change speed only, never results.
-constexpr int SINGLE_ROWS = 4;
-constexpr int MULTI_ROWS = 2;
-constexpr int MULTI_COLS = 6;
+// All input rows against one dequantised panel: tiles of INPUTS rows, then one smaller tile for the rest.
+template <int PANEL_ROWS, int INPUTS>
+void panel_times_inputs(const float* panel, int64_t blocks, const float* x, int64_t m, int64_t k, float* y,
+                        int64_t n) {
+  int64_t c = 0;
+  for (; c + INPUTS <= m; c += INPUTS) panel_tile<PANEL_ROWS, INPUTS>(panel, blocks, x + c * k, k, y + c * n, n);
+  if constexpr (INPUTS > 1) {
+    if (c < m) panel_times_inputs<PANEL_ROWS, INPUTS - 1>(panel, blocks, x + c * k, m - c, k, y + c * n, n);
+  }
+}
+
+template <class Format>
+void dequantize_rows(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t rows, float* out) {
+  const int64_t k = blocks * kBlockValues;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      store(Format::dequant(weights + r * row_bytes + b * Format::kBytes), out + r * k + b * kBlockValues);
+    }
+  }
+}
+
+// Tile shapes; they change speed only, never results.
+constexpr int SINGLE_ROWS = 4;  // one input row: output rows per tile (2 * SINGLE_ROWS accumulator chains)
+constexpr int PANEL_ROWS = 2;   // several input rows: output rows dequantised per panel
+constexpr int PANEL_INPUTS = 3;  // input rows per register tile against a panel
 
 template <class Format>
 void matmul_rows(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float* x, int64_t m, int64_t k,
                  float* y, int64_t n, int64_t row_begin, int64_t row_end) {
-  // One input row: SINGLE_ROWS output rows per tile keep 2 * SINGLE_ROWS accumulator chains in flight.
-  // Several input rows: MULTI_ROWS output rows x MULTI_COLS input rows per tile.
   int64_t row = row_begin;
   if (m == 1) {
     for (; row + SINGLE_ROWS <= row_end; row += SINGLE_ROWS) {
       tile<Format, SINGLE_ROWS, 1>(weights + row * row_bytes, row_bytes, blocks, x, k, y + row, n);
     }
-  } else {
-    for (; row + MULTI_ROWS <= row_end; row += MULTI_ROWS) {
-      rows_times_inputs<Format, MULTI_ROWS, MULTI_COLS>(weights + row * row_bytes, row_bytes, blocks, x, m, k,
-                                                         y + row, n);
-    }
+    for (; row < row_end; ++row) tile<Format, 1, 1>(weights + row * row_bytes, row_bytes, blocks, x, k, y + row, n);
+    return;
+  }
+  std::vector<float> panel(static_cast<size_t>(PANEL_ROWS * k));
+  for (; row + PANEL_ROWS <= row_end; row += PANEL_ROWS) {
+    dequantize_rows<Format>(weights + row * row_bytes, row_bytes, blocks, PANEL_ROWS, panel.data());
+    panel_times_inputs<PANEL_ROWS, PANEL_INPUTS>(panel.data(), blocks, x, m, k, y + row, n);
   }
   for (; row < row_end; ++row) {
-    rows_times_inputs<Format, 1, MULTI_COLS>(weights + row * row_bytes, row_bytes, blocks, x, m, k, y + row, n);
+    dequantize_rows<Format>(weights + row * row_bytes, row_bytes, blocks, 1, panel.data());
+    panel_times_inputs<1, PANEL_INPUTS>(panel.data(), blocks, x, m, k, y + row, n);
   }
 }
 
