@@ -79,7 +79,7 @@ class DraftHead(nn.Module):
         logits = torch.full(
             (*scores.shape[:-1], self.vocab_size), float("-inf"), dtype=scores.dtype, device=scores.device
         )
-        return logits.index_copy_(-1, self.ids, scores)
+        return logits.scatter_(-1, self.ids.expand(scores.shape), scores)  # (index_copy_ is 2x slower on the CPU)
 
 
 def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:

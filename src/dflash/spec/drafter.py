@@ -163,12 +163,17 @@ class DrafterAttention(nn.Module):
         context_k: torch.Tensor,
         context_v: torch.Tensor,
         mask: torch.Tensor | None,
+        queries: slice | None = None,
     ) -> torch.Tensor:
-        """h: normed block rows [batch, block, hidden]; context_k/v: [batch, kv_heads, context, head_dim]."""
+        """h: normed block rows [batch, block, hidden]; context_k/v: [batch, kv_heads, context, head_dim].
+        `queries` picks the block rows whose output is wanted (every row still serves as a key and value)."""
+        block_k, block_v = self.keys_values(h, cos, sin)
+        if queries is not None:
+            h, cos, sin = h[:, queries], cos[:, :, queries], sin[:, :, queries]
+            mask = None if mask is None else mask[:, :, queries]
         batch, rows, _ = h.shape
         q = self.q_norm(self.q_proj(h).view(batch, rows, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), cos, sin)
-        block_k, block_v = self.keys_values(h, cos, sin)
         k = torch.cat((context_k, block_k), dim=2)
         v = torch.cat((context_v, block_v), dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -203,8 +208,11 @@ class DrafterLayer(nn.Module):
         context_k: torch.Tensor,
         context_v: torch.Tensor,
         mask: torch.Tensor | None,
+        queries: slice | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        """x: [batch, block, hidden] -> [batch, block, hidden], or only the `queries` rows of it."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask, queries)
+        x = (x if queries is None else x[:, queries]) + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -275,11 +283,14 @@ class DFlashDrafter(nn.Module):
         cache: KVCache,
         *,
         window: int | None = None,
+        outputs: slice | None = None,
     ) -> torch.Tensor:
         """One inference round. Appends the new context rows to `cache` (they are committed positions), then
         runs the block. block_embeds: [batch, block, hidden]; block_positions: [batch, block];
         new_features: [batch, new, n*target_hidden]; new_positions: [batch, new] -> final-normed [batch, block, hidden].
-        `window` limits attention to the last `window` context positions."""
+        `window` limits attention to the last `window` context positions. `outputs` returns only those block rows
+        ([batch, len(outputs), hidden]): the last layer then computes queries, attention output and MLP for them
+        alone (every block row still gives that layer its keys and values)."""
         self.absorb_context(new_features, new_positions, cache)
         length = cache.length
         first = max(0, length - window) if window else 0
@@ -287,10 +298,12 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary.cos_sin(block_positions, self.fc.weight.dtype)
         x = block_embeds.to(self.fc.weight.dtype)
         layer: Any
+        last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             context_k = cache.keys[index, :, :, first:length]
             context_v = cache.values[index, :, :, first:length]
-            x = layer(x, cos, sin, context_k, context_v, masks[self.sliding[index]])
+            queries = outputs if index == last else None
+            x = layer(x, cos, sin, context_k, context_v, masks[self.sliding[index]], queries)
         return self.norm(x)
 
     def forward_blocks(
@@ -355,5 +368,6 @@ class DFlashDrafter(nn.Module):
         block[0, 0] = pending_token
         block_positions = torch.arange(start, start + self.config.block_size, device=device)[None]
         new_positions = torch.arange(cache.length, cache.length + new_features.shape[1], device=device)[None]
-        hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache, window=window)
-        return self.project(target, hidden[0, 1:last])
+        hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache,
+                                   window=window, outputs=slice(1, last))  # [1, last - 1, hidden]
+        return self.project(target, hidden[0])
