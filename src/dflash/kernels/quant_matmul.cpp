@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -388,6 +389,7 @@ void dequantize_rows(const uint8_t* weights, int64_t row_bytes, int64_t blocks, 
 constexpr int SINGLE_ROWS = 4;  // one input row: output rows per tile (2 * SINGLE_ROWS accumulator chains)
 constexpr int PANEL_ROWS = 2;   // several input rows: output rows dequantised per panel
 constexpr int PANEL_INPUTS = 3;  // input rows per register tile against a panel
+constexpr int64_t INPUT_GROUP = 64;  // input rows that every panel meets before the next group's turn
 
 template <class Format>
 void matmul_rows(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float* x, int64_t m, int64_t k,
@@ -400,14 +402,22 @@ void matmul_rows(const uint8_t* weights, int64_t row_bytes, int64_t blocks, cons
     for (; row < row_end; ++row) tile<Format, 1, 1>(weights + row * row_bytes, row_bytes, blocks, x, k, y + row, n);
     return;
   }
+  // Input rows in groups of INPUT_GROUP, so that a group stays in L2 while every panel passes over it (each
+  // group dequantises the panels again: a small cost next to INPUT_GROUP rows of products).
   std::vector<float> panel(static_cast<size_t>(PANEL_ROWS * k));
-  for (; row + PANEL_ROWS <= row_end; row += PANEL_ROWS) {
-    dequantize_rows<Format>(weights + row * row_bytes, row_bytes, blocks, PANEL_ROWS, panel.data());
-    panel_times_inputs<PANEL_ROWS, PANEL_INPUTS>(panel.data(), blocks, x, m, k, y + row, n);
-  }
-  for (; row < row_end; ++row) {
-    dequantize_rows<Format>(weights + row * row_bytes, row_bytes, blocks, 1, panel.data());
-    panel_times_inputs<1, PANEL_INPUTS>(panel.data(), blocks, x, m, k, y + row, n);
+  for (int64_t first = 0; first < m; first += INPUT_GROUP) {
+    const int64_t rows = std::min<int64_t>(INPUT_GROUP, m - first);
+    const float* group = x + first * k;
+    float* out = y + first * n;
+    row = row_begin;
+    for (; row + PANEL_ROWS <= row_end; row += PANEL_ROWS) {
+      dequantize_rows<Format>(weights + row * row_bytes, row_bytes, blocks, PANEL_ROWS, panel.data());
+      panel_times_inputs<PANEL_ROWS, PANEL_INPUTS>(panel.data(), blocks, group, rows, k, out + row, n);
+    }
+    for (; row < row_end; ++row) {
+      dequantize_rows<Format>(weights + row * row_bytes, row_bytes, blocks, 1, panel.data());
+      panel_times_inputs<1, PANEL_INPUTS>(panel.data(), blocks, group, rows, k, out + row, n);
+    }
   }
 }
 
