@@ -34,6 +34,7 @@ from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
 from dflash.models.rope import Rotary
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+from dflash.spec.drafter_int8 import quantize_drafter_int8
 
 DTYPE = torch.bfloat16
 # published acceptance lengths of DFlash drafters on Qwen3-8B (greedy), for the projection only
@@ -246,6 +247,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the target and drafter forwards first")
     parser.add_argument("--draft-vocab", type=int, default=0,
                         help="the drafter scores this many (random) token ids only (`dflash.spec.draft_vocab`); 0: all")
+    parser.add_argument("--draft-weights", choices=["dense", "int8"], default="dense",
+                        help="int8: the drafter's products (and its shortlist head) as int8 rows (`dflash.spec.drafter_int8`)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -256,6 +259,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()},
         "command": "python benchmarks/gpu_scale_study.py"
         + (" --compile" if args.compile else "") + (f" --draft-vocab {args.draft_vocab}" if args.draft_vocab else "")
+        + (" --draft-weights int8" if args.draft_weights == "int8" else "")
         + f" --contexts {args.contexts} --shapes {args.shapes} --out {args.out}",
         "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DFLASH_")},
         "weights": "random, bfloat16; target Qwen3-8B-shaped (36 layers, hidden 4096, 32/8 heads, head_dim 128, "
@@ -268,6 +272,8 @@ def main() -> None:
     if args.draft_vocab:
         shortlist = torch.randperm(model.config.vocab_size, generator=torch.Generator().manual_seed(0))
         drafter.use_draft_vocab(shortlist[: args.draft_vocab].sort().values, model)
+    if args.draft_weights == "int8":
+        print(f"drafter: {quantize_drafter_int8(drafter)} products as int8 rows", flush=True)
     if args.compile:
         model.forward = torch.compile(model.forward, dynamic=False)  # type: ignore[method-assign]
         drafter.draft_hidden = torch.compile(drafter.draft_hidden, dynamic=False)  # type: ignore[method-assign]

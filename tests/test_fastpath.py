@@ -6,6 +6,8 @@ real CUDA graphs and skip without a GPU.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+from dflash.spec.drafter_int8 import quantize_drafter_int8
 from dflash.spec.linear import decode_linear
 from tests.spec_helpers import golden_pair, random_prompts
 from tests.tiny_models import hf_tiny, ours_from_hf
@@ -181,8 +184,12 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_graph_speculation_equals_plain_greedy() -> None:
+@pytest.mark.parametrize("draft_weights", ["dense", "int8"])
+def test_cuda_graph_speculation_equals_plain_greedy(draft_weights: str) -> None:
     target, drafter = golden_pair()
+    if draft_weights == "int8":
+        drafter = copy.deepcopy(drafter)
+        quantize_drafter_int8(drafter)
     target, drafter = target.to("cuda"), drafter.to("cuda")
     try:
         runner = attach_graph_runner(target, drafter, capacity=2048)
@@ -309,13 +316,18 @@ def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, mo
 
 @fused
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "split"])
-def test_fused_drafter_round_matches_the_static_round(attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fused drafter round (block rows attending through SDPA or the split-key program) gives the static
-    round's logits and cache rows (fp32)."""
+@pytest.mark.parametrize(("attention", "draft_weights"), [("sdpa", "dense"), ("split", "dense"), ("split", "int8")])
+def test_fused_drafter_round_matches_the_static_round(
+    attention: str, draft_weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused drafter round (block rows attending through SDPA or the split-key program; dense or int8 rows
+    joined) gives the static round's logits and cache rows (fp32)."""
     monkeypatch.setenv("DFLASH_ATTENTION", attention)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, drafter = golden_pair()
+    if draft_weights == "int8":
+        drafter = copy.deepcopy(drafter)
+        quantize_drafter_int8(drafter)
     target, drafter = target.to(device), drafter.to(device)
     try:
         runners = [GraphRunner(target, drafter, capacity=512, capture=False, fused=f) for f in (False, True)]

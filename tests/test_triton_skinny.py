@@ -37,6 +37,39 @@ def test_skinny_linear_matches_linear(config: SkinnyConfig, rows: int, n: int, k
     torch.testing.assert_close(skinny_linear(x, weight, config), F.linear(x, weight), rtol=1e-4, atol=1e-4)
 
 
+@needs_triton
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("rows", [1, 16, 33])
+def test_int8_rows_scale_the_sums(config: SkinnyConfig, rows: int) -> None:
+    """int8 weight with one scale per row: equal to F.linear with the widened, scaled matrix up to summation order
+    (an output width that is not a multiple of the tile, a reduction that is not a multiple of the step)."""
+    generator = torch.Generator().manual_seed(rows)
+    n, k = 70, 576
+    x = torch.randn((rows, k), generator=generator).to(DEVICE)
+    values = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8).to(DEVICE)
+    scales = (torch.rand(n, generator=generator) * 0.02 + 1e-3).to(DEVICE)
+    expected = F.linear(x, values.float() * scales[:, None])
+    if not config.use_dot and rows > 1:
+        return
+    torch.testing.assert_close(skinny_linear(x, values, config, scales), expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="int8 weight"):
+        skinny_linear(x, values.float(), config, scales)
+    if DEVICE.type == "cuda":  # bf16 activations: the widened tile is exact, the sums float32, one rounding
+        half = x.to(torch.bfloat16)
+        reference = F.linear(half.float(), values.float() * scales[:, None])
+        torch.testing.assert_close(skinny_linear(half, values, config, scales).float(), reference, rtol=1e-2, atol=1e-2)
+
+
+def test_fast_linear_widens_int8_rows_where_the_program_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    values = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
+    scales, bias = torch.rand(24) / 100, torch.randn(24)
+    for rows in (1, 80):
+        x = torch.randn(rows, 64)
+        expected = F.linear(x, values.float() * scales[:, None], bias)
+        torch.testing.assert_close(fast_linear(x, values, bias, scales), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_skinny_config_by_rows() -> None:
     assert skinny_config(1, 4096) == SkinnyConfig(8, 2048, 16, 2, False)
     assert skinny_config(1, 576) == SkinnyConfig(4, 1024, 8, 2, False)

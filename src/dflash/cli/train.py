@@ -66,6 +66,8 @@ def register(commands: Any) -> None:
     evaluate.add_argument("--limit", type=int, default=None, help="at most this many prompts per file")
     evaluate.add_argument("--ddtree-budgets", default="",
                           help="comma list of tree budgets to replay beside linear DFlash (e.g. 4,8,16,32,64)")
+    evaluate.add_argument("--draft-weights", choices=["dense", "int8"], default="dense",
+                          help="int8: replay with the drafter's products as int8 rows (`dflash.spec.drafter_int8`)")
     evaluate.add_argument("--out", type=Path, default=None)
     evaluate.set_defaults(run=run_eval)
 
@@ -195,11 +197,16 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tokenizer = _load_target(args)
     drafter = load_drafter(args.draft, model.config, device=model.embed_tokens.weight.device,
                            dtype=model.embed_tokens.weight.dtype)
+    if args.draft_weights == "int8":
+        from dflash.spec.drafter_int8 import quantize_drafter_int8
+
+        quantize_drafter_int8(drafter)
     budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
     method = "exact replay of greedy linear DFlash" + (" and DDTree" if budgets else "")
     result: dict[str, Any] = {**provenance(model.embed_tokens.weight.device),
                               "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
-                              "method": method, "max_tokens": args.max_tokens, "sets": {}}
+                              "method": method, "max_tokens": args.max_tokens, "draft_weights": args.draft_weights,
+                              "sets": {}}
     every: list[float] = []
     every_tree: dict[int, list[float]] = {budget: [] for budget in budgets}
     for path in args.prompts_file:

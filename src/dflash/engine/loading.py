@@ -45,7 +45,8 @@ def load_engine(
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
     `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
-    target runs there, dense otherwise), dense or quantized (`dflash.spec.drafter_quantize`). `draft_vocab` is
+    target runs there, dense otherwise), dense or quantized (Q8_0 blocks on the CPU, `dflash.spec.drafter_quantize`;
+    int8 rows on a GPU, `dflash.spec.drafter_int8`). `draft_vocab` is
     auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
     LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`)."""
     options = options or EngineOptions()
@@ -55,7 +56,7 @@ def load_engine(
     torch_dtype = pick_dtype(dtype, torch_device)
     started = time.perf_counter()
     choice = choose_weights(weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
-    quantize_draft = _quantize_drafter_weights(draft_weights, choice.kind, torch_device, torch_dtype)
+    draft_format = _drafter_weight_format(draft_weights, choice.kind, torch_device, torch_dtype)
     checkpoint = load_checkpoint(model or "default", weights=choice.kind)
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
@@ -73,11 +74,15 @@ def load_engine(
     if draft not in (None, "", "none"):
         assert draft is not None
         drafter = load_drafter(draft, checkpoint.config, device=torch_device, dtype=torch_dtype)
-        if quantize_draft:
+        if draft_format == "q8_0":  # before the shortlist, whose rows then come from the target's blocks
             from dflash.spec.drafter_quantize import quantize_drafter
 
             log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
         _attach_draft_vocab(drafter, target, draft, draft_vocab)
+        if draft_format == "int8":  # after the shortlist, whose rows are then rounded too
+            from dflash.spec.drafter_int8 import quantize_drafter_int8
+
+            log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
     if drafter is None and options.spec != "none":
         options.spec = "none"
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
@@ -86,15 +91,23 @@ def load_engine(
     return Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
 
 
-def _quantize_drafter_weights(choice: str, target_weights: str, device: torch.device, dtype: torch.dtype) -> bool:
+def _drafter_weight_format(choice: str, target_weights: str, device: torch.device, dtype: torch.dtype) -> str:
+    """-> "dense", "q8_0" (blocks on the CPU kernel, float32 on the CPU) or "int8" (rows on the GPU's skinny
+    program, 16-bit floats on CUDA)."""
     if choice not in ("auto", "dense", "quantized"):
         raise DFlashError(f"unknown --draft-weights {choice!r}; choose auto, dense or quantized")
-    if choice == "quantized" and (device.type != "cpu" or dtype != torch.float32):
+    if choice == "dense":
+        return "dense"
+    if device.type == "cpu" and dtype == torch.float32:
+        return "q8_0" if choice == "quantized" or target_weights == "quantized" else "dense"
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        return "int8" if choice == "quantized" else "dense"
+    if choice == "quantized":
         raise DFlashError(
-            f"--draft-weights quantized runs on the CPU kernel in float32; this run uses {device.type} / "
-            f"{str(dtype).removeprefix('torch.')} (use --device cpu --dtype float32, or --draft-weights dense)"
+            f"--draft-weights quantized runs on the CPU kernel in float32 or on a GPU in bfloat16/float16; this run "
+            f"uses {device.type} / {str(dtype).removeprefix('torch.')} (or use --draft-weights dense)"
         )
-    return choice == "quantized" or (choice == "auto" and target_weights == "quantized")
+    return "dense"
 
 
 __all__ = ["load_engine", "resolve_model_path"]

@@ -21,8 +21,8 @@ from torch import nn
 from dflash.fastpath.fused_layers import apply_linear, fused_logits, split_key_attention
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
-from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
+from dflash.models.int8_linear import Int8Linear
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
 
@@ -34,35 +34,59 @@ def supports_fused_drafter(drafter: DFlashDrafter) -> bool:
         and not any(drafter.sliding)
         and drafter.config.hidden_act == "silu"
         and head_dim & (head_dim - 1) == 0
+        and all(_joinable(layer) for layer in drafter.layers)
+    )
+
+
+def _joinable(layer: Any) -> bool:
+    """Whether a layer's q/k/v and gate/up products can be joined (bias-free, all dense or all int8)."""
+    groups = (
+        (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+        (layer.mlp.gate_proj, layer.mlp.up_proj),
+    )
+    return all(
+        all(getattr(part, "bias", None) is None for part in parts)
+        and (all(isinstance(part, Int8Linear) for part in parts) or all(type(part) is nn.Linear for part in parts))
+        for parts in groups
     )
 
 
 @dataclass
 class FusedDrafterWeights:
-    qkv: list[torch.Tensor]  # per layer [(heads + 2 kv_heads) * head_dim, hidden]
-    gate_up: list[torch.Tensor]  # per layer [2 * intermediate, hidden]
+    qkv: list[nn.Module]  # per layer: a product to [(heads + 2 kv_heads) * head_dim] (nn.Linear or Int8Linear)
+    gate_up: list[nn.Module]  # per layer: a product to [2 * intermediate]
 
 
 def fuse_drafter_weights(drafter: DFlashDrafter) -> FusedDrafterWeights:
-    """Concatenate each layer's q/k/v and gate/up matrices, and make the modules' own weights views of them (no
-    second copy; the eager path keeps working on the same memory)."""
+    """Join each layer's q/k/v and gate/up products into one module each, and make the separate modules' weights
+    views of the joined ones (no second copy; the eager path keeps working on the same memory). Dense and int8
+    (`Int8Linear`) layers both join."""
     fused = FusedDrafterWeights([], [])
     layer: Any
     for layer in drafter.layers:
-        groups = (
-            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), fused.qkv),
-            (layer.mlp, ("gate_proj", "up_proj"), fused.gate_up),
-        )
-        for module, names, into in groups:
-            linears = [getattr(module, name) for name in names]
-            joined = torch.cat([linear.weight.detach() for linear in linears])
-            offset = 0
-            for linear in linears:
-                rows = linear.weight.shape[0]
-                linear.weight = nn.Parameter(joined[offset : offset + rows], requires_grad=False)
-                offset += rows
-            into.append(joined)
+        attention, mlp = layer.self_attn, layer.mlp
+        fused.qkv.append(_joined([attention.q_proj, attention.k_proj, attention.v_proj]))
+        fused.gate_up.append(_joined([mlp.gate_proj, mlp.up_proj]))
     return fused
+
+
+def _joined(parts: list[nn.Module]) -> nn.Module:
+    if all(isinstance(part, Int8Linear) for part in parts):
+        return Int8Linear.stacked(parts)  # type: ignore[arg-type]
+    linears: list[nn.Linear] = []
+    for part in parts:
+        if not isinstance(part, nn.Linear) or part.bias is not None:
+            raise TypeError(f"the fused drafter joins bias-free linear layers, not {type(part).__name__}")
+        linears.append(part)
+    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum of outs, in]
+    offset = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
+        offset += rows
+    joined = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    joined.weight = nn.Parameter(weight, requires_grad=False)
+    return joined
 
 
 def fused_drafter_round(
@@ -104,7 +128,7 @@ def fused_drafter_round(
     for index, layer in enumerate(drafter.layers):
         attention = layer.self_attn
         _, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps, out=rows[block:])
-        qkv = fast_linear(rows, weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
+        qkv = apply_linear(rows, weights.qkv[index])  # [2B, (heads + 2 kv_heads) * head_dim]
         rope_and_store(
             qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
             num_kv_heads=kv_heads, q_norm_weight=attention.q_norm.weight, k_norm_weight=attention.k_norm.weight,
@@ -122,11 +146,11 @@ def fused_drafter_round(
             )[0].transpose(0, 1)  # [B, heads, head_dim]
         attended = apply_linear(out.reshape(block, heads * head_dim), attention.o_proj)
         h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = apply_linear(silu_and_mul(fast_linear(h, weights.gate_up[index])), layer.mlp.down_proj)
+        pending = apply_linear(silu_and_mul(apply_linear(h, weights.gate_up[index])), layer.mlp.down_proj)
     hidden, _ = add_rms_norm(x, pending, drafter.norm.weight, drafter.norm.eps)
     head = drafter.draft_head
     if head is None:
         return fused_logits(target, hidden[1 : 1 + drafts])  # [drafts, vocab]
-    if isinstance(head.rows, nn.Linear):
+    if isinstance(head.rows, (nn.Linear, Int8Linear)):
         return head.spread(apply_linear(hidden[1 : 1 + drafts], head.rows))  # [drafts, vocab]
     return drafter.project(target, hidden[1 : 1 + drafts])

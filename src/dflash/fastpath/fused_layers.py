@@ -23,6 +23,7 @@ from dflash.kernels.triton_attention import attention_kernel_usable, few_row_att
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
+from dflash.models.int8_linear import Int8Linear
 from dflash.models.layers import DecoderLayer
 from dflash.models.model import CausalLM
 
@@ -54,8 +55,11 @@ def supports_fused_layers(model: CausalLM) -> bool:
     )
 
 
-def apply_linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    """module(x) for x [rows, in] through `fast_linear`."""
+def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, or an `Int8Linear` (int8 rows)."""
+    if isinstance(module, Int8Linear):
+        return fast_linear(x, module.values, module.bias, module.scales)
+    assert isinstance(module, nn.Linear)
     return fast_linear(x, module.weight, module.bias)
 
 

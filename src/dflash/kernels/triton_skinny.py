@@ -5,6 +5,8 @@ weight bytes over the memory bandwidth. `skinny_linear` streams W once: each pro
 (rows of W), walks the whole reduction dimension in `block_k` steps (the loads pipelined `stages` deep) and multiplies
 the tile by all of x's rows at once (tensor cores through `tl.dot`, x padded to `block_m` rows; or, for one row,
 multiply-and-sum on the CUDA cores). No split of the reduction, so no second pass and no float32 scratch.
+W may also be int8 with one float32 scale per row (`dflash.models.int8_linear`): the program widens each tile to
+x's dtype (exact for -127..127) and scales the float32 sums once at the end, so it reads half the bytes.
 
 `benchmarks/gpu_skinny_gemm.py` measures it against cuBLAS on chains of a model's matrices; `skinny_config` holds
 what it found on an H100, and `fast_linear` is what the fused forwards call: the program where it serves, cuBLAS
@@ -42,9 +44,9 @@ def _kernel() -> Any:
 
     @triton.jit
     def skinny_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, out_ptr, rows, n, k,
+        x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-        EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+        EVEN_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
     ):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = rows of W
         cols_inside = cols < n
@@ -57,12 +59,14 @@ def _kernel() -> Any:
             for start in range(0, k, BLOCK_K):
                 ks = start + reach
                 ks_inside = reach >= 0 if EVEN_K else ks < k
-                w = tl.load(w_rows + ks[None, :], mask=cols_inside[:, None] & ks_inside[None, :], other=0.0)  # [BN, BK]
+                w = tl.load(w_rows + ks[None, :], mask=cols_inside[:, None] & ks_inside[None, :], other=0)  # [BN, BK]
                 x = tl.load(
                     x_ptr + row_ids[:, None] * k + ks[None, :], mask=rows_inside[:, None] & ks_inside[None, :],
                     other=0.0,
                 )  # [BM, BK]
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            if SCALED:
+                acc = acc * tl.load(scale_ptr + cols, mask=cols_inside, other=0.0)[None, :]
             tl.store(
                 out_ptr + row_ids[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                 mask=rows_inside[:, None] & cols_inside[None, :],
@@ -72,9 +76,11 @@ def _kernel() -> Any:
             for start in range(0, k, BLOCK_K):
                 ks = start + reach
                 ks_inside = reach >= 0 if EVEN_K else ks < k
-                w = tl.load(w_rows + ks[None, :], mask=cols_inside[:, None] & ks_inside[None, :], other=0.0)  # [BN, BK]
+                w = tl.load(w_rows + ks[None, :], mask=cols_inside[:, None] & ks_inside[None, :], other=0)  # [BN, BK]
                 x = tl.load(x_ptr + ks, mask=ks_inside, other=0.0).to(tl.float32)  # [BK]
                 total += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            if SCALED:
+                total = total * tl.load(scale_ptr + cols, mask=cols_inside, other=0.0)
             tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols_inside)
 
     return skinny_kernel
@@ -107,37 +113,48 @@ def skinny_products_enabled() -> bool:
     return choice == "skinny"
 
 
-def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fast_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [rows, K]: through `skinny_linear` where it serves (CUDA, 16-bit floats,
     contiguous operands, at most `MAX_ROWS` rows; any device and float type under TRITON_INTERPRET=1, for the CPU
-    tests), else cuBLAS."""
+    tests), else cuBLAS. With `scales` [N] (float32), `weight` is int8 and the product is
+    x @ (weight * scales[:, None])^T; where the program does not serve, the int8 matrix is widened for the call."""
     config = skinny_config(x.shape[0], x.shape[1])
     on_device = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    weight_dtype = torch.int8 if scales is not None else x.dtype
     if (
         config is None
         or not (on_device or interpreting())
-        or weight.dtype != x.dtype
+        or weight.dtype != weight_dtype
         or not (x.is_contiguous() and weight.is_contiguous())
         or not skinny_products_enabled()
     ):
-        return F.linear(x, weight, bias)
-    out = skinny_linear(x, weight, config)
+        if scales is None:
+            return F.linear(x, weight, bias)
+        out = F.linear(x, weight.to(x.dtype)).mul_(scales.to(x.dtype))
+        return out if bias is None else out.add_(bias)
+    out = skinny_linear(x, weight, config, scales)
     return out if bias is None else out.add_(bias)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
-    """x: [rows, K] contiguous, weight: [N, K] contiguous, same dtype -> x @ weight^T [rows, N] (float32
-    accumulation, rounded once to x's dtype)."""
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig = SkinnyConfig(), scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [rows, K] contiguous, weight: [N, K] contiguous, same dtype (or int8 with `scales` [N], float32 best) ->
+    x @ weight^T [rows, N] (float32 accumulation, scaled per output column, rounded once to x's dtype)."""
     rows, k = x.shape
     n = weight.shape[0]
     if not skinny_usable(rows, config):
         raise ValueError(f"skinny_linear does not serve {rows} rows with {config}")
+    if scales is not None and (weight.dtype != torch.int8 or not scales.is_floating_point() or scales.shape != (n,)):
+        raise ValueError("scaled products take an int8 weight [N, K] and float scales [N]")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m = max(16, 1 << max(0, rows - 1).bit_length())
     _kernel()[(-(-n // config.block_n),)](
-        x, weight, out, rows, n, k,
+        x, weight, weight if scales is None else scales, out, rows, n, k,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_DOT=config.use_dot,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=config.warps, num_stages=config.stages,
+        SCALED=scales is not None, num_warps=config.warps, num_stages=config.stages,
     )
     return out
