@@ -4,9 +4,11 @@ For each matrix kind of the target (q/k/v, output, gate/up, down: one distinct c
 out of L2; the LM head once) and for each row count, replays a CUDA graph of the chain of products over all copies, through
 `F.linear` (cuBLAS) and through `dflash.kernels.triton_skinny.skinny_linear` at each configuration of a small grid,
 each checked against cuBLAS first. Prints the bandwidth of every chain and the full weight chain (all kinds, the
-best configuration per kind) beside cuBLAS's, and writes the figures as JSON.
+best configuration per kind) beside cuBLAS's, and writes the figures as JSON. With `--weights int8` the program
+reads int8 rows with one float32 scale each (`dflash.models.int8_linear`; cuBLAS still multiplies the bf16 matrices,
+and each configuration is checked against the widened int8 matrix).
 
-Usage: python benchmarks/gpu_skinny_gemm.py [--shape smollm2-135m] --out results/gpu_skinny_gemm_h100.json
+Usage: python benchmarks/gpu_skinny_gemm.py [--shape smollm2-135m] [--weights int8] --out results/gpu_skinny_gemm_h100.json
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ import torch
 import torch.nn.functional as F
 
 from dflash.kernels.triton_skinny import SkinnyConfig, skinny_config, skinny_linear, skinny_usable
+from dflash.models.int8_linear import int8_rows
 
 DTYPE = torch.bfloat16
 SHAPES = {  # model -> matrix kind -> (N, K, copies)
     "qwen3-8b": {
         "qkv": (6144, 4096, 36), "o": (4096, 4096, 36), "gate_up": (24576, 4096, 36), "down": (4096, 12288, 36),
         "head": (151936, 4096, 1),
+    },
+    "qwen3-8b-drafter": {  # the published DFlash drafter of Qwen3-8B: 5 layers, fc from 5 target layers, 32K shortlist
+        "fc": (4096, 20480, 1), "qkv": (6144, 4096, 5), "o": (4096, 4096, 5), "gate_up": (24576, 4096, 5),
+        "down": (4096, 12288, 5), "head": (32768, 4096, 1),
     },
     "smollm2-135m": {
         "qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--block-k", default="128,256,512,1024", help="tensor-core tiles: reduction step")
     parser.add_argument("--warps", default="4,8", help="tensor-core tiles: warps per program")
     parser.add_argument("--stages", default="3,4,6", help="tensor-core tiles: pipelined loads")
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "int8"], help="what the program reads")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -91,7 +99,13 @@ def main() -> None:
         kind: [torch.randn(n, k, dtype=DTYPE, device=device) * 0.02 for _ in range(copies)]
         for kind, (n, k, copies) in SHAPES[args.shape].items() if kind in kinds
     }
-    bytes_of = {kind: sum(w.numel() * w.element_size() for w in ws) for kind, ws in weights.items()}
+    packed: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {
+        kind: [int8_rows(w) if args.weights == "int8" else (w, None) for w in ws] for kind, ws in weights.items()
+    }
+    bytes_of = {
+        kind: sum(v.numel() * v.element_size() + (0 if s is None else s.numel() * 4) for v, s in ps)
+        for kind, ps in packed.items()
+    }
     results: dict[str, dict[str, object]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {ws[0].shape[1]: torch.randn(rows, ws[0].shape[1], dtype=DTYPE, device=device) for ws in weights.values()}
@@ -107,9 +121,11 @@ def main() -> None:
             for config in grid + ([chosen] if chosen is not None and chosen not in grid else []):
                 if not skinny_usable(rows, config):
                     continue
-                expected = F.linear(x, ws[0]).float()
+                values, scales = packed[kind][0]
+                widened = values if scales is None else (values.float() * scales[:, None]).to(DTYPE)
+                expected = F.linear(x, widened).float()
                 try:
-                    got = skinny_linear(x, ws[0], config).float()
+                    got = skinny_linear(x, values, config, scales).float()
                 except Exception as error:  # a tile that does not fit the device (shared memory, registers)
                     tried[str(config)] = f"not run: {type(error).__name__}"
                     continue
@@ -117,7 +133,9 @@ def main() -> None:
                 if error > 2e-2:
                     tried[str(config)] = f"wrong (relative error {error:.3g})"
                     continue
-                ms = graph_ms(lambda x=x, ws=ws, config=config: [skinny_linear(x, w, config) for w in ws])
+                ms = graph_ms(
+                    lambda x=x, ps=packed[kind], config=config: [skinny_linear(x, v, config, s) for v, s in ps]
+                )
                 tried[str(config)] = round(ms, 4)
                 if best is None or ms < best[0]:
                     best = (ms, config)
@@ -147,7 +165,8 @@ def main() -> None:
                      "triton": __import__("triton").__version__},
         "command": "python benchmarks/gpu_skinny_gemm.py " + " ".join(
             f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items() if value),
-        "weights": f"random bf16, {args.shape} shapes: one copy of each layer matrix per layer, the LM head once",
+        "weights": f"random bf16, {args.shape} shapes: one copy of each layer matrix per layer, the LM head once"
+        + ("; the program reads them as int8 rows + float32 scales" if args.weights == "int8" else ""),
         "results": results,
     }
     if args.out:

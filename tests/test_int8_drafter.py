@@ -113,7 +113,8 @@ def test_draft_weight_formats_by_device() -> None:
     assert _drafter_weight_format("auto", "dense", cpu, torch.float32) == "dense"
     assert _drafter_weight_format("quantized", "dense", cpu, torch.float32) == "q8_0"
     assert _drafter_weight_format("quantized", "dense", cuda, torch.bfloat16) == "int8"
-    assert _drafter_weight_format("auto", "dense", cuda, torch.bfloat16) == "dense"
+    assert _drafter_weight_format("auto", "dense", cuda, torch.bfloat16) == "int8"
+    assert _drafter_weight_format("auto", "dense", cuda, torch.float32) == "dense"
     assert _drafter_weight_format("dense", "quantized", cpu, torch.float32) == "dense"
     with pytest.raises(DFlashError, match="on a GPU in bfloat16/float16"):
         _drafter_weight_format("quantized", "dense", cuda, torch.float32)

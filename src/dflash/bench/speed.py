@@ -20,6 +20,7 @@ import torch
 from dflash.bench.provenance import provenance
 from dflash.engine.engine import Engine
 from dflash.generation.request import GenerationRequest
+from dflash.models.int8_linear import uses_int8_weights
 from dflash.models.quantized_layers import uses_quantized_weights
 from dflash.progress import progress_bar
 from dflash.training.prompts import read_prompt_file
@@ -128,7 +129,8 @@ def measure_speed(
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
         "draft_weights": None if engine.drafter is None else (
-            "quantized" if uses_quantized_weights(engine.drafter) else "dense"
+            "quantized" if uses_quantized_weights(engine.drafter) else "int8" if uses_int8_weights(engine.drafter)
+            else "dense"
         ),
         "ddtree_budget": engine.options.ddtree_budget,
         "cuda_graphs": engine.target.graph_runner is not None,

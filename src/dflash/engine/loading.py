@@ -45,8 +45,8 @@ def load_engine(
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
     `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
-    target runs there, dense otherwise), dense or quantized (Q8_0 blocks on the CPU, `dflash.spec.drafter_quantize`;
-    int8 rows on a GPU, `dflash.spec.drafter_int8`). `draft_vocab` is
+    target runs there; int8 rows on a GPU in 16-bit floats; dense otherwise), dense or quantized (Q8_0 blocks on the
+    CPU, `dflash.spec.drafter_quantize`; int8 rows on a GPU, `dflash.spec.drafter_int8`). `draft_vocab` is
     auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
     LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`)."""
     options = options or EngineOptions()
@@ -101,7 +101,7 @@ def _drafter_weight_format(choice: str, target_weights: str, device: torch.devic
     if device.type == "cpu" and dtype == torch.float32:
         return "q8_0" if choice == "quantized" or target_weights == "quantized" else "dense"
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        return "int8" if choice == "quantized" else "dense"
+        return "int8"  # same acceptance as bf16 rows, half the bytes (results/README.md, "Int8 drafter rows")
     if choice == "quantized":
         raise DFlashError(
             f"--draft-weights quantized runs on the CPU kernel in float32 or on a GPU in bfloat16/float16; this run "

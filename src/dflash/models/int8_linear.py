@@ -19,7 +19,7 @@ from torch import nn
 
 from dflash.kernels.triton_skinny import fast_linear
 
-__all__ = ["Int8Linear", "int8_rows"]
+__all__ = ["Int8Linear", "int8_rows", "uses_int8_weights"]
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +78,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
+
+
+def uses_int8_weights(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8Linear) for m in model.modules())
