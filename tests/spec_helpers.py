@@ -54,3 +54,21 @@ def run(
 def random_prompts(count: int, vocab: int, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(count)]
+
+
+def assert_drafts_like(target: CausalLM, dense: DFlashDrafter, rounded: DFlashDrafter) -> None:
+    """A drafter with rounded weights drafts like the dense one: logits within 2% (and not identical), top-1
+    flips on at most a fifth of the positions, each a near-tie of the dense logits (the tiny random drafter's
+    logits are nearly flat)."""
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 40, dense.config.feature_size, generator=g)
+    logits = {
+        name: drafter.draft_logits(target, 7, 40, features, drafter.new_cache(128))  # [B-1, vocab]
+        for name, drafter in (("dense", dense), ("rounded", rounded))
+    }
+    error = (logits["rounded"] - logits["dense"]).norm() / logits["dense"].norm()
+    assert 0 < error < 0.02
+    dense_top = logits["dense"].topk(2, dim=-1).values  # [B-1, 2]
+    flipped = logits["rounded"].argmax(-1) != logits["dense"].argmax(-1)
+    assert flipped.float().mean() <= 0.2
+    assert ((dense_top[:, 0] - dense_top[:, 1])[flipped] < 0.05 * logits["dense"].abs().max()).all()

@@ -298,6 +298,27 @@ int64_t block_bytes(int64_t qtype) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Accumulator tiles: ROWS output rows x COLS input rows, cleared before and reduced into y ([COLS, n]) after.
+// ---------------------------------------------------------------------------------------------------------
+template <int ROWS, int COLS>
+inline void zero_all(Accumulator (&acc)[ROWS][COLS]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < COLS; ++c) zero(acc[r][c]);
+  }
+}
+
+template <int ROWS, int COLS>
+inline void store_sums(Accumulator (&acc)[ROWS][COLS], float* y, int64_t n) {
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 8
+    for (int c = 0; c < COLS; ++c) y[c * n + r] = reduce(acc[r][c]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // One input row: register tile of ROWS output rows x COLS input rows, all blocks of K.
 // ---------------------------------------------------------------------------------------------------------
 template <class Format, int ROWS, int COLS>
@@ -305,11 +326,7 @@ void tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float
           int64_t n) {
   // weights: ROWS rows of row_bytes; x: COLS rows of k floats; y: COLS rows of n floats (column 0 = first row)
   Accumulator acc[ROWS][COLS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < COLS; ++c) zero(acc[r][c]);
-  }
+  zero_all(acc);
   for (int64_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
@@ -318,11 +335,7 @@ void tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const float
       for (int c = 0; c < COLS; ++c) accumulate(acc[r][c], w, x + c * k + b * kBlockValues);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < COLS; ++c) y[c * n + r] = reduce(acc[r][c]);
-  }
+  store_sums(acc, y, n);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -337,11 +350,7 @@ template <int PANEL_ROWS, int INPUTS>
 void panel_tile(const float* panel, int64_t blocks, const float* x, int64_t k, float* y, int64_t n) {
   // panel: PANEL_ROWS rows of k dequantised weights; x: INPUTS rows of k floats; y: INPUTS rows of n floats
   Accumulator acc[PANEL_ROWS][INPUTS];
-#pragma GCC unroll 8
-  for (int r = 0; r < PANEL_ROWS; ++r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < INPUTS; ++c) zero(acc[r][c]);
-  }
+  zero_all(acc);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t offset = b * kBlockValues;
 #pragma GCC unroll 8
@@ -357,11 +366,7 @@ void panel_tile(const float* panel, int64_t blocks, const float* x, int64_t k, f
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < PANEL_ROWS; ++r) {
-#pragma GCC unroll 8
-    for (int c = 0; c < INPUTS; ++c) y[c * n + r] = reduce(acc[r][c]);
-  }
+  store_sums(acc, y, n);
 }
 
 // All input rows against one dequantised panel: tiles of INPUTS rows, then one smaller tile for the rest.
