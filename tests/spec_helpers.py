@@ -72,3 +72,11 @@ def assert_drafts_like(target: CausalLM, dense: DFlashDrafter, rounded: DFlashDr
     flipped = logits["rounded"].argmax(-1) != logits["dense"].argmax(-1)
     assert flipped.float().mean() <= 0.2
     assert ((dense_top[:, 0] - dense_top[:, 1])[flipped] < 0.05 * logits["dense"].abs().max()).all()
+
+
+def assert_speculation_lossless(target: CausalLM, drafter: DFlashDrafter) -> None:
+    """Linear DFlash with `drafter` gives the target's own greedy tokens on a few random prompts, in rounds."""
+    for prompt in random_prompts(4, target.config.vocab_size, seed=5, lengths=(9, 30)):
+        plain, _ = run(target, None, prompt, 40)
+        spec, stats = run(target, drafter, prompt, 40)
+        assert spec == plain and stats.rounds > 0

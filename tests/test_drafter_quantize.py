@@ -15,7 +15,7 @@ from dflash.errors import DFlashError
 from dflash.kernels.build import KernelUnavailable, load_quant_kernel
 from dflash.models.quantized_layers import QuantizedLinear, uses_quantized_weights
 from dflash.spec.drafter_quantize import q8_0_matrix, quantize_drafter
-from tests.spec_helpers import assert_drafts_like, golden_pair, random_prompts, run
+from tests.spec_helpers import assert_drafts_like, assert_speculation_lossless, golden_pair
 
 try:
     load_quant_kernel()
@@ -49,10 +49,7 @@ def test_speculation_with_the_quantized_drafter_is_lossless() -> None:
     target, dense = golden_pair()
     quantized = copy.deepcopy(dense)
     quantize_drafter(quantized)
-    for prompt in random_prompts(4, target.config.vocab_size, seed=5, lengths=(9, 30)):
-        plain, _ = run(target, None, prompt, 40)
-        spec, stats = run(target, quantized, prompt, 40)
-        assert spec == plain and stats.rounds > 0
+    assert_speculation_lossless(target, quantized)
 
 
 def test_quantized_drafter_needs_float32_on_the_cpu() -> None:
