@@ -76,6 +76,8 @@ def test_skinny_config_by_rows() -> None:
     assert skinny_config(16, 4096) == SkinnyConfig(32, 512, 4, 4, True)
     assert skinny_config(33, 576) == SkinnyConfig(32, 128, 4, 4, True)
     assert skinny_config(65, 4096) is None
+    assert skinny_config(32, 4096, int8=True) == SkinnyConfig(16, 256, 4, 3, True)
+    assert skinny_config(16, 4096, int8=True) == skinny_config(16, 4096)
 
 
 def test_fast_linear_keeps_cublas_where_the_program_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,16 +91,19 @@ def skinny_usable(rows: int, config: SkinnyConfig) -> bool:
     return rows <= MAX_ROWS if config.use_dot else rows == 1
 
 
-def skinny_config(rows: int, k: int) -> SkinnyConfig | None:
-    """The configuration for x [rows, k], from the H100 grid (`results/gpu_skinny_gemm_h100_*.json`): one row
+def skinny_config(rows: int, k: int, int8: bool = False) -> SkinnyConfig | None:
+    """The configuration for x [rows, k], from the H100 grids (`results/gpu_skinny_gemm_h100_*.json`): one row
     multiplies and sums on the CUDA cores in long steps; 2-64 rows go through tensor cores, in longer steps for a
-    wide reduction. None past `MAX_ROWS` rows (cuBLAS's tiles win there)."""
+    wide reduction; int8 rows past 16 in narrower tiles (`..._qwen3_8b_drafter_int8.json`). None past `MAX_ROWS`
+    rows (cuBLAS's tiles win there)."""
     wide = k >= 4096
     if rows == 1:
         return SkinnyConfig(8, 2048, 16, 2, False) if wide else SkinnyConfig(4, 1024, 8, 2, False)
     if rows <= 16:
         return SkinnyConfig(32, 512 if wide else 128, 4, 4)
     if rows <= MAX_ROWS:
+        if int8 and wide:
+            return SkinnyConfig(16, 256, 4, 3)
         return SkinnyConfig(32, 256 if wide else 128, 4, 4)
     return None
 
@@ -120,7 +123,7 @@ def fast_linear(
     contiguous operands, at most `MAX_ROWS` rows; any device and float type under TRITON_INTERPRET=1, for the CPU
     tests), else cuBLAS. With `scales` [N] (float32), `weight` is int8 and the product is
     x @ (weight * scales[:, None])^T; where the program does not serve, the int8 matrix is widened for the call."""
-    config = skinny_config(x.shape[0], x.shape[1])
+    config = skinny_config(x.shape[0], x.shape[1], int8=scales is not None)
     on_device = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     weight_dtype = torch.int8 if scales is not None else x.dtype
     if (
