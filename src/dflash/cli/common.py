@@ -27,7 +27,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--draft-weights", default="auto", choices=["auto", "dense", "quantized"],
         help="drafter weights: quantized (Q8_0 blocks through the CPU kernel on the CPU, int8 rows through the "
-        "skinny program on a GPU) or dense; auto = quantized on a GPU and when the target runs quantized on the CPU",
+        "skinny program on a GPU) or dense; auto = quantized on a GPU in bfloat16/float16 and when the target runs "
+        "quantized on the CPU",
     )
     group.add_argument(
         "--draft-vocab", default="auto",

@@ -70,17 +70,13 @@ def fuse_drafter_weights(drafter: DFlashDrafter) -> FusedDrafterWeights:
     return fused
 
 
-def _joined(parts: list[nn.Module]) -> nn.Module:
-    if all(isinstance(part, Int8Linear) for part in parts):
-        return Int8Linear.stacked(parts)  # type: ignore[arg-type]
-    linears: list[nn.Linear] = []
-    for part in parts:
-        if not isinstance(part, nn.Linear) or part.bias is not None:
-            raise TypeError(f"the fused drafter joins bias-free linear layers, not {type(part).__name__}")
-        linears.append(part)
-    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum of outs, in]
+def _joined(parts: list[Any]) -> nn.Module:
+    """One module over `parts` (what `_joinable` admits: bias-free, all `nn.Linear` or all `Int8Linear`)."""
+    if isinstance(parts[0], Int8Linear):
+        return Int8Linear.stacked(parts)
+    weight = torch.cat([linear.weight.detach() for linear in parts])  # [sum of outs, in]
     offset = 0
-    for linear in linears:
+    for linear in parts:
         rows = linear.weight.shape[0]
         linear.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
         offset += rows
