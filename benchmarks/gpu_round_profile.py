@@ -10,6 +10,7 @@ drafter, in one run:
 * the decoding loops (plain, linear, DDTree) over `--tokens` new tokens: wall milliseconds per token and per round,
   and the share of the wall the device is busy (rounds x graph device time / wall);
 * a cProfile of one linear and one DDTree generation: the host functions that take the round's time;
+* every kernel of one replay of each resident graph, in launch order (`kernel_sequence_one_replay`);
 * the device time of the tree round's own pieces, each captured alone (`tree_pieces_gpu_ms`): the drafter's top-k
   log-probabilities, the whole tree growth, the walk.
 
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from gpu_scale_study import as_graph, randomise  # benchmarks/ is the script's folder
 
+import dflash.kernels.triton_attention as attention_program
 from dflash.config import ModelConfig
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
@@ -123,6 +125,22 @@ def kernel_table(runner: GraphRunner, key_prefix: tuple[object, ...], replays: i
     return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
+def kernel_sequence(runner: GraphRunner, key_prefix: tuple[object, ...]) -> list[str]:
+    """The kernels of one replay of a graph, in launch order, with their device microseconds: where a round's
+    small kernels come from."""
+    keys = sorted((k for k in runner._replays if k[: len(key_prefix)] == key_prefix), key=str)
+    if not keys:
+        return []
+    replay = runner._replays[keys[0]]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        replay.run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    return [f"{e.device_time:8.2f} us  {e.name[:90]}" for e in kernels]
+
+
 def graph_gpu_ms(fn: Callable[[], object], iters: int = 200) -> float:
     """Device milliseconds per replay of `fn` captured alone as a CUDA graph."""
     replay = as_graph(fn)
@@ -201,9 +219,12 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kernel-rows", type=int, default=25, help="rows of each kernel table")
+    parser.add_argument("--combine", choices=("last", "separate"), default="last",
+                        help="how the split-key attention combines its slices (dflash.kernels.triton_attention)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
+    attention_program.COMBINE = args.combine
     target, drafter, decode = load_models(args.model, device)
     runner = attach_graph_runner(target, drafter, capacity=8192 + 2 * 128 + 16)
     generator = torch.Generator().manual_seed(0)
@@ -264,6 +285,13 @@ def main() -> None:
     }
     for mode, text in profiles.items():
         print(f"---- cProfile {mode}\n{text}", flush=True)
+    sequences = {
+        name: kernel_sequence(runner, key)
+        for name, key in (("resident_step", ("resident", 0, None)), ("resident_linear_round", ("resident", drafts, None)),
+                          ("resident_tree_round", ("resident", drafts, args.budget)))
+    }
+    for name, lines in sequences.items():
+        print(f"---- kernel sequence {name} ({len(lines)} kernels)", *lines, sep="\n", flush=True)
     kernels = {}
     for name, key in (("resident_linear_round", ("resident", drafts, None)),
                       ("resident_tree_round", ("resident", drafts, args.budget))):
@@ -282,11 +310,13 @@ def main() -> None:
         "model": args.model or "random weights of SmolLM2-135M's shape",
         "drafter": "shipped (default)",
         "budget": args.budget,
+        "attention_combine": args.combine,
         "loops": loops,
         "graphs": {k: (round(v, 4) if v is not None else None) for k, v in {**gpu, **calls}.items()},
         "cprofile_top_by_self_time": {mode: text.splitlines() for mode, text in profiles.items()},
         "tree_pieces_gpu_ms": pieces,
         "kernels_per_20_replays": {name: text.splitlines() for name, text in kernels.items()},
+        "kernel_sequence_one_replay": sequences,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

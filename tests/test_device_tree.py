@@ -158,3 +158,47 @@ def test_the_top_k_program_breaks_ties_by_token_id() -> None:
     ids = torch.empty((1, 5), dtype=torch.long, device=DEVICE)
     draft_topk(logits, TopKScratch(1, 3000, 5, DEVICE), log_probs, ids)
     assert ids[0].tolist() == [7, 1200, 2500, 0, 1]
+
+
+@pytest.mark.parametrize("kernel", [False, KERNEL], ids=["torch", "triton"])
+def test_the_walk_writes_the_resident_round_outputs(kernel: bool) -> None:
+    """With round outputs the walk also writes [accepted, committed...], the bonus as the next pending token and
+    accepted + 1 as the drafter's new rows, the same values it returns."""
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        logits, budget = random_case(generator, min_vocab=40, budgets=(16, 32))
+        depth, vocab = logits.shape
+        builder = TreeBuilder(budget, depth, vocab, DEVICE, kernel=kernel)
+        tree = builder.grow(logits.to(DEVICE))
+        choices = choices_for(tree, vocab, generator).to(DEVICE)
+        out = torch.full((depth + 2,), -5, dtype=torch.long, device=DEVICE)
+        pending = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        new_rows = torch.zeros(1, dtype=torch.long, device=DEVICE)
+        path, length, bonus, committed = builder.walk(tree, choices, (out, pending, new_rows))
+        assert int(out[0]) == int(length) - 1
+        assert torch.equal(out[1:], committed)
+        assert int(pending) == int(bonus) and int(new_rows) == int(length)
+        assert torch.equal(path, walk_tree(tree, choices, depth)[0])
+
+
+@pytest.mark.parametrize("kernel", [False, KERNEL], ids=["torch", "triton"])
+def test_writing_a_tree_as_verification_inputs(kernel: bool) -> None:
+    """input_ids = [pending, node tokens], positions = length + depths over the tree's rows (the rows past them are
+    left alone), the mask = the ancestor relation with padding rows seeing only themselves."""
+    generator = torch.Generator().manual_seed(4)
+    for budget, rows in ((5, 8), (16, 24), (32, 40)):
+        logits = torch.randn(15, 300, generator=generator) * 3
+        builder = TreeBuilder(budget, 15, 300, DEVICE, kernel=kernel)
+        tree = builder.grow(logits.to(DEVICE))
+        input_ids = torch.full((rows,), -1, dtype=torch.long, device=DEVICE)
+        positions = torch.full((rows,), -1, dtype=torch.long, device=DEVICE)
+        mask = torch.zeros((rows, rows), dtype=torch.bool, device=DEVICE)
+        pending, length = torch.tensor([77], device=DEVICE), torch.tensor([120], device=DEVICE)
+        builder.write_inputs(tree, pending, length, input_ids, positions, mask)
+        nodes = budget + 1
+        assert input_ids[0] == 77 and torch.equal(input_ids[1:nodes], tree.tokens[1:])
+        assert torch.equal(positions[:nodes], 120 + tree.depths)
+        assert (input_ids[nodes:] == -1).all() and (positions[nodes:] == -1).all()
+        expected = torch.eye(rows, dtype=torch.bool, device=DEVICE)
+        expected[:nodes, :nodes] = tree.ancestors
+        assert torch.equal(mask, expected)

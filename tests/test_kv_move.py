@@ -33,3 +33,24 @@ def test_moving_the_path_rows_matches_torch(path: list[int]) -> None:
     assert torch.equal(keys, expected_keys)
     assert torch.equal(values, expected_values)
     assert torch.equal(positions, expected_positions)
+
+
+@pytest.mark.skipif(not tree_kernel_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+def test_moving_the_path_rows_also_gathers_their_features() -> None:
+    """The accepted rows' features land in rows 0.. of the destination, spread over the K/V programs (a feature
+    width that is not a multiple of the programs' column share); the K/V move is unchanged."""
+    from dflash.kernels.triton_kv_move import move_path_rows
+
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn((3, 1, 2, 40, 16), generator=generator).to(DEVICE, torch.bfloat16)
+    values = torch.randn((3, 1, 2, 40, 16), generator=generator).to(DEVICE, torch.bfloat16)
+    positions = torch.zeros(40, dtype=torch.long, device=DEVICE)
+    rows = torch.tensor([0, 2, 3, 7, 8], device=DEVICE)
+    source = torch.randn((12, 50), generator=generator).to(DEVICE, torch.bfloat16)
+    destination = torch.zeros((6, 50), dtype=torch.bfloat16, device=DEVICE)
+    expected_keys = keys.clone()
+    move_path_rows(expected_keys, values.clone(), positions.clone(), torch.tensor([4], device=DEVICE), rows)
+    move_path_rows(keys, values, positions, torch.tensor([4], device=DEVICE), rows, features=(source, destination))
+    assert torch.equal(keys, expected_keys)
+    assert torch.equal(destination[:5], source[rows])
+    assert not destination[5].any()

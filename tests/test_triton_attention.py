@@ -35,3 +35,50 @@ def test_few_row_attention_matches_sdpa(rows: int, heads: int, kv_heads: int, he
         scale=head_dim**-0.5, enable_gqa=True,
     )[0].transpose(0, 1)  # [rows, heads, head_dim]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _inputs(rows: int, heads: int, kv_heads: int, head_dim: int, bucket: int, dtype: torch.dtype) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    generator = torch.Generator().manual_seed(rows + bucket)
+    q = torch.randn((rows, heads, head_dim), generator=generator).to(DEVICE, dtype)
+    keys = torch.randn((kv_heads, bucket + 8, head_dim), generator=generator).to(DEVICE, dtype)
+    values = torch.randn((kv_heads, bucket + 8, head_dim), generator=generator).to(DEVICE, dtype)
+    visible = torch.ones((rows, bucket), dtype=torch.bool).tril(bucket - rows)
+    additive = torch.zeros((rows, bucket)).masked_fill_(~visible, float("-inf")).to(DEVICE, dtype)
+    return q, keys, values, additive
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "bucket"), [(16, 200), (16, 600), (33, 1024), (3, 3000)])
+def test_last_program_combine_equals_separate_combine(rows: int, bucket: int, dtype: torch.dtype) -> None:
+    """The slices combined by each block's last program (or written directly by a lone slice) are bitwise the
+    separate combining program's, launch after launch (the counters return to zero)."""
+    q, keys, values, additive = _inputs(rows, 9, 3, 64, bucket, dtype)
+    separate = few_row_attention(q, keys, values, additive, bucket, 0.125, combine="separate")
+    for _ in range(3):
+        assert torch.equal(few_row_attention(q, keys, values, additive, bucket, 0.125), separate)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+def test_last_program_combine_in_replayed_graph() -> None:
+    """Captured in a CUDA graph and replayed over changing inputs, the output follows SDPA on every replay."""
+    q, keys, values, additive = _inputs(24, 9, 3, 64, 1500, torch.bfloat16)
+    few_row_attention(q, keys, values, additive, 1500, 0.125)  # counters made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = few_row_attention(q, keys, values, additive, 1500, 0.125)
+    for step in range(4):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(q))
+        graph.replay()
+        expected = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None, :, :1500], values[None, :, :1500], attn_mask=additive, scale=0.125,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_unknown_combine_is_an_error() -> None:
+    q, keys, values, additive = _inputs(2, 9, 3, 64, 64, torch.float32)
+    with pytest.raises(ValueError, match="combine"):
+        few_row_attention(q, keys, values, additive, 64, 0.125, combine="both")

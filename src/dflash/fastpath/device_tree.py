@@ -130,14 +130,46 @@ class TreeBuilder:
         return assemble_tree(scores, parent_index, rank, top_ids)
 
     def walk(
-        self, tree: DeviceTree, choices: torch.Tensor
+        self, tree: DeviceTree, choices: torch.Tensor,
+        round_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`walk_tree` over this builder's depth, as one Triton program when the builder uses kernels."""
+        """`walk_tree` over this builder's depth, as one Triton program when the builder uses kernels.
+        `round_outputs` (out [depth+2], pending [1], new_rows [1], long) also receive a resident round's results:
+        out = [accepted, committed tokens...], pending = the bonus token, new_rows = accepted + 1."""
         if self.kernel:
             from dflash.kernels.triton_tree import tree_walk
 
-            return tree_walk(tree.tokens, tree.parents, tree.valid, tree.depths, tree.ancestors, choices, self.depth)
-        return walk_tree(tree, choices, self.depth)
+            return tree_walk(
+                tree.tokens, tree.parents, tree.valid, tree.depths, tree.ancestors, choices, self.depth, round_outputs
+            )
+        path, length, bonus, committed = walk_tree(tree, choices, self.depth)
+        if round_outputs is not None:
+            out, pending, new_rows = round_outputs
+            out[:1].copy_(length - 1)
+            out[1:].copy_(committed)
+            pending.copy_(bonus)
+            new_rows.copy_(length)
+        return path, length, bonus, committed
+
+    def write_inputs(
+        self, tree: DeviceTree, pending: torch.Tensor, length: torch.Tensor, input_ids: torch.Tensor,
+        positions: torch.Tensor, tree_mask: torch.Tensor,
+    ) -> None:
+        """The tree as its verification's inputs: input_ids[:n+1] = [pending, node tokens], positions[:n+1] =
+        length + depths (input_ids, positions: [rows] long, rows >= n+1; pending, length: [1] long), tree_mask
+        [rows, rows] bool = the ancestor relation, padding rows seeing only themselves (one program with
+        kernels)."""
+        if self.kernel and tree_mask.is_contiguous():
+            from dflash.kernels.triton_tree import tree_inputs
+
+            tree_inputs(tree.tokens, tree.depths, tree.ancestors, pending, length, input_ids, positions, tree_mask)
+            return
+        nodes, rows = tree.tokens.shape[0], tree_mask.shape[0]
+        input_ids[:1].copy_(pending)
+        input_ids[1:nodes].copy_(tree.tokens[1:])
+        positions[:nodes].copy_(length + tree.depths)
+        tree_mask.copy_(torch.eye(rows, dtype=torch.bool, device=tree_mask.device))
+        tree_mask[:nodes, :nodes].copy_(tree.ancestors)
 
 
 def _tree_fields(tree: DeviceTree) -> tuple[torch.Tensor, ...]:

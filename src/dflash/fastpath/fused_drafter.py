@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.fastpath.fused_layers import apply_linear, fused_logits, split_key_attention
+from dflash.fastpath.fused_layers import apply_linear, embed_rows, fused_logits, split_key_attention
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
@@ -85,6 +85,29 @@ def _joined(parts: list[Any]) -> nn.Module:
     return joined
 
 
+def _round_setup(
+    drafter: DFlashDrafter, storage: KVCache, start: torch.Tensor, new_rows: torch.Tensor, block: int, bucket: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The round's slots [2B] (context rows, -1 for scratch ones, then block rows; the context positions written into
+    `storage`), additive mask row [bucket] (committed slots and the block visible) and rotary cos, sin [2B,
+    head_dim]: one program where the rotary table is prepared (`dflash.kernels.triton_round_setup`)."""
+    dtype = drafter.fc.weight.dtype
+    device = start.device
+    table = drafter.rotary.table(dtype, device)
+    if table is not None:
+        from dflash.kernels.triton_round_setup import drafter_setup
+
+        return drafter_setup(start, new_rows, block, storage.positions[0], table, bucket, dtype)
+    offsets = torch.arange(block, device=device)
+    context_positions = start - new_rows + offsets  # [B]
+    storage.positions[0].index_copy_(0, context_positions, context_positions)
+    block_positions = start + offsets  # [B]
+    slots = torch.cat((torch.where(offsets < new_rows, context_positions, -1), block_positions))  # [2B]
+    cos, sin = drafter.rotary.rows_cos_sin(torch.cat((context_positions, block_positions)), dtype)  # [2B, head_dim]
+    visible = torch.arange(bucket, device=device) < start + block  # [bucket]: committed slots and the block
+    return slots, torch.where(visible, 0.0, float("-inf")).to(dtype), cos, sin
+
+
 def fused_drafter_round(
     drafter: DFlashDrafter,
     target: CausalLM,
@@ -104,21 +127,15 @@ def fused_drafter_round(
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     dtype = drafter.fc.weight.dtype
     device = block_ids.device
-    offsets = torch.arange(block, device=device)
-    context_positions = start - new_rows + offsets  # [B]
-    storage.positions[0].index_copy_(0, context_positions, context_positions)
-    block_positions = start + offsets  # [B]
-    slots = torch.cat((torch.where(offsets < new_rows, context_positions, -1), block_positions))  # [2B]
-    cos, sin = drafter.rotary.rows_cos_sin(torch.cat((context_positions, block_positions)), dtype)  # [2B, head_dim]
-    visible = torch.arange(bucket, device=device) < start + block  # [bucket]: committed slots and the block
-    additive = torch.where(visible, 0.0, float("-inf")).to(dtype).expand(1, 1, block, bucket)
+    slots, additive_row, cos, sin = _round_setup(drafter, storage, start, new_rows, block, bucket)
+    additive = additive_row.expand(1, 1, block, bucket)
     split_keys = split_key_attention(block) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
     rows = torch.empty((2 * block, config.hidden_size), dtype=dtype, device=device)  # [context rows; block rows]
     add_rms_norm(
         apply_linear(new_features[0].to(dtype).contiguous(), drafter.fc), None, drafter.hidden_norm.weight,
         drafter.hidden_norm.eps, out=rows[:block],
     )
-    x = target.embed(block_ids)[0].to(dtype).contiguous()  # [B, hidden]
+    x = embed_rows(target, block_ids).to(dtype)  # [B, hidden]
     pending: torch.Tensor | None = None
     layer: Any
     for index, layer in enumerate(drafter.layers):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.fastpath.static_forward import block_visibility
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kernels.triton_skinny import fast_linear
@@ -71,28 +72,60 @@ def fused_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return model.project_logits(hidden)
 
 
+def forward_setup(
+    model: CausalLM, storage: KVCache, positions: torch.Tensor, length: torch.Tensor, tree_mask: torch.Tensor,
+    bucket: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new rows' slots [rows] (their positions written into `storage`), additive mask [1, 1, rows, bucket] and
+    rotary cos, sin [rows, head_dim]: one program (`dflash.kernels.triton_round_setup`) where the rotary table is
+    prepared, torch ops otherwise. positions: [1, rows]; length: [1] long; tree_mask: [rows, rows] bool."""
+    rows = positions.shape[1]
+    dtype = model.embed_tokens.weight.dtype
+    table = model.rotary.table(dtype, positions.device)
+    if table is not None and tree_mask.is_contiguous():
+        from dflash.kernels.triton_round_setup import target_setup
+
+        slots, additive, cos, sin = target_setup(
+            length, positions[0], tree_mask, storage.positions[0], table, bucket, dtype
+        )
+        return slots, additive[None, None], cos, sin
+    slots = length + torch.arange(rows, device=positions.device)  # [rows]
+    storage.positions[0].index_copy_(0, slots, positions[0])
+    visible = block_visibility(length, tree_mask, bucket)[None, None]  # [1, 1, rows, bucket]
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    cos, sin = model.rotary.rows_cos_sin(positions[0], dtype)  # [rows, head_dim]
+    return slots, additive, cos, sin
+
+
+def embed_rows(model: CausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """model.embed(input_ids)[0] for input_ids [1, rows] -> [rows, hidden] contiguous; a plain embedding as one
+    gather (CUDA's index_select, which an embedding lookup is, takes several microseconds for 2-16 ids)."""
+    embedding = model.embed_tokens
+    if type(embedding) is nn.Embedding and model.config.embed_scale == 1.0:
+        return embedding.weight[input_ids[0]]
+    return model.embed(input_ids)[0].contiguous()
+
+
 def fused_layers(
     model: CausalLM,
     storage: KVCache,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    slots: torch.Tensor,
-    visible: torch.Tensor,
+    length: torch.Tensor,
+    tree_mask: torch.Tensor,
     bucket: int,
     capture: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """input_ids, positions: [1, rows]; slots: [rows] long; visible: [1, 1, rows, bucket] bool
-    -> (final-normed hidden [1, rows, hidden], features [1, rows, len(capture) * hidden] or None)."""
+    """input_ids, positions: [1, rows]; length: [1] long (the new rows go to slots length..); tree_mask: [rows, rows]
+    bool -> (final-normed hidden [1, rows, hidden], features [1, rows, len(capture) * hidden] or None)."""
     config = model.config
     rows = input_ids.shape[1]
-    dtype = model.embed_tokens.weight.dtype
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    cos, sin = model.rotary.rows_cos_sin(positions[0], dtype)  # [rows, head_dim]
-    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    slots, additive, cos, sin = forward_setup(model, storage, positions, length, tree_mask, bucket)
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
     split_keys = split_key_attention(rows) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
-    x = model.embed(input_ids)[0].contiguous()  # [rows, hidden]
+    x = embed_rows(model, input_ids)  # [rows, hidden]
     pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
     layer: Any
     for index, layer in enumerate(model.layers):

@@ -173,33 +173,32 @@ class ResidentDecoder:
         runner.draft_start.copy_(runner.length)
         tree = builder.grow(runner.drafter_block_logits(bucket, depth))  # rows [budget + 1], by depth
         inputs = runner.row_inputs(self.rows)
-        inputs.input_ids[0, :1].copy_(runner.block_ids[0, :1])
-        inputs.input_ids[0, 1 : budget + 1].copy_(tree.tokens[1:])
-        inputs.positions[0, : budget + 1].copy_(runner.length + tree.depths)
-        inputs.tree_mask.copy_(inputs.identity)  # padding rows see only themselves
-        inputs.tree_mask[: budget + 1, : budget + 1].copy_(tree.ancestors)
+        builder.write_inputs(
+            tree, runner.block_ids[0, :1], runner.length, inputs.input_ids[0], inputs.positions[0], inputs.tree_mask
+        )
         logits, features = static_target_forward(
             runner.target, runner.target_storage, inputs.input_ids, inputs.positions, runner.length,
             inputs.tree_mask, bucket=bucket, capture=self.capture, fused=runner.fused,
         )  # [1, rows, vocab], [1, rows, n*hidden]
         assert features is not None
         choices = fast_argmax(logits[0, : budget + 1])  # [budget + 1]
-        path, length, bonus, committed = builder.walk(tree, choices)  # path [depth + 1]: rows from the root
-        # the accepted rows' K/V move to the slots right after the committed prefix (the path's positions)
+        # the walk also writes the round's outputs, the next pending token and the drafter's new context rows
+        path, length, _, _ = builder.walk(tree, choices, (self.out, runner.block_ids[0, :1], runner.draft_new_rows))
+        # the accepted rows' K/V move to the slots right after the committed prefix (the path's positions), their
+        # features become the drafter's next context rows
         storage = runner.target_storage
         if builder.kernel and move_usable(storage.keys, storage.values):
-            move_path_rows(storage.keys, storage.values, storage.positions[0], runner.length, path)
+            move_path_rows(
+                storage.keys, storage.values, storage.positions[0], runner.length, path,
+                features=(features[0], runner.draft_features[0]),
+            )
         else:
             source = runner.length + path  # [depth + 1]
             dest = runner.length + torch.arange(depth + 1, device=runner.device)
             storage.keys.index_copy_(3, dest, storage.keys.index_select(3, source))
             storage.values.index_copy_(3, dest, storage.values.index_select(3, source))
             storage.positions[0].index_copy_(0, dest, dest)
-        self.out[:1].copy_(length - 1)
-        self.out[1:].copy_(committed)
-        runner.block_ids[0, :1].copy_(bonus)
-        runner.draft_features[:, : depth + 1].copy_(features.index_select(1, path))
-        runner.draft_new_rows.copy_(length)
+            runner.draft_features[:, : depth + 1].copy_(features.index_select(1, path))
         runner.length.add_(length)
         return [self.out]
 

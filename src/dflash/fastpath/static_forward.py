@@ -59,15 +59,15 @@ def static_target_forward(
     input_ids, positions: [1, rows]; length: [1] long; tree_mask: [rows, rows] bool (causal for a chain, ancestors
     for a tree) -> (logits [1, rows, vocab], features [1, rows, len(capture) * hidden] or None). `fused` runs the
     layers through the fused kernels (`dflash.fastpath.fused_layers`; the model must support them)."""
+    if fused:
+        from dflash.fastpath.fused_layers import fused_layers, fused_logits
+
+        hidden, features = fused_layers(model, storage, input_ids, positions, length, tree_mask, bucket, capture)
+        return fused_logits(model, hidden[0])[None], features
     rows = input_ids.shape[1]
     slots = length + torch.arange(rows, device=input_ids.device)  # [rows]
     storage.positions[0].index_copy_(0, slots, positions[0])
     full = block_visibility(length, tree_mask, bucket)[None, None]  # [1, 1, rows, bucket]
-    if fused:
-        from dflash.fastpath.fused_layers import fused_layers, fused_logits
-
-        hidden, features = fused_layers(model, storage, input_ids, positions, slots, full, bucket, capture)
-        return fused_logits(model, hidden[0])[None], features
     sliding = None
     window = model.config.sliding_window
     if window is not None and any(model.sliding):

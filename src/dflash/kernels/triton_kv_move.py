@@ -5,6 +5,8 @@ rows must move to slots ``length, length + 1, ...`` (and their positions be rese
 needs a gather and a scatter per tensor (four kernels with a temporary copy); here each (layer, batch, kv head)
 plane of the cache is one program that loads the path's rows, waits for its threads, and stores them at their new
 slots (the path's row at depth i is at slot ``length + i`` or later, so the loads must finish before the stores).
+The same programs can also gather the accepted rows' captured target features (the drafter's next context rows),
+each a slice of the columns.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def _kernel() -> Any:
     @triton.jit
     def move_rows_kernel(  # type: ignore[no-untyped-def]
         keys_ptr, values_ptr, positions_ptr, length_ptr, path_ptr, count, capacity,
-        S: tl.constexpr, HEAD_DIM: tl.constexpr,
+        feature_src_ptr, feature_dst_ptr, feature_width,
+        S: tl.constexpr, HEAD_DIM: tl.constexpr, FEATURE_COLUMNS: tl.constexpr,
     ):
         plane = tl.program_id(0).to(tl.int64)
         step = tl.arange(0, S)
@@ -43,6 +46,12 @@ def _kernel() -> Any:
         tl.store(values_ptr + base + dest[:, None] * HEAD_DIM + dims[None, :], values, mask=inside)
         if plane == 0:
             tl.store(positions_ptr + dest, dest, mask=moving)
+        if FEATURE_COLUMNS > 0:  # this plane's share of the feature columns: path rows gathered to rows 0..count-1
+            columns = plane * FEATURE_COLUMNS + tl.arange(0, FEATURE_COLUMNS)
+            rows = tl.load(path_ptr + step, mask=moving, other=0)
+            inside_features = moving[:, None] & (columns[None, :] < feature_width)
+            gathered = tl.load(feature_src_ptr + rows[:, None] * feature_width + columns[None, :], mask=inside_features)
+            tl.store(feature_dst_ptr + step[:, None] * feature_width + columns[None, :], gathered, mask=inside_features)
 
     return move_rows_kernel
 
@@ -54,15 +63,24 @@ def move_usable(keys: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def move_path_rows(
-    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: torch.Tensor, path: torch.Tensor
+    keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, length: torch.Tensor, path: torch.Tensor,
+    features: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """keys, values: [layers, batch, kv_heads, capacity, head_dim] contiguous; positions: [capacity] long (the
     first batch row's); length: [1] long, the committed prefix; path: [count] long rows from the root. Slot
-    ``length + path[i]`` moves to ``length + i`` in every plane, and ``positions[length + i] = length + i``."""
+    ``length + path[i]`` moves to ``length + i`` in every plane, and ``positions[length + i] = length + i``.
+    `features` (source [rows, width], destination [>= count, width], contiguous, one dtype): also
+    ``destination[i] = source[path[i]]``, spread over the same programs."""
     layers, batch, heads, capacity, head_dim = keys.shape
     assert move_usable(keys, values)
     count = path.shape[0]
-    _kernel()[(layers * batch * heads,)](
-        keys, values, positions, length, path, count, capacity,
-        S=next_power_of_two(count), HEAD_DIM=head_dim, num_warps=2,
+    planes = layers * batch * heads
+    source, destination = features if features is not None else (keys, keys)
+    width = source.shape[-1] if features is not None else 0
+    if features is not None:
+        assert source.is_contiguous() and destination.is_contiguous() and source.dtype == destination.dtype
+    _kernel()[(planes,)](
+        keys, values, positions, length, path, count, capacity, source, destination, width,
+        S=next_power_of_two(count), HEAD_DIM=head_dim,
+        FEATURE_COLUMNS=next_power_of_two(-(-width // planes)) if width else 0, num_warps=2,
     )

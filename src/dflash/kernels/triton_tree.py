@@ -34,7 +34,7 @@ def tree_kernel_usable(device: torch.device) -> bool:
 
 
 @cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -159,8 +159,8 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def tree_walk_kernel(  # type: ignore[no-untyped-def]
         tokens_ptr, parents_ptr, valid_ptr, depths_ptr, ancestors_ptr, choices_ptr,
-        path_ptr, length_ptr, bonus_ptr, committed_ptr, rows, depth,
-        R: tl.constexpr, S: tl.constexpr,
+        path_ptr, length_ptr, bonus_ptr, committed_ptr, out_ptr, pending_ptr, new_rows_ptr, rows, depth,
+        R: tl.constexpr, S: tl.constexpr, ROUND: tl.constexpr,
     ):
         row = tl.arange(0, R)
         live = row < rows
@@ -187,8 +187,29 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(committed_ptr + step, tl.where(step < length - 1, next_token, bonus), mask=step < depth + 1)
         tl.store(length_ptr, length.to(tl.int64))
         tl.store(bonus_ptr, bonus)
+        if ROUND:  # the resident round's outputs: [accepted, committed...], the next pending token, new context rows
+            tl.store(out_ptr, (length - 1).to(tl.int64))
+            tl.store(out_ptr + 1 + step, tl.where(step < length - 1, next_token, bonus), mask=step < depth + 1)
+            tl.store(pending_ptr, bonus)
+            tl.store(new_rows_ptr, length.to(tl.int64))
 
-    return tree_grow_kernel, tree_walk_kernel
+    @triton.jit
+    def tree_inputs_kernel(  # type: ignore[no-untyped-def]
+        tokens_ptr, depths_ptr, ancestors_ptr, pending_ptr, length_ptr, ids_ptr, positions_ptr, mask_ptr,
+        nodes, rows, R: tl.constexpr,
+    ):
+        row = tl.arange(0, R)
+        node = row < nodes  # the root and the drafted nodes; rows past them pad the forward
+        token = tl.load(tokens_ptr + row, mask=node, other=0)
+        tl.store(ids_ptr + row, tl.where(row == 0, tl.load(pending_ptr), token), mask=node)
+        tl.store(positions_ptr + row, tl.load(length_ptr) + tl.load(depths_ptr + row, mask=node, other=0), mask=node)
+        both = node[:, None] & node[None, :]
+        ancestor = tl.load(ancestors_ptr + row[:, None] * nodes + row[None, :], mask=both, other=0)
+        visible = tl.where(both, ancestor != 0, row[:, None] == row[None, :])  # padding rows see only themselves
+        tl.store(mask_ptr + row[:, None] * rows + row[None, :], visible.to(tl.uint8),
+                 mask=(row[:, None] < rows) & (row[None, :] < rows))
+
+    return tree_grow_kernel, tree_walk_kernel, tree_inputs_kernel
 
 
 class GrowScratch:
@@ -231,18 +252,36 @@ def tree_grow(
 def tree_walk(
     tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depths: torch.Tensor,
     ancestors: torch.Tensor, choices: torch.Tensor, depth: int,
+    round_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`dflash.fastpath.device_tree.walk_tree` in one program: (path [depth+1], length [1], bonus [1],
-    committed [depth+1])."""
+    committed [depth+1]). `round_outputs` (out [depth+2], pending [1], new_rows [1], long): also write a resident
+    round's outputs, out = [length - 1, committed...], pending = bonus, new_rows = length."""
     rows = tokens.shape[0]
     device = tokens.device
     path = torch.empty(depth + 1, dtype=torch.long, device=device)
     committed = torch.empty(depth + 1, dtype=torch.long, device=device)
     length = torch.empty(1, dtype=torch.long, device=device)
     bonus = torch.empty(1, dtype=torch.long, device=device)
+    out, pending, new_rows = round_outputs if round_outputs is not None else (length, bonus, length)
     _kernels()[1][(1,)](
         tokens, parents, valid.view(torch.uint8), depths, ancestors.view(torch.uint8), choices,
-        path, length, bonus, committed, rows, depth,
-        R=next_power_of_two(rows), S=next_power_of_two(depth + 1), num_warps=4,
+        path, length, bonus, committed, out, pending, new_rows, rows, depth,
+        R=next_power_of_two(rows), S=next_power_of_two(depth + 1), ROUND=round_outputs is not None, num_warps=4,
     )
     return path, length, bonus, committed
+
+
+def tree_inputs(
+    tokens: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, pending: torch.Tensor, length: torch.Tensor,
+    input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor,
+) -> None:
+    """A grown tree as the inputs of its verification, in one program: tokens, depths [n+1] long and ancestors
+    [n+1, n+1] bool (`tree_grow`'s); pending, length: [1] long -> input_ids[:n+1] = [pending, tokens[1:]],
+    positions[:n+1] = length + depths (input_ids, positions: [rows] long, rows >= n+1), tree_mask [rows, rows]
+    bool (contiguous) = the ancestors, padding rows seeing only themselves."""
+    nodes, rows = tokens.shape[0], tree_mask.shape[0]
+    _kernels()[2][(1,)](
+        tokens, depths, ancestors.view(torch.uint8), pending, length, input_ids, positions,
+        tree_mask.view(torch.uint8), nodes, rows, R=next_power_of_two(max(rows, nodes)), num_warps=4,
+    )

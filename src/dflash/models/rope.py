@@ -58,6 +58,10 @@ class Rotary(torch.nn.Module):
         cos, sin = self.cos_sin(torch.arange(length, device=device)[None], dtype)  # [1, 1, length, head_dim]
         self._tables[(dtype, str(device))] = (cos[0, 0].contiguous(), sin[0, 0].contiguous())
 
+    def table(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The prepared cos, sin table [positions, head_dim] for `dtype` on `device`, if `prepare_table` made one."""
+        return self._tables.get((dtype, str(device)))
+
     def rows_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [rows] -> cos, sin: [rows, head_dim] contiguous, equal to `cos_sin`'s (the same float32
         angles), from the prepared table when there is one."""
