@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kernel-rows", type=int, default=25, help="rows of each kernel table")
-    parser.add_argument("--combine", choices=("last", "separate"), default="last",
+    parser.add_argument("--combine", choices=("auto", "last", "separate"), default="auto",
                         help="how the split-key attention combines its slices (dflash.kernels.triton_attention)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

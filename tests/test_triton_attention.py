@@ -57,6 +57,7 @@ def test_last_program_combine_equals_separate_combine(rows: int, bucket: int, dt
     q, keys, values, additive = _inputs(rows, 9, 3, 64, bucket, dtype)
     separate = few_row_attention(q, keys, values, additive, bucket, 0.125, combine="separate")
     for _ in range(3):
+        assert torch.equal(few_row_attention(q, keys, values, additive, bucket, 0.125, combine="last"), separate)
         assert torch.equal(few_row_attention(q, keys, values, additive, bucket, 0.125), separate)
 
 
@@ -64,10 +65,10 @@ def test_last_program_combine_equals_separate_combine(rows: int, bucket: int, dt
 def test_last_program_combine_in_replayed_graph() -> None:
     """Captured in a CUDA graph and replayed over changing inputs, the output follows SDPA on every replay."""
     q, keys, values, additive = _inputs(24, 9, 3, 64, 1500, torch.bfloat16)
-    few_row_attention(q, keys, values, additive, 1500, 0.125)  # counters made outside the capture
+    few_row_attention(q, keys, values, additive, 1500, 0.125, combine="last")  # counters made outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = few_row_attention(q, keys, values, additive, 1500, 0.125)
+        out = few_row_attention(q, keys, values, additive, 1500, 0.125, combine="last")
     for step in range(4):
         q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(step)).to(q))
         graph.replay()

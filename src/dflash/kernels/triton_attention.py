@@ -32,7 +32,8 @@ TARGET_PROGRAMS = 132  # about one program per SM on an H100 (measured best of 1
 MIN_SLICE = 256  # keys per program at least (longer slices: fewer partials to write and combine)
 COMBINE_M = 16  # query rows per combining program (a block's rows are combined by several programs in parallel)
 COUNTERS = 4096  # per-block completion counters per device (a launch with more blocks combines separately)
-COMBINE = "last"  # how launches combine their slices unless told: "last" or "separate" (benchmarks compare both)
+COMBINE = "auto"  # how launches combine their slices unless told: "auto", "last" or "separate"
+LAST_COMBINE_MAX = 4 * 64 * 64  # "auto": the last program combines when it reads at most this many partial values
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -110,13 +111,16 @@ def _kernels() -> tuple[Any, Any]:
                                      mask=live_parts[:, None], other=-1.0e30, cache_modifier=".cg"), axis=0)
                 total = tl.zeros([BLOCK_M], dtype=tl.float32)
                 combined = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                for other in range(0, slices):
+                for other in tl.static_range(SLICES):  # unrolled: the loads do not wait for each other
+                    live = local * 0 + other < slices  # [BLOCK_M] (every row alike)
                     other_slot = first + other
-                    weight = tl.exp(tl.load(part_max_ptr + other_slot * BLOCK_M + local, cache_modifier=".cg") - top)
-                    total += weight * tl.load(part_sum_ptr + other_slot * BLOCK_M + local, cache_modifier=".cg")
+                    weight = tl.exp(tl.load(part_max_ptr + other_slot * BLOCK_M + local, mask=live,
+                                            other=-float("inf"), cache_modifier=".cg") - top)
+                    total += weight * tl.load(part_sum_ptr + other_slot * BLOCK_M + local, mask=live, other=0.0,
+                                              cache_modifier=".cg")
                     combined += weight[:, None] * tl.load(
                         part_acc_ptr + (other_slot * BLOCK_M + local)[:, None] * HEAD_DIM + dims[None, :],
-                        cache_modifier=".cg",
+                        mask=live[:, None], other=0.0, cache_modifier=".cg",
                     )
                 out = combined / tl.where(total > 0, total, 1.0)[:, None]
                 tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
@@ -168,10 +172,11 @@ def few_row_attention(
     """q: [rows, heads, head_dim] (unit stride along head_dim); keys, values: [kv_heads, capacity, head_dim]
     contiguous (one layer of the static cache); additive_mask: [rows, >= bucket] (0 or -inf, unit stride along the
     keys); attends over keys [0, bucket) -> [rows, heads, head_dim] in q's dtype. `combine`: "last" (the last
-    program of each block combines the slices) or "separate" (a second program does); None: `COMBINE`."""
+    program of each block combines the slices), "separate" (a second program does) or "auto" (the last program
+    when its share is small: at most `LAST_COMBINE_MAX` partial values, which it reads alone); None: `COMBINE`."""
     combine = COMBINE if combine is None else combine
-    if combine not in ("last", "separate"):
-        raise ValueError(f"combine must be 'last' or 'separate', not {combine!r}")
+    if combine not in ("auto", "last", "separate"):
+        raise ValueError(f"combine must be 'auto', 'last' or 'separate', not {combine!r}")
     rows, heads, head_dim = q.shape
     kv_heads, capacity, _ = keys.shape
     group = heads // kv_heads
@@ -182,7 +187,8 @@ def few_row_attention(
     slices = -(-bucket // slice_len)
     device = q.device
     out = torch.empty((rows, heads, head_dim), dtype=q.dtype, device=device)
-    counters = _block_counters(device) if combine == "last" else None
+    small = slices * block_m * head_dim <= LAST_COMBINE_MAX
+    counters = _block_counters(device) if combine == "last" or (combine == "auto" and small) else None
     if slices == 1:
         mode = 1
     elif counters is not None and kv_heads * m_blocks <= counters.numel():
