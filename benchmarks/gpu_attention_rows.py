@@ -3,8 +3,7 @@
 For each model shape (the default model's: 9 heads / 3 key-value heads of 64; a Qwen3-8B's: 32 / 8 of 128), each
 number of query rows (one-row steps, verifications, tree verifications, prefill chunks) and each context length,
 the device time of one layer's attention over a static cache under a causal mask, both ways, each captured alone
-in a CUDA graph (bf16), the program also with each way of combining its key slices forced (`combine="last"` /
-`"separate"`; the default picks by size). The split-key program is first checked against SDPA on the same inputs. The fused target
+in a CUDA graph (bf16). The split-key program is first checked against SDPA on the same inputs. The fused target
 forward uses the program for multi-row forwards up to `SPLIT_MAX_ROWS` rows; this table is where that rule comes
 from.
 
@@ -45,15 +44,11 @@ def time_shape(heads: int, kv_heads: int, head_dim: int, rows: int, context: int
             q_heads, keys[None], values[None], attn_mask=additive, scale=scale, enable_gqa=heads != kv_heads
         )[0].transpose(0, 1)
 
-    def split(combine: str = "auto") -> torch.Tensor:
-        return few_row_attention(q, keys, values, additive, context, scale, combine=combine)
+    def split() -> torch.Tensor:
+        return few_row_attention(q, keys, values, additive, context, scale)
 
     torch.testing.assert_close(split(), sdpa(), rtol=2e-2, atol=2e-2)
-    timing = {"sdpa_ms": round(graph_gpu_ms(sdpa), 4), "split_ms": round(graph_gpu_ms(split), 4)}
-    if rows > 1:  # the two ways to combine the key slices (the same where a launch has one slice)
-        for combine in ("last", "separate"):
-            timing[f"split_{combine}_combine_ms"] = round(graph_gpu_ms(lambda c=combine: split(c)), 4)
-    return timing
+    return {"sdpa_ms": round(graph_gpu_ms(sdpa), 4), "split_ms": round(graph_gpu_ms(split), 4)}
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 from gpu_scale_study import as_graph, randomise  # benchmarks/ is the script's folder
 
-import dflash.kernels.triton_attention as attention_program
 from dflash.config import ModelConfig
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
@@ -219,12 +218,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kernel-rows", type=int, default=25, help="rows of each kernel table")
-    parser.add_argument("--combine", choices=("auto", "last", "separate"), default="auto",
-                        help="how the split-key attention combines its slices (dflash.kernels.triton_attention)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    attention_program.COMBINE = args.combine
     target, drafter, decode = load_models(args.model, device)
     runner = attach_graph_runner(target, drafter, capacity=8192 + 2 * 128 + 16)
     generator = torch.Generator().manual_seed(0)
@@ -310,7 +306,6 @@ def main() -> None:
         "model": args.model or "random weights of SmolLM2-135M's shape",
         "drafter": "shipped (default)",
         "budget": args.budget,
-        "attention_combine": args.combine,
         "loops": loops,
         "graphs": {k: (round(v, 4) if v is not None else None) for k, v in {**gpu, **calls}.items()},
         "cprofile_top_by_self_time": {mode: text.splitlines() for mode, text in profiles.items()},

@@ -8,12 +8,11 @@ context under a mask. torch's SDPA handles GQA and a mask for such shapes with l
    the group times every query row (``m = g * rows + r``), so each key/value row is read once per group; scores
    (fp32, plus the additive mask), an online softmax and the weighted values over the slice, written as partial
    (max, sum, accumulator);
-2. the partials combined. By default the last program of a block to finish does it (each program counts itself
-   in on a per-block counter after its partials are stored; the one that sees every other slice done reads them
-   back and writes the block's output, then resets the counter for the next launch): no second launch, which at
-   the default model's size is a sixth of the layer's attention. A one-slice launch writes its output directly.
-   `combine="separate"` (or no counters to hand: the first call inside a graph capture) runs the second program
-   instead, one program per (key/value head, `COMBINE_M` rows of a block).
+2. one program per (key/value head, `COMBINE_M` rows of a block): the partials combined. A launch whose keys fit
+   one slice skips this step: its programs normalise and write their output directly (one launch per layer instead
+   of two, about 1.6 us less per layer at the default model's size; `benchmarks/gpu_round_profile.py`).
+   Combining inside the first launch instead (the last program of a block to finish reading the others' partials)
+   measured slower than the second launch at every size tried (`results/gpu_attention_combine_h100.json`).
 
 Masked-out entries are ``-inf`` in the additive mask; a slice a row cannot see leaves a zero partial.
 """
@@ -31,11 +30,6 @@ BLOCK_N = 64  # keys per step inside a slice
 TARGET_PROGRAMS = 132  # about one program per SM on an H100 (measured best of 132 and 264)
 MIN_SLICE = 256  # keys per program at least (longer slices: fewer partials to write and combine)
 COMBINE_M = 16  # query rows per combining program (a block's rows are combined by several programs in parallel)
-COUNTERS = 4096  # per-block completion counters per device (a launch with more blocks combines separately)
-COMBINE = "auto"  # how launches combine their slices unless told: "auto", "last" or "separate"
-LAST_COMBINE_MAX = 4 * 64 * 64  # "auto": the last program combines when it reads at most this many partial values
-
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @cache
@@ -45,14 +39,12 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def slice_attention_kernel(  # type: ignore[no-untyped-def]
-        q_ptr, k_ptr, v_ptr, mask_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
         rows, group, capacity, bucket, mask_row_stride, q_row_stride, q_head_stride, out_row_stride,
         out_head_stride, scale, slices,
         SLICE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-        IEEE: tl.constexpr, MODE: tl.constexpr, SLICES: tl.constexpr,
+        IEEE: tl.constexpr, DIRECT: tl.constexpr,
     ):
-        # MODE 0: partials only (a separate combine follows); 1: one slice, the output directly; 2: partials, then
-        # the block's last program to finish combines them
         kv_head = tl.program_id(0)
         m_block = tl.program_id(1)
         part = tl.program_id(2)
@@ -89,42 +81,15 @@ def _kernels() -> tuple[Any, Any]:
             else:
                 acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
             running_max = new_max
-        out_at = out_ptr + row[:, None] * out_row_stride + head[:, None] * out_head_stride + dims[None, :]
-        if MODE == 1:
+        if DIRECT:  # the launch's only slice: the output itself
             out = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
-            tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
+            tl.store(out_ptr + row[:, None] * out_row_stride + head[:, None] * out_head_stride + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
             return
-        block_id = kv_head * tl.num_programs(1) + m_block
-        local = tl.arange(0, BLOCK_M)
-        slot = block_id * slices + part
-        tl.store(part_acc_ptr + (slot * BLOCK_M + local)[:, None] * HEAD_DIM + dims[None, :], acc)
-        tl.store(part_max_ptr + slot * BLOCK_M + local, running_max)
-        tl.store(part_sum_ptr + slot * BLOCK_M + local, running_sum)
-        if MODE == 2:
-            tl.debug_barrier()  # every thread's partials are stored before the release below
-            done = tl.atomic_add(counter_ptr + block_id, 1, sem="acq_rel", scope="gpu")
-            if done == slices - 1:  # the other slices' partials are visible (acquire); L2 reads, not L1
-                first = block_id * slices
-                parts = tl.arange(0, SLICES)
-                live_parts = parts < slices
-                top = tl.max(tl.load(part_max_ptr + (first + parts)[:, None] * BLOCK_M + local[None, :],
-                                     mask=live_parts[:, None], other=-1.0e30, cache_modifier=".cg"), axis=0)
-                total = tl.zeros([BLOCK_M], dtype=tl.float32)
-                combined = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                for other in tl.static_range(SLICES):  # unrolled: the loads do not wait for each other
-                    live = local * 0 + other < slices  # [BLOCK_M] (every row alike)
-                    other_slot = first + other
-                    weight = tl.exp(tl.load(part_max_ptr + other_slot * BLOCK_M + local, mask=live,
-                                            other=-float("inf"), cache_modifier=".cg") - top)
-                    total += weight * tl.load(part_sum_ptr + other_slot * BLOCK_M + local, mask=live, other=0.0,
-                                              cache_modifier=".cg")
-                    combined += weight[:, None] * tl.load(
-                        part_acc_ptr + (other_slot * BLOCK_M + local)[:, None] * HEAD_DIM + dims[None, :],
-                        mask=live[:, None], other=0.0, cache_modifier=".cg",
-                    )
-                out = combined / tl.where(total > 0, total, 1.0)[:, None]
-                tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=live_m[:, None])
-                tl.atomic_xchg(counter_ptr + block_id, 0)  # ready for the next launch
+        slot = (kv_head * tl.num_programs(1) + m_block) * slices + part
+        tl.store(part_acc_ptr + (slot * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM + dims[None, :], acc)
+        tl.store(part_max_ptr + slot * BLOCK_M + tl.arange(0, BLOCK_M), running_max)
+        tl.store(part_sum_ptr + slot * BLOCK_M + tl.arange(0, BLOCK_M), running_sum)
 
     @triton.jit
     def combine_kernel(  # type: ignore[no-untyped-def]
@@ -166,17 +131,11 @@ def attention_kernel_usable(head_dim: int) -> bool:
 
 
 def few_row_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, additive_mask: torch.Tensor, bucket: int, scale: float,
-    *, combine: str | None = None,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, additive_mask: torch.Tensor, bucket: int, scale: float
 ) -> torch.Tensor:
     """q: [rows, heads, head_dim] (unit stride along head_dim); keys, values: [kv_heads, capacity, head_dim]
     contiguous (one layer of the static cache); additive_mask: [rows, >= bucket] (0 or -inf, unit stride along the
-    keys); attends over keys [0, bucket) -> [rows, heads, head_dim] in q's dtype. `combine`: "last" (the last
-    program of each block combines the slices), "separate" (a second program does) or "auto" (the last program
-    when its share is small: at most `LAST_COMBINE_MAX` partial values, which it reads alone); None: `COMBINE`."""
-    combine = COMBINE if combine is None else combine
-    if combine not in ("auto", "last", "separate"):
-        raise ValueError(f"combine must be 'auto', 'last' or 'separate', not {combine!r}")
+    keys); attends over keys [0, bucket) -> [rows, heads, head_dim] in q's dtype."""
     rows, heads, head_dim = q.shape
     kv_heads, capacity, _ = keys.shape
     group = heads // kv_heads
@@ -185,41 +144,25 @@ def few_row_attention(
     wanted = max(1, TARGET_PROGRAMS // (kv_heads * m_blocks))
     slice_len = max(MIN_SLICE, BLOCK_N, next_power_of_two(-(-bucket // wanted)))
     slices = -(-bucket // slice_len)
+    direct = slices == 1
     device = q.device
-    out = torch.empty((rows, heads, head_dim), dtype=q.dtype, device=device)
-    small = slices * block_m * head_dim <= LAST_COMBINE_MAX
-    counters = _block_counters(device) if combine == "last" or (combine == "auto" and small) else None
-    if slices == 1:
-        mode = 1
-    elif counters is not None and kv_heads * m_blocks <= counters.numel():
-        mode = 2
-    else:
-        mode = 0
-    partials = 1 if mode == 1 else kv_heads * m_blocks * slices * block_m  # one: an unused placeholder
+    partials = 1 if direct else kv_heads * m_blocks * slices * block_m  # one: an unused placeholder
     part_acc = torch.empty((partials, head_dim), dtype=torch.float32, device=device)
     part_max = torch.empty(partials, dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
-    slice_kernel, combine_kernel = _kernels()
+    out = torch.empty((rows, heads, head_dim), dtype=q.dtype, device=device)
+    slice_kernel, combine = _kernels()
     slice_kernel[(kv_heads, m_blocks, slices)](
-        q, keys, values, additive_mask, part_acc, part_max, part_sum, out, counters if mode == 2 else part_max,
+        q, keys, values, additive_mask, part_acc, part_max, part_sum, out,
         rows, group, capacity, bucket, additive_mask.stride(0), q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), scale, slices,
         SLICE=slice_len, BLOCK_N=BLOCK_N, BLOCK_M=block_m, HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32,
-        MODE=mode, SLICES=next_power_of_two(slices), num_warps=4,
+        DIRECT=direct, num_warps=4,
     )
-    if mode == 0:
+    if not direct:
         combine_m = min(block_m, COMBINE_M)
-        combine_kernel[(kv_heads, m_blocks * (block_m // combine_m))](
+        combine[(kv_heads, m_blocks * (block_m // combine_m))](
             part_acc, part_max, part_sum, out, rows, group, slices, m_blocks, out.stride(0), out.stride(1),
             BLOCK_M=block_m, COMBINE_M=combine_m, SLICES=next_power_of_two(slices), HEAD_DIM=head_dim, num_warps=4,
         )
     return out
-
-
-def _block_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's completion counters (zeros; every launch leaves them zero), made on first use outside a graph
-    capture (made inside one, their zeroing would be replayed with the graph); None while capturing before that."""
-    counters = _counters.get(device)
-    if counters is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return counters
