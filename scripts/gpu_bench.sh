@@ -3,7 +3,8 @@
 #   scripts/gpu_bench.sh stage      # join the staged GGUF parts of the default model (scripts/gpu_drafter.sh stage)
 #   scripts/gpu_bench.sh tests      # the GPU tests (the golden vectors must sit in ../shared/golden)
 #   scripts/gpu_bench.sh table      # speed table: transformers generate() and prompt lookup, our AR, linear, DDTree
-#                                     (12 + 12 prompts, one run: the transformers modes take ~5 of the 10 minutes)
+#                                     (12 + 12 prompts; our modes median of 3 runs, the transformers modes one run:
+#                                     they take ~5 of the 10 minutes)
 #   scripts/gpu_bench.sh sweep      # DDTree budgets 4..64 beside linear and plain, graphs and eager plain decoding
 #   scripts/gpu_bench.sh replay     # acceptance per tree budget on the three evaluation sets (exact replay)
 #   scripts/gpu_bench.sh scale      # the random-weight Qwen3-8B-shaped scale study
@@ -22,8 +23,8 @@ case "$1" in
     python3 -m pytest -q -m gpu tests/test_fastpath.py ;;
   table)
     $DFLASH bench speed --model "$MODEL" --draft default --device cuda $SETS --limit "${LIMIT:-12}" \
-      --max-tokens 256 --runs "${RUNS:-1}" --modes transformers,transformers-pld,ar,linear,ddtree \
-      --json --out "$RESULTS/gpu_speed_table.json" ;;
+      --max-tokens 256 --runs "${RUNS:-3}" --baseline-runs "${BASELINE_RUNS:-1}" \
+      --modes transformers,transformers-pld,ar,linear,ddtree --json --out "$RESULTS/gpu_speed_table.json" ;;
   sweep)
     $DFLASH bench speed --model "$MODEL" --draft default --device cuda $SETS --limit "${LIMIT:-4}" \
       --max-tokens 256 --runs "${RUNS:-3}" \

@@ -18,7 +18,7 @@ def test_bench_speed_reports_every_mode(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     write_prompt_file(prompts, ["Write a Python function that adds two numbers.", "Name three colours."])
     out_file = tmp_path / "speed.json"
-    args = ["bench", "speed", "--prompts-file", str(prompts), "--max-tokens", "12", "--runs", "1",
+    args = ["bench", "speed", "--prompts-file", str(prompts), "--max-tokens", "12", "--runs", "2", "--baseline-runs", "1",
             "--modes", "transformers,ar,linear,ddtree,ddtree:8,linear@eager", "--ddtree-budget", "4", "--json", "--out", str(out_file)]
     done = subprocess.run([sys.executable, "-m", "dflash", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -33,6 +33,9 @@ def test_bench_speed_reports_every_mode(tmp_path: Path) -> None:
     # greedy everywhere: every mode produces the same number of tokens
     assert len({row["tokens_per_run"] for row in saved["modes"].values()}) == 1
     assert saved["ratios"]["ar/transformers"] > 0 and "command" in saved
+    # the transformers baseline ran its own number of repetitions, our modes the median of theirs
+    assert {mode: len(row["runs"]) for mode, row in saved["modes"].items()} == {
+        "transformers": 1, "ar": 2, "linear": 2, "ddtree": 2, "ddtree:8": 2, "linear@eager": 2}
 
 
 @pytest.mark.slow

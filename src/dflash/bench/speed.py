@@ -83,7 +83,10 @@ def measure_speed(
     max_tokens: int,
     runs: int,
     model_arg: str,
+    baseline_runs: int | None = None,
 ) -> dict[str, Any]:
+    """`runs` repetitions per mode (median reported); the transformers modes take `baseline_runs` instead when given
+    (they run 30-40x slower, so their repetitions dominate a run's time)."""
     prompts = [engine.chat_prompt_ids(chat) for path in prompt_files for chat in read_prompt_file(path)[:limit]]
     results: dict[str, Any] = {}
     for mode in modes:
@@ -95,8 +98,9 @@ def measure_speed(
         per_run: list[float] = []
         tokens = 0
         acceptance: list[float] = []
-        with progress_bar(f"speed {mode}", runs * len(prompts)) as bar:
-            for _ in range(runs):
+        repeats = baseline_runs if baseline_runs is not None and mode.startswith("transformers") else runs
+        with progress_bar(f"speed {mode}", repeats * len(prompts)) as bar:
+            for _ in range(repeats):
                 tokens, seconds = 0, 0.0
                 for ids in prompts:
                     _sync(engine.device)

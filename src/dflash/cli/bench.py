@@ -34,6 +34,8 @@ def register(commands: Any) -> None:
     speed.add_argument("--limit", type=int, default=8, help="prompts per file")
     speed.add_argument("--max-tokens", type=int, default=128)
     speed.add_argument("--runs", type=int, default=1, help="repetitions (median reported)")
+    speed.add_argument("--baseline-runs", type=int, default=None,
+                       help="repetitions of the transformers modes (default: --runs)")
     speed.add_argument("--modes", default="transformers,ar,linear",
                        help="comma list of: transformers, transformers-pld, ar, linear, ddtree")
     speed.add_argument("--json", action="store_true")
@@ -74,7 +76,7 @@ def run_speed(args: argparse.Namespace) -> int:
     files = args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"]
     result = measure_speed(
         engine, files, modes=[m.strip() for m in args.modes.split(",") if m.strip()], limit=args.limit,
-        max_tokens=args.max_tokens, runs=args.runs, model_arg=args.model,
+        max_tokens=args.max_tokens, runs=args.runs, model_arg=args.model, baseline_runs=args.baseline_runs,
     )
     _emit(result, args, format_speed_table(result))
     return 0
