@@ -1,6 +1,7 @@
-"""Compiling and loading the quantized-weights CPU kernel (`quant_matmul.cpp`).
+"""Compiling and loading the CPU kernels: quantized-weights products (`quant_matmul.cpp`) and the fused layer
+operations (`cpu_layer_ops.cpp`).
 
-The extension is built once with `torch.utils.cpp_extension.load` (g++ and ninja) into
+Each extension is built once with `torch.utils.cpp_extension.load` (g++ and ninja) into
 `<cache root>/kernels/<key>/`, where the key hashes the source, the compiler flags, the compiler, the torch
 and Python versions and the CPU's feature flags (`-march=native` builds for the machine it runs on, so a
 cache shared between machines must not hand one machine's build to another). Later processes import the
@@ -26,18 +27,27 @@ import torch
 from dflash.cache_paths import cache_root
 from dflash.errors import DFlashError
 
-__all__ = ["BUILD_FLAGS", "KernelUnavailable", "QuantKernel", "kernel_source", "load_quant_kernel"]
+__all__ = [
+    "BUILD_FLAGS",
+    "KernelUnavailable",
+    "LayerOpsKernel",
+    "QuantKernel",
+    "kernel_source",
+    "load_layer_ops",
+    "load_quant_kernel",
+]
 
 log = logging.getLogger(__name__)
 
 SOURCE_NAME = "quant_matmul.cpp"
+LAYER_OPS_SOURCE = "cpu_layer_ops.cpp"
 # -ffp-contract=off: no multiply-add fusion chosen by the compiler (see the source's batch-invariance note).
 BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 
 
 class KernelUnavailable(DFlashError):
-    """The quantized-weights kernel cannot be built or loaded here; the message says why."""
+    """A CPU kernel cannot be built or loaded here; the message says why."""
 
 
 class QuantKernel(Protocol):
@@ -56,53 +66,84 @@ class QuantKernel(Protocol):
         ...
 
 
+class LayerOpsKernel(Protocol):
+    """The functions `cpu_layer_ops.cpp` exports (float32 CPU tensors; every output row from its own input row)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool) -> torch.Tensor:
+        """x: [..., D], weight: [D] -> [..., D]."""
+        ...
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, H, S, D], cos/sin: [B or 1, 1, S, D] -> [B, H, S, D] contiguous."""
+        ...
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        """q: [B, H, S, D], k/v: [B, KVH, L, D], mask: [B or 1, 1, S, L] bool or None -> [B, S, H * D]."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [..., 2I] -> silu(gate) * up [..., I]."""
+        ...
+
+
 _lock = threading.Lock()
-_loaded: dict[tuple[str, ...], QuantKernel] = {}
+_loaded: dict[tuple[str, ...], object] = {}
 _failed: dict[tuple[str, ...], str] = {}
 
 
-def kernel_source() -> Path:
-    return Path(__file__).with_name(SOURCE_NAME)
+def kernel_source(name: str = SOURCE_NAME) -> Path:
+    return Path(__file__).with_name(name)
 
 
 def load_quant_kernel(extra_flags: tuple[str, ...] = ()) -> QuantKernel:
-    """The compiled kernel (built on first use); `extra_flags` are appended to `BUILD_FLAGS` (tests use
-    them to build the narrower instruction-set paths)."""
-    flags = (*BUILD_FLAGS, *extra_flags)
+    """The compiled quantized-weights kernel (built on first use); `extra_flags` are appended to `BUILD_FLAGS`
+    (tests use them to build the narrower instruction-set paths)."""
+    return cast(QuantKernel, _load(SOURCE_NAME, "dflash_quant", (*BUILD_FLAGS, *extra_flags)))
+
+
+def load_layer_ops() -> LayerOpsKernel:
+    """The compiled fused layer operations (built on first use)."""
+    return cast(LayerOpsKernel, _load(LAYER_OPS_SOURCE, "dflash_layer_ops", BUILD_FLAGS))
+
+
+def _load(source_name: str, prefix: str, flags: tuple[str, ...]) -> object:
+    entry = (source_name, *flags)
     with _lock:
-        if flags in _loaded:
-            return _loaded[flags]
-        if flags in _failed:
-            raise KernelUnavailable(_failed[flags])
+        if entry in _loaded:
+            return _loaded[entry]
+        if entry in _failed:
+            raise KernelUnavailable(_failed[entry])
         try:
-            kernel = _build_or_import(flags)
+            kernel = _build_or_import(source_name, prefix, flags)
         except KernelUnavailable as exc:
-            _failed[flags] = str(exc)
+            _failed[entry] = str(exc)
             raise
-        _loaded[flags] = kernel
+        _loaded[entry] = kernel
         return kernel
 
 
-def _build_or_import(flags: tuple[str, ...]) -> QuantKernel:
-    source = kernel_source()
+def _build_or_import(source_name: str, prefix: str, flags: tuple[str, ...]) -> object:
+    source = kernel_source(source_name)
     try:
         text = source.read_bytes()
     except OSError as exc:
         raise KernelUnavailable(f"the kernel source {source} cannot be read: {exc.strerror or exc}") from None
     key = _build_key(text, flags)
-    name = f"dflash_quant_{key}"
+    name = f"{prefix}_{key}"
     directory = cache_root() / "kernels" / key
     built = _built_library(directory, name)
     if built is not None:
         try:
             return _import_library(name, built)
         except ImportError as exc:
-            log.warning("rebuilding the quantized-weights kernel: %s", exc)
+            log.warning("rebuilding the CPU kernel %s: %s", source_name, exc)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise KernelUnavailable(f"cannot create the kernel build directory {directory}: {exc.strerror or exc}") from None
-    log.warning("building the quantized-weights CPU kernel into %s (first use only; about a minute)", directory)
+    log.warning("building the CPU kernel %s into %s (first use only; about a minute)", source_name, directory)
     _put_interpreter_scripts_on_path()
     try:
         from torch.utils.cpp_extension import load
@@ -116,8 +157,8 @@ def _build_or_import(flags: tuple[str, ...]) -> QuantKernel:
             verbose=False,
         )
     except Exception as exc:  # compiler missing, compile error, ninja missing, import error...
-        raise KernelUnavailable(f"building the quantized-weights kernel failed: {_first_lines(str(exc))}") from None
-    return cast(QuantKernel, module)
+        raise KernelUnavailable(f"building the CPU kernel {source_name} failed: {_first_lines(str(exc))}") from None
+    return module
 
 
 def _put_interpreter_scripts_on_path() -> None:
@@ -138,13 +179,13 @@ def _built_library(directory: Path, name: str) -> Path | None:
     return plain if plain.is_file() else None
 
 
-def _import_library(name: str, path: Path) -> QuantKernel:
+def _import_library(name: str, path: Path) -> object:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path} is not an importable extension")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return cast(QuantKernel, module)
+    return module
 
 
 def _build_key(source: bytes, flags: tuple[str, ...]) -> str:

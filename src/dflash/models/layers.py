@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import ModelConfig
+from dflash.kernels.fused_cpu import layer_ops
 from dflash.kv.cache import CacheWriter
 from dflash.models.rope import apply_rotary
 
@@ -21,6 +22,9 @@ class RMSNorm(nn.Module):
         self.adds_one = adds_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = layer_ops(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps, self.adds_one)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.adds_one:
@@ -49,8 +53,25 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]
+        ops = layer_ops(gate_up) if isinstance(self.act, nn.SiLU) else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+# Query rows up to which the fused CPU attention runs (decode steps, verifications, trees, the drafter's block);
+# longer prefill chunks go to SDPA, whose blocked products win there.
+FUSED_ATTENTION_MAX_ROWS = 64
+
+
+def fits_attention_kernel(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the fused CPU attention takes these queries [batch, heads, rows, head_dim] and this mask (none, or
+    bool [batch or 1, 1, rows, keys])."""
+    if q.shape[2] > FUSED_ATTENTION_MAX_ROWS:
+        return False
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1)
 
 
 class Attention(nn.Module):
@@ -93,6 +114,9 @@ class Attention(nn.Module):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.write(self.layer_index, k, v)
+        ops = layer_ops(q)
+        if ops is not None and fits_attention_kernel(q, mask):
+            return self.o_proj(ops.attention(q, k, v, mask, self.scale))  # [batch, seq, heads * head_dim]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
         )

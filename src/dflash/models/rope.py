@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dflash.errors import ModelLoadError
+from dflash.kernels.fused_cpu import layer_ops
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -78,8 +79,24 @@ class Rotary(torch.nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def fits_rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether cos/sin have the [batch or 1, 1, seq, head_dim] layout the fused CPU rotation takes."""
+    return (
+        x.dim() == 4
+        and x.stride(-1) == 1
+        and cos.shape == sin.shape
+        and cos.dim() == 4
+        and cos.shape[0] in (1, x.shape[0])
+        and cos.shape[1:] == (1, x.shape[2], x.shape[3])
+        and cos.dtype == sin.dtype == torch.float32
+    )
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [batch, heads, seq, head_dim] rotated by position (rotate-half pairing j with j + head_dim/2)."""
+    ops = layer_ops(x)
+    if ops is not None and fits_rotary_kernel(x, cos, sin):
+        return ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

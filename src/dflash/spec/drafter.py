@@ -18,8 +18,9 @@ from torch import nn
 
 from dflash.config import SLIDING_ATTENTION
 from dflash.errors import ModelLoadError
+from dflash.kernels.fused_cpu import layer_ops
 from dflash.kv.cache import KVCache
-from dflash.models.layers import RMSNorm, activation
+from dflash.models.layers import RMSNorm, activation, fits_attention_kernel
 from dflash.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
@@ -176,6 +177,9 @@ class DrafterAttention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = torch.cat((context_k, block_k), dim=2)
         v = torch.cat((context_v, block_v), dim=2)
+        ops = layer_ops(q)
+        if ops is not None and fits_attention_kernel(q, mask):
+            return self.o_proj(ops.attention(q, k, v, mask, self.head_dim**-0.5))  # [batch, rows, heads * head_dim]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
 

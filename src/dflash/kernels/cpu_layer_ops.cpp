@@ -1,0 +1,341 @@
+// Fused float32 CPU operations of a decoder layer: RMSNorm, rotary embedding, attention over a KV cache and the
+// gated MLP's activation.
+//
+// On a CPU a one-token step of a small model spends a large share of its time outside the matrix products:
+// every torch operation costs microseconds of dispatch whatever its size, and a layer issues dozens of them.
+// Each function here replaces a chain of such operations by one call.
+//
+// Row invariance: every output row is computed from its own input row (and, for attention, the keys and values it
+// may see) by one code path in one order, whatever the number of rows or threads, so a row of a verification is
+// bitwise equal to the same row computed alone. Multiply-add contraction is disabled at build time
+// (-ffp-contract=off), so `a * b + c * d` rounds each product as torch's separate multiply and add do.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 8;  // partial sums per reduction (fixed, so the order never depends on the machine)
+
+// Sum of squares of n floats: kLanes interleaved partial sums, then added in a fixed order.
+float sum_of_squares(const float* x, int64_t n) {
+  float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 8
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * x[i + l];
+  }
+  for (; i < n; ++i) lanes[i % kLanes] += x[i] * x[i];
+  float total = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// Dot product of two float vectors of length n, same lane structure.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 8
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  for (; i < n; ++i) lanes[i % kLanes] += a[i] * b[i];
+  float total = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// exp(x) for n floats in place. AVX2: range reduction x = k ln2 + r, |r| <= ln2 / 2, and a degree-6 polynomial
+// for exp(r) (relative error about 2e-7, like the libraries' vectorised exp); inputs below -87.3 give 0 (they are
+// scores far below the row's maximum). Elsewhere std::exp. The same code runs for every row.
+void exp_in_place(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
+  const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 highest = _mm256_set1_ps(88.3f);
+  const __m256 c1 = _mm256_set1_ps(1.0f), c2 = _mm256_set1_ps(0.5f);
+  const __m256 c3 = _mm256_set1_ps(1.6666665459e-1f), c4 = _mm256_set1_ps(4.1665795894e-2f);
+  const __m256 c5 = _mm256_set1_ps(8.3334519073e-3f), c6 = _mm256_set1_ps(1.3981999507e-3f);
+  const __m256 c7 = _mm256_set1_ps(1.9875691500e-4f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 under = _mm256_cmp_ps(v, lowest, _CMP_LT_OQ);
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, lowest), highest);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, ln2_hi, clamped);
+    r = _mm256_fnmadd_ps(k, ln2_lo, r);
+    __m256 p = c7;
+    p = _mm256_fmadd_ps(p, r, c6);
+    p = _mm256_fmadd_ps(p, r, c5);
+    p = _mm256_fmadd_ps(p, r, c4);
+    p = _mm256_fmadd_ps(p, r, c3);
+    p = _mm256_fmadd_ps(p, r, c2);
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+    p = _mm256_add_ps(p, c1);
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    _mm256_storeu_ps(x + i, _mm256_andnot_ps(under, result));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// scores[l] = dot(query, keys + l * key_stride) * factor for l < count. Four keys at a time, each key's dot product
+// in kLanes lanes added in a fixed order (the same per key whatever the count).
+void scores_of(const float* query, const float* keys, int64_t key_stride, int64_t count, int64_t d, float factor,
+               float* scores) {
+  int64_t l = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0) {
+    for (; l + 4 <= count; l += 4) {
+      const float* k0 = keys + l * key_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(query + i);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + i)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + key_stride + i)));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 2 * key_stride + i)));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 3 * key_stride + i)));
+      }
+      const __m256 partial[4] = {a0, a1, a2, a3};
+      for (int j = 0; j < 4; ++j) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, partial[j]);
+        float total = 0.0f;
+        for (int64_t x = 0; x < kLanes; ++x) total += lanes[x];
+        scores[l + j] = total * factor;
+      }
+    }
+  }
+#endif
+  for (; l < count; ++l) scores[l] = dot(query, keys + l * key_stride, d) * factor;
+}
+
+// acc[0:d] = sum over keys l of weights[l] * values[l * value_stride + 0:d], keys in order, zero weights skipped.
+// With AVX2 and d = 64 the sums stay in registers; the operations per element are the same either way.
+void weighted_values(const float* weights, const float* values, int64_t value_stride, int64_t count, int64_t d,
+                     float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d == 64) {
+    __m256 sums[8];
+    for (int j = 0; j < 8; ++j) sums[j] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < count; ++l) {
+      if (weights[l] == 0.0f) continue;
+      const __m256 w = _mm256_set1_ps(weights[l]);
+      const float* value = values + l * value_stride;
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) sums[j] = _mm256_add_ps(sums[j], _mm256_mul_ps(w, _mm256_loadu_ps(value + 8 * j)));
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(acc + 8 * j, sums[j]);
+    return;
+  }
+#endif
+  std::fill(acc, acc + d, 0.0f);
+  for (int64_t l = 0; l < count; ++l) {
+    const float w = weights[l];
+    if (w == 0.0f) continue;
+    const float* value = values + l * value_stride;
+    for (int64_t j = 0; j < d; ++j) acc[j] += w * value[j];
+  }
+}
+
+void check_float_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+}
+
+// Work units per task for at::parallel_for: small problems stay on the calling thread.
+int64_t grain(int64_t units, int64_t cost_per_unit) {
+  constexpr int64_t kWorkPerTask = 1 << 16;
+  return std::max<int64_t>(1, std::min<int64_t>(units, kWorkPerTask / std::max<int64_t>(1, cost_per_unit)));
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool adds_one) {
+  // x: [..., D], weight: [D] -> [..., D]: x * rsqrt(mean(x^2) + eps) * weight (Gemma: * (1 + weight))
+  check_float_cpu(x, "x");
+  check_float_cpu(weight, "weight");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "weight must have ", d, " values");
+  const torch::Tensor input = x.contiguous();
+  const torch::Tensor w = weight.contiguous();
+  torch::Tensor out = torch::empty_like(input);
+  const int64_t rows = d == 0 ? 0 : input.numel() / d;
+  const float* xs = input.data_ptr<float>();
+  const float* ws = w.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(rows, 4 * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> scale(static_cast<size_t>(d));
+    for (int64_t i = 0; i < d; ++i) scale[i] = adds_one ? 1.0f + ws[i] : ws[i];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xs + r * d;
+      float* dst = ys + r * d;
+      const float inverse = 1.0f / std::sqrt(sum_of_squares(row, d) / static_cast<float>(d) + epsilon);
+      for (int64_t i = 0; i < d; ++i) dst[i] = (row[i] * inverse) * scale[i];
+    }
+  });
+  return out;
+}
+
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  // x: [B, H, S, D] (any strides); cos, sin: [B or 1, 1, S, D] -> [B, H, S, D] contiguous, rotate-half pairing:
+  // out[j] = x[j] * cos[j] + (-x[j + D/2]) * sin[j], out[j + D/2] = x[j + D/2] * cos[j + D/2] + x[j] * sin[j + D/2]
+  check_float_cpu(x, "x");
+  check_float_cpu(cos, "cos");
+  check_float_cpu(sin, "sin");
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 4 && sin.dim() == 4, "x, cos and sin must be 4-D");
+  const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), d = x.size(3), half = d / 2;
+  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(2) == seq && cos.size(3) == d &&
+                  (cos.size(0) == 1 || cos.size(0) == batch),
+              "cos and sin must be [batch or 1, 1, seq, head_dim]");
+  TORCH_CHECK(x.stride(3) == 1, "x must be contiguous in its last dimension");
+  const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
+  torch::Tensor out = torch::empty({batch, heads, seq, d}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* cs = c.data_ptr<float>();
+  const float* ss = s.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sq = x.stride(2);
+  const bool shared_angles = c.size(0) == 1;
+  const int64_t rows = batch * heads * seq;
+  at::parallel_for(0, rows, grain(rows, 4 * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / (heads * seq), h = (r / seq) % heads, q = r % seq;
+      const float* src = xs + b * sb + h * sh + q * sq;
+      const int64_t angle_row = ((shared_angles ? 0 : b) * seq + q) * d;
+      const float* cr = cs + angle_row;
+      const float* sr = ss + angle_row;
+      float* dst = ys + r * d;
+      for (int64_t j = 0; j < half; ++j) {
+        dst[j] = src[j] * cr[j] + (-src[j + half]) * sr[j];
+        dst[j + half] = src[j + half] * cr[j + half] + src[j] * sr[j + half];
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, double scale) {
+  // q: [B, H, S, D]; k, v: [B, KVH, L, D] (H a multiple of KVH; query head h reads key head h / (H / KVH));
+  // mask: optional bool [B or 1, 1, S, L], true = visible (none: every key visible)
+  // -> [B, S, H * D] contiguous: softmax(q k^T * scale) v per query row, in float32.
+  check_float_cpu(q, "q");
+  check_float_cpu(k, "k");
+  check_float_cpu(v, "v");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must be 4-D");
+  const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2), d = q.size(3);
+  const int64_t kv_heads = k.size(1), keys = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == kv_heads && v.size(2) == keys &&
+                  k.size(3) == d && v.size(3) == d,
+              "k and v must be [batch, kv_heads, keys, head_dim] matching q");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of key heads");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k and v must be contiguous in head_dim");
+  const bool* visible = nullptr;
+  int64_t mask_batch_stride = 0, mask_row_stride = 0, mask_key_stride = 0;
+  torch::Tensor mask_tensor;
+  if (mask.has_value()) {
+    mask_tensor = *mask;
+    TORCH_CHECK(mask_tensor.device().is_cpu() && mask_tensor.scalar_type() == torch::kBool, "mask must be bool on the CPU");
+    TORCH_CHECK(mask_tensor.dim() == 4 && (mask_tensor.size(0) == 1 || mask_tensor.size(0) == batch) &&
+                    mask_tensor.size(1) == 1 && mask_tensor.size(2) == seq && mask_tensor.size(3) == keys,
+                "mask must be [batch or 1, 1, seq, keys]");
+    visible = mask_tensor.data_ptr<bool>();
+    mask_batch_stride = mask_tensor.size(0) == 1 ? 0 : mask_tensor.stride(0);
+    mask_row_stride = mask_tensor.stride(2);
+    mask_key_stride = mask_tensor.stride(3);
+  }
+  torch::Tensor out = torch::empty({batch, seq, heads * d}, q.options());
+  const float* qs = q.data_ptr<float>();
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  const int64_t group = heads / kv_heads;
+  const float factor = static_cast<float>(scale);
+  const int64_t qb = q.stride(0), qh = q.stride(1), qs_ = q.stride(2);
+  const int64_t kb = k.stride(0), kh_ = k.stride(1), kl = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+  const int64_t units = batch * heads * seq;
+  at::parallel_for(0, units, grain(units, 4 * keys * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(static_cast<size_t>(keys));
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / (heads * seq), h = (u / seq) % heads, s = u % seq;
+      const int64_t kh = h / group;
+      const float* query = qs + b * qb + h * qh + s * qs_;
+      const float* key0 = ks + b * kb + kh * kh_;
+      const float* value0 = vs + b * vb + kh * vh;
+      const bool* row_mask = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
+      scores_of(query, key0, kl, keys, d, factor, weights.data());
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t l = 0; l < keys; ++l) {
+        if (row_mask != nullptr && !row_mask[l * mask_key_stride]) {
+          weights[l] = -std::numeric_limits<float>::infinity();
+        } else {
+          best = std::max(best, weights[l]);
+        }
+      }
+      for (int64_t l = 0; l < keys; ++l) weights[l] -= best;  // masked keys stay -inf
+      exp_in_place(weights.data(), keys);
+      float total = 0.0f;
+      for (int64_t l = 0; l < keys; ++l) total += weights[l];
+      weighted_values(weights.data(), value0, vl, keys, d, acc.data());
+      float* dst = ys + (b * seq + s) * heads * d + h * d;
+      const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t j = 0; j < d; ++j) dst[j] = acc[j] * inverse;
+    }
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  // gate_up: [..., 2I] -> [..., I]: silu(gate) * up with gate the first I values, up the last I
+  check_float_cpu(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1);
+  TORCH_CHECK(width % 2 == 0, "gate_up must have an even last dimension");
+  const torch::Tensor input = gate_up.contiguous();
+  const int64_t half = width / 2, rows = width == 0 ? 0 : input.numel() / width;
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  shape.back() = half;
+  torch::Tensor out = torch::empty(shape, input.options());
+  const float* xs = input.data_ptr<float>();
+  float* ys = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain(rows, 8 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xs + r * width;
+      const float* up = gate + half;
+      float* dst = ys + r * half;
+      for (int64_t i = 0; i < half; ++i) dst[i] = -gate[i];
+      exp_in_place(dst, half);
+      for (int64_t i = 0; i < half; ++i) dst[i] = gate[i] / (1.0f + dst[i]) * up[i];
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  namespace py = pybind11;
+  module.doc() = "Fused float32 CPU operations of a decoder layer (row invariant)";
+  module.def("rms_norm", &rms_norm, "x [..., D] -> RMSNorm(x) * weight", py::arg("x"), py::arg("weight"),
+             py::arg("eps"), py::arg("adds_one"), py::call_guard<py::gil_scoped_release>());
+  module.def("rotary", &rotary, "x [B, H, S, D] rotated (rotate-half) -> contiguous", py::arg("x"), py::arg("cos"),
+             py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+  module.def("attention", &attention, "softmax(q k^T * scale) v -> [B, S, H * D]", py::arg("q"), py::arg("k"),
+             py::arg("v"), py::arg("mask"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  module.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+}
