@@ -25,7 +25,7 @@ from dflash.bench.provenance import provenance
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
-from dflash.kernels.build import load_layer_ops
+from dflash.kernels.build import LayerOpsKernel, load_layer_ops
 from dflash.kernels.fused_cpu import torch_layer_ops
 from dflash.models.layers import RMSNorm
 from dflash.models.rope import apply_rotary
@@ -46,32 +46,34 @@ def best_us(step: Callable[[], object], calls: int = 2000, repeats: int = 3) -> 
     return round(min(times), 1)
 
 
+def times_at(rows: int, ops: LayerOpsKernel, norm: RMSNorm, keys: torch.Tensor,
+             values: torch.Tensor) -> dict[str, dict[str, float]]:
+    """Each operation at `rows` rows: the torch operations, then the fused call."""
+    x, gate_up = torch.randn(1, rows, 576), torch.randn(1, rows, 3072)
+    q, cos = torch.randn(1, rows, 9, 64).transpose(1, 2), torch.randn(1, 1, rows, 64)
+    with torch_layer_ops():
+        torch_side = {
+            "rms_norm": best_us(lambda: norm(x)),
+            "rotary": best_us(lambda: apply_rotary(q, cos, cos)),
+            "attention": best_us(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)),
+            "silu_mul": best_us(lambda: F.silu(gate_up[..., :1536]) * gate_up[..., 1536:]),
+        }
+    fused_side = {
+        "rms_norm": best_us(lambda: ops.rms_norm(x, norm.weight, 1e-5, False)),
+        "rotary": best_us(lambda: ops.rotary(q, cos, cos)),
+        "attention": best_us(lambda: ops.attention(q, keys, values, None, 0.125)),
+        "silu_mul": best_us(lambda: ops.silu_mul(gate_up)),
+    }
+    print(f"{rows} rows: torch {torch_side} fused {fused_side}", flush=True)
+    return {f"{name}_{rows}_rows_us": {"torch": torch_side[name], "fused": fused_side[name]} for name in torch_side}
+
+
 @torch.inference_mode()
 def operation_times() -> dict[str, dict[str, float]]:
     ops = load_layer_ops()
     norm = RMSNorm(576, 1e-5)
     keys, values = torch.randn(1, 3, 300, 64), torch.randn(1, 3, 300, 64)
-    figures: dict[str, dict[str, float]] = {}
-    for rows in (1, 5):
-        x, gate_up = torch.randn(1, rows, 576), torch.randn(1, rows, 3072)
-        q, cos = torch.randn(1, rows, 9, 64).transpose(1, 2), torch.randn(1, 1, rows, 64)
-        with torch_layer_ops():
-            torch_side = {
-                "rms_norm": best_us(lambda: norm(x)),
-                "rotary": best_us(lambda: apply_rotary(q, cos, cos)),
-                "attention": best_us(lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)),
-                "silu_mul": best_us(lambda: F.silu(gate_up[..., :1536]) * gate_up[..., 1536:]),
-            }
-        fused_side = {
-            "rms_norm": best_us(lambda: ops.rms_norm(x, norm.weight, 1e-5, False)),
-            "rotary": best_us(lambda: ops.rotary(q, cos, cos)),
-            "attention": best_us(lambda: ops.attention(q, keys, values, None, 0.125)),
-            "silu_mul": best_us(lambda: ops.silu_mul(gate_up)),
-        }
-        for name in torch_side:
-            figures[f"{name}_{rows}_rows_us"] = {"torch": torch_side[name], "fused": fused_side[name]}
-        print(f"{rows} rows: torch {torch_side} fused {fused_side}", flush=True)
-    return figures
+    return {**times_at(1, ops, norm, keys, values), **times_at(5, ops, norm, keys, values)}
 
 
 def decode_times(prompts: int, max_tokens: int, runs: int) -> dict[str, Any]:
