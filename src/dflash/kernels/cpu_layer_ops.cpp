@@ -27,21 +27,7 @@ namespace {
 
 constexpr int64_t kLanes = 8;  // partial sums per reduction (fixed, so the order never depends on the machine)
 
-// Sum of squares of n floats: kLanes interleaved partial sums, then added in a fixed order.
-float sum_of_squares(const float* x, int64_t n) {
-  float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma GCC unroll 8
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * x[i + l];
-  }
-  for (; i < n; ++i) lanes[i % kLanes] += x[i] * x[i];
-  float total = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
-}
-
-// Dot product of two float vectors of length n, same lane structure.
+// Dot product of two float vectors of length n: kLanes interleaved partial sums, then added in a fixed order.
 inline float dot(const float* a, const float* b, int64_t n) {
   float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
@@ -184,7 +170,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xs + r * d;
       float* dst = ys + r * d;
-      const float inverse = 1.0f / std::sqrt(sum_of_squares(row, d) / static_cast<float>(d) + epsilon);
+      const float inverse = 1.0f / std::sqrt(dot(row, row, d) / static_cast<float>(d) + epsilon);
       for (int64_t i = 0; i < d; ++i) dst[i] = (row[i] * inverse) * scale[i];
     }
   });
