@@ -97,7 +97,7 @@ def test_every_row_is_bitwise_the_row_computed_alone(ops: LayerOpsKernel) -> Non
         assert torch.equal(ops.silu_mul(gate_up[:, one]), silu_all[:, one])
 
 
-def test_layers_use_the_kernel_only_without_autograd(ops: LayerOpsKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layers_use_the_kernel_only_without_autograd(ops: LayerOpsKernel) -> None:
     torch.manual_seed(4)
     norm, mlp = RMSNorm(64, 1e-6), GatedMLP(64, 48, "silu")
     x = torch.randn(1, 3, 64)

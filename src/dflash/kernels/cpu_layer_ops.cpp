@@ -42,8 +42,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 // exp(x) for n floats in place. AVX2: range reduction x = k ln2 + r, |r| <= ln2 / 2, and a degree-6 polynomial
-// for exp(r) (relative error about 2e-7, like the libraries' vectorised exp); inputs below -87.3 give 0 (they are
-// scores far below the row's maximum). Elsewhere std::exp. The same code runs for every row.
+// for exp(r) (the Cephes single-precision coefficients; tests hold it to SDPA and torch's SiLU); inputs below
+// -87.3 give 0 (they are scores far below the row's maximum). Elsewhere std::exp. The same code runs for every row.
 void exp_in_place(float* x, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)

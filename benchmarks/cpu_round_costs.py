@@ -1,0 +1,84 @@
+"""Where a speculative round's time goes on the CPU: target forwards by row count, the drafter's rounds, acceptance.
+
+Decodes `--prompts` HumanEval prompts with plain decoding and with DDTree (budget 4, the CPU default) on the default
+model, timing every target forward (grouped by its number of input rows: 1 = a plain step, 5 = a DDTree
+verification, more = prefill) and every drafter round, and reports the mean milliseconds of each, the round's cost in
+plain steps and the tokens accepted per round: the cost model behind the CPU speed ratios.
+
+    python benchmarks/cpu_round_costs.py --out results/cpu_round_costs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash.bench.provenance import provenance
+from dflash.engine.engine import EngineOptions
+from dflash.engine.loading import load_engine
+from dflash.generation.request import GenerationRequest
+from dflash.training.prompts import read_prompt_file
+
+PROMPTS = Path(__file__).parent / "prompts"
+
+
+def timed(function: Callable[..., Any], key: Callable[..., str], store: dict[str, list[float]]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = function(*args, **kwargs)
+        store[key(*args, **kwargs)].append((time.perf_counter() - started) * 1000)
+        return out
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4), device="cpu")
+    assert engine.drafter is not None
+    chats = read_prompt_file(PROMPTS / "humaneval.jsonl")[: args.prompts]
+    requests = [engine.chat_prompt_ids(chat) for chat in chats]
+    engine.generate(GenerationRequest(prompt_ids=requests[0], max_new_tokens=8), spec="ddtree")  # warm-up
+    figures: dict[str, Any] = {}
+    for spec in ("none", "ddtree"):
+        times: dict[str, list[float]] = defaultdict(list)
+        target, drafter = engine.target, engine.drafter
+        target.forward = timed(type(target).forward.__get__(target),  # type: ignore[method-assign]
+                               lambda ids, *a, **k: f"target_{ids.shape[1]}_rows", times)
+        drafter.draft_logits = timed(type(drafter).draft_logits.__get__(drafter),  # type: ignore[method-assign]
+                                     lambda *a, **k: "drafter_round", times)
+        accepted = []
+        for ids in requests:
+            result = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_tokens), spec=spec)
+            accepted.append(result.stats.acceptance_length)
+        del target.forward, drafter.draft_logits  # back to the class methods
+        figures[spec] = {name: {"calls": len(values), "mean_ms": round(statistics.fmean(values), 2)}
+                         for name, values in sorted(times.items())}
+        if spec == "ddtree":
+            figures[spec]["acceptance_length"] = round(statistics.fmean(accepted), 3)
+    step = figures["none"]["target_1_rows"]["mean_ms"]
+    verify = figures["ddtree"]["target_5_rows"]["mean_ms"]
+    draft = figures["ddtree"]["drafter_round"]["mean_ms"]
+    figures["in_plain_steps"] = {"verify_5_rows": round(verify / step, 2), "drafter_round": round(draft / step, 2),
+                                 "round": round((verify + draft) / step, 2)}
+    result: dict[str, Any] = {**provenance(engine.device), "command": "python benchmarks/cpu_round_costs.py "
+                              f"--prompts {args.prompts} --max-tokens {args.max_tokens}",
+                              "model": engine.model_name, "figures": figures}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
