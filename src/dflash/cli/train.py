@@ -189,7 +189,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import statistics
 
     from dflash.bench.provenance import provenance
-    from dflash.generation.batched import generate_batch
+    from dflash.generation.batched import BatchedDecoder, generate_batch
     from dflash.spec.drafter_loader import load_drafter
     from dflash.training.prompts import read_prompt_file
     from dflash.training.replay import replay
@@ -213,9 +213,14 @@ def run_eval(args: argparse.Namespace) -> int:
         prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
                    for chat in read_prompt_file(path)][: args.limit]
         answers: list[list[int]] = []
+        decoder = None  # reused by every full batch of this file (its captured steps too)
         for lo in range(0, len(prompts), args.batch_size):
-            answers += generate_batch(model, prompts[lo : lo + args.batch_size], max_new_tokens=args.max_tokens,
-                                      eos_ids=tokenizer.eos_token_ids)
+            batch = prompts[lo : lo + args.batch_size]
+            if decoder is None or not decoder.fits(len(batch), max(map(len, prompts)) + args.max_tokens):
+                decoder = None
+                decoder = BatchedDecoder(model, len(batch), max(map(len, prompts)) + args.max_tokens)
+            answers += generate_batch(model, batch, max_new_tokens=args.max_tokens, eos_ids=tokenizer.eos_token_ids,
+                                      decoder=decoder)
         taus: list[float] = []
         tree_taus: dict[int, list[float]] = {budget: [] for budget in budgets}
         for p, a in zip(prompts, answers, strict=True):

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 LogitsMode = Literal["all", "last", "none"]
 
 
+def causal_by_position(positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """positions [batch, seq], key_positions [batch, keys] -> bool [batch, 1, seq, keys]: a key is visible when
+    its position is not after the query's (pads carry a position past every real one, so nothing sees them)."""
+    return (key_positions[:, None, :] <= positions[:, :, None])[:, None]
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [batch, seq or 1, vocab]
@@ -161,13 +167,18 @@ class CausalLM(nn.Module):
         elif batch == 1 and seq == 1:
             full = None  # the newest token sees every committed slot
         else:
-            full = (key_positions[:, None, :] <= positions[:, :, None])[:, None]
+            full = causal_by_position(positions, key_positions)
         sliding = None
-        window = self.config.sliding_window
-        if window is not None and any(self.sliding):
+        window = self.sliding_window
+        if window is not None:
             in_window = (positions[:, :, None] - key_positions[:, None, :] < window)[:, None]
             sliding = in_window if full is None else full & in_window
         return full, sliding
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding-attention layers, None when the model has none."""
+        return self.config.sliding_window if any(self.sliding) else None
 
     # ---- weights -----------------------------------------------------------------------------------------
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:

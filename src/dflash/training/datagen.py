@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash.generation.batched import generate_batch
+from dflash.generation.batched import BatchedDecoder, generate_batch
 from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
 from dflash.tokenizer import Tokenizer
@@ -59,13 +59,17 @@ def generate_training_data(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else None
     eos = tokenizer.eos_token_ids
+    decoder: BatchedDecoder | None = None  # one cache and one set of captured steps for every full batch
     with gzip.open(out_path, "at", encoding="utf-8") as handle, progress_bar("answering prompts", len(encoded)) as bar:
         bar.advance(done)
         for lo in range(done, len(encoded), batch_size):
             if deadline is not None and time.monotonic() > deadline:
                 break
             batch = encoded[lo : lo + batch_size]
-            answers = generate_batch(model, batch, max_new_tokens=max_new_tokens, eos_ids=eos)
+            if decoder is None or not decoder.fits(len(batch), max_prompt_tokens + max_new_tokens):
+                decoder = None  # the last, smaller batch: free the full batch's cache first
+                decoder = BatchedDecoder(model, len(batch), max_prompt_tokens + max_new_tokens)
+            answers = generate_batch(model, batch, max_new_tokens=max_new_tokens, eos_ids=eos, decoder=decoder)
             for prompt_ids, response_ids in zip(batch, answers, strict=True):
                 handle.write(json.dumps({"prompt_ids": prompt_ids, "response_ids": response_ids}) + "\n")
             handle.flush()
