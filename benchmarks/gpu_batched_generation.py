@@ -5,7 +5,9 @@ A SmolLM2-135M-shaped target with random weights is built on the device (no file
   from the `BatchedDecoder`'s CUDA graphs;
 * `generate_batch` over one length-sorted batch of random prompts both ways (new tokens per second; the prompts'
   forward, run eagerly in both, timed on its own);
-* the frozen target's forward over a training batch (features of 4 layers captured), as training runs it;
+* the frozen target's forward over a training batch (features of 4 layers captured) and the drafter trainer's
+  whole step (random examples, 4-layer drafter, block 16), with the target's attention through SDPA's causal
+  kernels and through the materialised position mask;
 plus a profile of the slowest CUDA kernels of the replayed step.
 
 Usage: python benchmarks/gpu_batched_generation.py --out results/gpu_batched_generation_h100.json
@@ -27,6 +29,7 @@ from dflash.bench.provenance import provenance
 from dflash.config import ModelConfig
 from dflash.fastpath.batched_step import PAD_POSITION, BatchedDecoder
 from dflash.generation.batched import generate_batch
+from dflash.models import model as model_module
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
 from dflash.models.rope import Rotary
@@ -111,6 +114,38 @@ def timed_generation(model: CausalLM, decoder: BatchedDecoder, prompts_: list[li
     return prefill_s, time.perf_counter() - started, sum(len(g) for g in generated)
 
 
+def timed_training_steps(model: CausalLM, batch: int, length: int, steps: int) -> tuple[float, Any]:
+    """Mean ms of the drafter trainer's step (frozen target forward, drafter forward and backward, AdamW) over
+    `steps` steps run back to back on random examples of `length` tokens, and a CUDA profile of one step."""
+    import random
+    import tempfile
+
+    from dflash.training.trainer import DrafterTrainer, TrainSettings, init_drafter, new_drafter_config
+
+    config = new_drafter_config(model, layers=4, block_size=16, mask_token_id=16)
+    drafter = init_drafter(config, model, from_target_layers=True, seed=0).to(model.embed_tokens.weight.device)
+    gen = random.Random(0)
+    # every example exactly `length` tokens (a quarter prompt): one batch shape, so no step pays for a new
+    # kernel plan and the two attention paths compare like for like
+    examples = [([gen.randrange(100, 49152) for _ in range(length // 4)],
+                 [gen.randrange(100, 49152) for _ in range(length - length // 4)]) for _ in range(4 * batch)]
+    settings = TrainSettings(steps=10_000, batch_size=batch, max_length=length, lr=3e-4)
+    trainer = DrafterTrainer(model, drafter.requires_grad_(True), examples, settings, Path(tempfile.mkdtemp()))
+    rng, generator = random.Random(1), torch.Generator().manual_seed(1)
+    device = model.embed_tokens.weight.device
+    trainer.train_step(rng, generator)
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(steps):  # back to back, as the training loop runs them: the host may queue ahead
+        trainer.train_step(rng, generator)
+    torch.cuda.synchronize(device)
+    ms = (time.perf_counter() - started) * 1e3 / steps
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        trainer.train_step(rng, generator)
+        torch.cuda.synchronize(device)
+    return ms, prof
+
+
 def training_forward(model: CausalLM, batch: int, length: int, device: torch.device) -> Callable[[], Any]:
     """The frozen target's forward over a training batch with 4 layers' features captured, as training runs it."""
     ids = torch.randint(100, 49152, (batch, length), device=device)
@@ -133,6 +168,7 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=32)
     parser.add_argument("--train-length", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-generation", action="store_true", help="training figures only")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -140,11 +176,16 @@ def main() -> None:
     # length-sorted like the training-data batches (dflash.training.datagen)
     batch_prompts = sorted(prompts(args.batch, args.min_prompt, args.max_prompt, 49152, seed=0), key=len)
     capacity = args.max_prompt + args.new_tokens
-    figures: dict[str, Any] = {
-        "training_forward_ms": round(timed(training_forward(model, args.train_batch, args.train_length, device),
-                                           device, args.repeats), 3),
-    }
-    for name, capture in (("eager", False), ("graphs", True)):
+    figures: dict[str, Any] = {}
+    for name, causal in (("masked", False), ("causal", True)):
+        model_module.CAUSAL_KERNELS = causal
+        forward_ms = timed(training_forward(model, args.train_batch, args.train_length, device), device, args.repeats)
+        step_ms, prof = timed_training_steps(model, args.train_batch, args.train_length, args.repeats * 2)
+        figures[f"training_{name}_attention"] = {"target_forward_ms": round(forward_ms, 3),
+                                                  "train_step_ms": round(step_ms, 3)}
+        print(name, figures[f"training_{name}_attention"], flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+    for name, capture in () if args.skip_generation else (("eager", False), ("graphs", True)):
         decoder = BatchedDecoder(model, args.batch, capacity, capture=capture)
         step_ms = timed_steps(decoder, model, args.context, args.repeats * 4)
         prefill_s, seconds, tokens = timed_generation(model, decoder, batch_prompts, args.new_tokens)
@@ -161,11 +202,12 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8), flush=True)
         del decoder
         torch.cuda.empty_cache()
-    figures["graphs_over_eager"] = {
-        "decode_step": round(figures["eager"]["decode_step_ms"] / figures["graphs"]["decode_step_ms"], 2),
-        "generate_batch": round(figures["graphs"]["generate_batch_tokens_per_s"]
-                                / figures["eager"]["generate_batch_tokens_per_s"], 2),
-    }
+    if not args.skip_generation:
+        figures["graphs_over_eager"] = {
+            "decode_step": round(figures["eager"]["decode_step_ms"] / figures["graphs"]["decode_step_ms"], 2),
+            "generate_batch": round(figures["graphs"]["generate_batch_tokens_per_s"]
+                                    / figures["eager"]["generate_batch_tokens_per_s"], 2),
+        }
     result = {
         **provenance(device),
         "model": "SmolLM2-135M-shaped, random weights, bfloat16",

@@ -61,6 +61,15 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class CausalMask:
+    """Marks plain causal attention among the new tokens alone (no cache, positions 0..seq-1): SDPA's causal
+    kernels serve it without a materialised mask (the frozen target's forward over training batches)."""
+
+
+CAUSAL = CausalMask()
+AttentionMask = torch.Tensor | CausalMask | None
+
+
 # Query rows up to which the fused CPU attention runs (decode steps, verifications, trees, the drafter's block);
 # longer prefill chunks go to SDPA, whose blocked products win there.
 FUSED_ATTENTION_MAX_ROWS = 64
@@ -99,10 +108,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: AttentionMask,
         cache: CacheWriter | None,
     ) -> torch.Tensor:
-        """x: [batch, seq, hidden]; mask: [batch, 1, seq, keys] bool (True = visible) or None (all visible)."""
+        """x: [batch, seq, hidden]; mask: [batch, 1, seq, keys] bool (True = visible), None (all visible) or
+        CAUSAL."""
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
@@ -114,11 +124,15 @@ class Attention(nn.Module):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.write(self.layer_index, k, v)
+        gqa = self.num_heads != self.num_kv_heads
+        if isinstance(mask, CausalMask):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         ops = layer_ops(q)
         if ops is not None and fits_attention_kernel(q, mask):
             return self.o_proj(ops.attention(q, k, v, mask, self.scale))  # [batch, seq, heads * head_dim]
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
+            q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -134,7 +148,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: CacheWriter | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask, cache: CacheWriter | None
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

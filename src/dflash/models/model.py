@@ -17,13 +17,17 @@ from torch import nn
 from dflash.config import SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.kv.cache import CacheWriter, KVCache
-from dflash.models.layers import DecoderLayer, RMSNorm
+from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm
 from dflash.models.rope import Rotary
 
 if TYPE_CHECKING:
     from dflash.fastpath.runner import GraphRunner
 
 LogitsMode = Literal["all", "last", "none"]
+
+# On a GPU a forward without cache, mask or positions (the frozen target over training batches) runs its full-
+# attention layers through SDPA's causal kernels instead of a materialised [batch, 1, seq, seq] mask.
+CAUSAL_KERNELS = True
 
 
 def causal_by_position(positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -108,6 +112,7 @@ class CausalLM(nn.Module):
                 raise ValueError("give attn_mask or tree_mask, not both")
             committed = torch.ones(seq, past, dtype=torch.bool, device=tree_mask.device)
             attn_mask = torch.cat((committed, tree_mask.to(torch.bool)), dim=1)[None]  # [1, seq, past + seq]
+        plain_causal = positions is None and cache is None and attn_mask is None
         if positions is None:
             positions = torch.arange(past, past + seq, device=input_ids.device).expand(batch, seq)
         if cache is not None:
@@ -115,7 +120,10 @@ class CausalLM(nn.Module):
             key_positions = cache.write_positions(positions)
         else:
             key_positions = positions
+        full_mask: AttentionMask
         full_mask, sliding_mask = self._masks(positions, key_positions, attn_mask)
+        if plain_causal and CAUSAL_KERNELS and input_ids.is_cuda:
+            full_mask = CAUSAL
         x, features = self.run_layers(input_ids, positions, full_mask, sliding_mask, cache, capture)
         if cache is not None:
             cache.advance(seq)
@@ -125,7 +133,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        full_mask: torch.Tensor | None,
+        full_mask: AttentionMask,
         sliding_mask: torch.Tensor | None,
         cache: CacheWriter | None,
         capture: Sequence[int],

@@ -27,10 +27,19 @@ class BlockBatch:
     mask: torch.Tensor  # [batch, 1, blocks*B, seq + blocks*B] bool, True = visible
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory without waiting, so the host can prepare the next
+    training step while the device still runs this one."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """loss_mask: [seq] bool (assistant tokens). Anchors are positions p with p and p+1 both trained.
 
-    Returns up to `count` distinct sorted anchors [n]."""
+    Returns up to `count` distinct sorted anchors [n] (on the mask's device: give a host mask to stay off the
+    device's queue)."""
     valid = (loss_mask[:-1] & loss_mask[1:]).nonzero().squeeze(-1)
     if valid.numel() <= count:
         return valid
@@ -53,9 +62,10 @@ def build_blocks(
     device = input_ids.device
     blocks = max(1, max(int(a.numel()) for a in anchors))
     slots = torch.arange(block_size, device=device)
-    anchor_table = torch.full((batch, blocks), -1, dtype=torch.long, device=device)
+    table = torch.full((batch, blocks), -1, dtype=torch.long)  # filled on the host, sent in one copy
     for row, a in enumerate(anchors):
-        anchor_table[row, : a.numel()] = a
+        table[row, : a.numel()] = a.cpu()
+    anchor_table = to_device(table, device)
     present = anchor_table >= 0  # [batch, blocks]
     start = anchor_table.clamp(min=0)
     positions = start[:, :, None] + slots  # [batch, blocks, B]
@@ -93,11 +103,11 @@ def teacher_logits_for_blocks(target_logits: torch.Tensor, batch: BlockBatch) ->
 
 def weighted_block_loss(
     logits: torch.Tensor, batch: BlockBatch, teacher_logits: torch.Tensor | None = None, distill: float = 0.0
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """logits, teacher_logits: [batch, blocks*B, vocab] -> (weighted mean loss, metrics).
 
     The loss per slot is (1 - distill) * cross-entropy to the label + distill * KL(target || drafter).
-    Metrics: `accuracy`, the share of trained slots whose argmax is the label."""
+    Metrics (0-dim tensors, read when logged): `accuracy`, the share of trained slots whose argmax is the label."""
     flat_labels = batch.labels.view(-1)
     flat_logits = logits.float().view(-1, logits.shape[-1])
     per_slot = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="none")
@@ -113,16 +123,22 @@ def weighted_block_loss(
     with torch.no_grad():
         trained = flat_labels >= 0
         correct = (logits.argmax(-1).view(-1) == flat_labels) & trained
-        accuracy = correct.sum().item() / max(1, int(trained.sum().item()))
+        accuracy = correct.sum() / trained.sum().clamp(min=1)
     return loss, {"accuracy": accuracy}
 
 
-def estimated_acceptance(logits: torch.Tensor, batch: BlockBatch, block_size: int) -> float:
-    """1 + mean leading run of correct draft slots per real block (slots beyond the data count as wrong)."""
+def acceptance_estimate(logits: torch.Tensor, batch: BlockBatch, block_size: int) -> torch.Tensor:
+    """0-dim tensor: 1 + mean leading run of correct draft slots per real block (slots beyond the data count as
+    wrong); computed on the device without reading anything back."""
     with torch.no_grad():
         b = batch.labels.shape[0]
         labels = batch.labels.view(b, -1, block_size)[:, :, 1:]
         correct = (logits.argmax(-1).view(b, -1, block_size)[:, :, 1:] == labels) & (labels >= 0)
         run = correct.long().cumprod(-1).sum(-1)  # [batch, blocks]
         real = batch.labels.view(b, -1, block_size)[:, :, 1] >= 0
-        return 1.0 + (run[real].float().mean().item() if bool(real.any()) else 0.0)
+        return 1.0 + (run * real).sum() / real.sum().clamp(min=1)
+
+
+def estimated_acceptance(logits: torch.Tensor, batch: BlockBatch, block_size: int) -> float:
+    """`acceptance_estimate` as a number."""
+    return float(acceptance_estimate(logits, batch, block_size).item())

@@ -22,10 +22,12 @@ from dflash.progress import progress_bar
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash.training.objective import (
     BlockBatch,
+    acceptance_estimate,
     build_blocks,
     estimated_acceptance,
     sample_anchors,
     teacher_logits_for_blocks,
+    to_device,
     weighted_block_loss,
 )
 
@@ -180,12 +182,15 @@ class DrafterTrainer:
         return True
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def _batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, rng: random.Random, generator: torch.Generator
+               ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         picks = [self.examples[rng.randrange(len(self.examples))] for _ in range(self.settings.batch_size)]
-        return self._tensors(picks)
+        return self._tensors(picks, generator)
 
-    def _tensors(self, picks: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids [batch, longest], trained [batch, longest]): prompt + answer cut at max_length, right-padded."""
+    def _tensors(self, picks: list[tuple[list[int], list[int]]], generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(ids [batch, longest], trained [batch, longest], anchors per row): prompt + answer cut at max_length,
+        right-padded, on the device; the anchors are drawn on the host (no read-back from the device)."""
         seqs = [(p + r)[: self.settings.max_length] for p, r in picks]
         longest = max(len(s) for s in seqs)
         ids = torch.zeros((len(seqs), longest), dtype=torch.long)
@@ -193,7 +198,8 @@ class DrafterTrainer:
         for row, ((prompt, _), seq) in enumerate(zip(picks, seqs, strict=True)):
             ids[row, : len(seq)] = torch.tensor(seq)
             trained[row, len(prompt) : len(seq)] = True
-        return ids.to(self.device), trained.to(self.device)
+        anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
+        return to_device(ids, self.device), to_device(trained, self.device), anchors
 
     @torch.no_grad()
     def validate(self) -> tuple[float, float]:
@@ -202,8 +208,7 @@ class DrafterTrainer:
         losses, estimates, weights = [], [], []
         self.drafter.eval()
         for lo in range(0, len(self.validation), self.settings.batch_size):
-            ids, trained = self._tensors(self.validation[lo : lo + self.settings.batch_size])
-            anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
+            ids, trained, anchors = self._tensors(self.validation[lo : lo + self.settings.batch_size], generator)
             logits, blocks, _ = self.block_logits(ids, trained, anchors)
             loss, _ = weighted_block_loss(logits, blocks)
             losses.append(float(loss.item()))
@@ -242,9 +247,10 @@ class DrafterTrainer:
             logits = self.target.project_logits(hidden.to(self.target.lm_head.weight.dtype))
         return logits, blocks, teacher_logits
 
-    def train_step(self, rng: random.Random, generator: torch.Generator) -> dict[str, float]:
-        ids, trained = self._batch(rng)
-        anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
+    def train_step(self, rng: random.Random, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """One optimiser step; its metrics stay on the device (0-dim tensors) until the loop logs them, so the host
+        queues the next step while the device runs this one."""
+        ids, trained, anchors = self._batch(rng, generator)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, self.settings)
         distill = self.settings.distill
@@ -254,8 +260,8 @@ class DrafterTrainer:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.grad_clip)
         self.optimizer.step()
-        metrics["loss"] = float(loss.item())
-        metrics["est_acceptance"] = estimated_acceptance(logits, blocks, self.drafter.config.block_size)
+        metrics["loss"] = loss.detach()
+        metrics["est_acceptance"] = acceptance_estimate(logits, blocks, self.drafter.config.block_size)
         return metrics
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -264,7 +270,7 @@ class DrafterTrainer:
         deadline = time.monotonic() + max_minutes * 60 if max_minutes else None
         last_save = time.monotonic()
         self.drafter.train()
-        window: list[dict[str, float]] = []
+        window: list[dict[str, torch.Tensor]] = []
         with progress_bar("training drafter", settings.steps) as bar:
             bar.advance(self.step)
             while self.step < settings.steps:
@@ -275,7 +281,7 @@ class DrafterTrainer:
                 window.append(self.train_step(rng, generator))
                 self.step += 1
                 if self.step % settings.log_every == 0 or self.step == settings.steps:
-                    mean = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
+                    mean = {k: float(torch.stack([m[k] for m in window]).float().mean().item()) for k in window[0]}
                     window.clear()
                     self.history.steps.append(self.step)
                     self.history.loss.append(mean["loss"])
