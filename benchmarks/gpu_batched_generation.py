@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_scale_study import randomise  # benchmarks/ is the script's folder
 
 from dflash.bench.provenance import provenance
 from dflash.config import ModelConfig
@@ -32,7 +33,6 @@ from dflash.generation.batched import generate_batch
 from dflash.models import model as model_module
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
-from dflash.models.rope import Rotary
 
 
 def smollm2_config() -> ModelConfig:
@@ -49,15 +49,7 @@ def random_model(device: torch.device, dtype: torch.dtype) -> CausalLM:
         model = MODEL_CLASSES[config.architecture](config)
     model = model.to_empty(device=device).to(dtype).eval().requires_grad_(False)
     model.lm_head.weight = model.embed_tokens.weight
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.02)
-            else:
-                param.fill_(1.0)
-        for sub in model.modules():
-            if isinstance(sub, Rotary):
-                sub.recompute()
+    randomise(model)
     return model
 
 
