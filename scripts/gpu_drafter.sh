@@ -6,7 +6,7 @@
 #   scripts/gpu_drafter.sh export DIR       # published layout, bf16, 15 MiB shards
 #   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets (real decoding loop)
 #   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
-# Settings from the environment: PROMPTS (.stage/train_prompts.jsonl.gz), DATA_BATCH (512), DATA (answered sets,
+# Settings from the environment: PROMPTS (prompt files, space-separated; .stage/train_prompts.jsonl.gz), DATA_BATCH (512), DATA (answered sets,
 # space-separated; $RUN/data.jsonl.gz), STEPS (5000), BATCH (32), LR (6e-4), DISTILL (0: hard labels only),
 # LAYERS (4), MLP (the target's width), INIT (a drafter to continue from, grown to LAYERS / MLP).
 set -euo pipefail
@@ -32,7 +32,9 @@ case "$1" in
       exit 1
     fi ;;
   data)
-    $DFLASH train data --model "$MODEL" --prompts "${PROMPTS:-.stage/train_prompts.jsonl.gz}" --out "$DATA" \
+    sets=()
+    for file in ${PROMPTS:-.stage/train_prompts.jsonl.gz}; do sets+=(--prompts "$file"); done
+    $DFLASH train data --model "$MODEL" "${sets[@]}" --out "$DATA" \
       --batch-size "${DATA_BATCH:-512}" --max-new-tokens 256 --max-prompt-tokens 512 --max-minutes "$2" ;;
   fit)
     extra=()
