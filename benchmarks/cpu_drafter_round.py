@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dflash.bench.provenance import provenance
+from dflash.bench.provenance import provenance, write_result
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
@@ -118,10 +117,9 @@ def main() -> None:
     engine.drafter = quantized
     slots = [int(s) for s in args.slots.split(",") if s.strip()]
     result["ddtree_4_acceptance_by_block_slots"] = {str(s): slot_acceptance(engine, s) for s in slots}
-    text = json.dumps(result, indent=2)
-    print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_result(result, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ alternation within one process (`--runs` each, median), and reports tokens/s and
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dflash.bench.provenance import provenance
+from dflash.bench.provenance import provenance, write_result
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
@@ -129,10 +128,9 @@ def main() -> None:
                                   if v is not None and k != "out"),
                               "operations": operation_times(),
                               "decoding": decode_times(args.prompts, args.max_tokens, args.runs)}
-    text = json.dumps(result, indent=1)
-    print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

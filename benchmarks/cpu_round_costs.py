@@ -11,7 +11,6 @@ plain steps and the tokens accepted per round: the cost model behind the CPU spe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -19,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash.bench.provenance import provenance
+from dflash.bench.provenance import provenance, write_result
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
@@ -74,10 +73,9 @@ def main() -> None:
     result: dict[str, Any] = {**provenance(engine.device), "command": "python benchmarks/cpu_round_costs.py "
                               f"--prompts {args.prompts} --max-tokens {args.max_tokens}",
                               "model": engine.model_name, "figures": figures}
-    text = json.dumps(result, indent=1)
-    print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

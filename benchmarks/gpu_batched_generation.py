@@ -16,7 +16,6 @@ Usage: python benchmarks/gpu_batched_generation.py --out results/gpu_batched_gen
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from gpu_scale_study import randomise  # benchmarks/ is the script's folder
 
-from dflash.bench.provenance import provenance
+from dflash.bench.provenance import provenance, write_result
 from dflash.config import ModelConfig
 from dflash.fastpath.batched_step import PAD_POSITION, BatchedDecoder
 from dflash.generation.batched import generate_batch
@@ -206,11 +205,9 @@ def main() -> None:
         "settings": vars(args) | {"out": str(args.out) if args.out else None},
         "figures": figures,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

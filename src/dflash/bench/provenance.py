@@ -4,6 +4,7 @@ settings that change the engine's kernels (recorded in results files)."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import sys
@@ -47,3 +48,11 @@ def command_line() -> str:
     if Path(sys.argv[0]).name in ("dflash", "__main__.py"):
         return "dflash " + " ".join(sys.argv[1:])
     return " ".join(["python", sys.argv[0], *sys.argv[1:]])
+
+
+def write_result(result: dict[str, Any], out: Path | None, *, indent: int = 1) -> None:
+    """Print a results object as JSON and, when `out` is given, write the same text there."""
+    text = json.dumps(result, indent=indent)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
