@@ -129,6 +129,7 @@ def measure_speed(
         **provenance(engine.device),
         "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
         "weights": "quantized" if uses_quantized_weights(engine.target) else "dense",
+        "cpu_matmul": engine.cpu_matmul,
         "threads": torch.get_num_threads(),
         "model": engine.model_name,
         "drafter": engine.drafter is not None,
@@ -148,7 +149,8 @@ def measure_speed(
 
 
 def format_speed_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['model']} ({result['weights']} weights) on {result['device']}, "
+    products = f", {result['cpu_matmul']} products" if result.get("cpu_matmul") else ""
+    lines = [f"{result['model']} ({result['weights']} weights{products}) on {result['device']}, "
              f"{result['prompts']} prompts x {result['max_tokens']} tokens"]
     lines.append(f"{'mode':<18}{'tokens/s':>10}{'acceptance':>12}")
     for mode, r in result["modes"].items():

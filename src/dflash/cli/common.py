@@ -35,6 +35,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="tokens the drafter scores: auto (the drafter folder's draft_vocab.safetensors when it has one and runs "
         "on the CPU, else all), off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
     )
+    group.add_argument(
+        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx"],
+        help="kernel of the quantized matrices on the CPU: float32 products, or amx (bf16 products on the AMX "
+        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row); auto = amx "
+        "where the CPU has it",
+    )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
     group.add_argument("--draft-window", type=int, default=None, help="drafter attends to the last N positions only")
@@ -84,5 +90,5 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     )
     return load_engine(
         args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights,
-        draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
+        draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
     )

@@ -68,6 +68,7 @@ class Engine:
         if self.options.spec != "none" and drafter is None:
             self.options.spec = "none"
         self.model_name = model_name
+        self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader
         if self.options.ddtree_budget is None:
             self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
         if self.options.num_drafts is None:

@@ -11,6 +11,7 @@ import torch
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import DFlashError, ModelLoadError
+from dflash.models.cpu_matmul import choose_cpu_matmul, use_cpu_matmul
 from dflash.models.model import CausalLM
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
@@ -41,6 +42,7 @@ def load_engine(
     weights: str = "auto",
     draft_weights: str = "auto",
     draft_vocab: str = "auto",
+    cpu_matmul: str = "auto",
 ) -> Engine:
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
@@ -48,7 +50,9 @@ def load_engine(
     target runs there; int8 rows on a GPU in 16-bit floats; dense otherwise), dense or quantized (Q8_0 blocks on the
     CPU, `dflash.spec.drafter_quantize`; int8 rows on a GPU, `dflash.spec.drafter_int8`). `draft_vocab` is
     auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
-    LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`)."""
+    LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`). `cpu_matmul` is the
+    kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
+    (`dflash.models.cpu_matmul`)."""
     options = options or EngineOptions()
     if draft_vocab not in ("auto", "off") and not Path(draft_vocab).expanduser().is_file():
         raise ModelLoadError(f"--draft-vocab {draft_vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
@@ -60,8 +64,13 @@ def load_engine(
     checkpoint = load_checkpoint(model or "default", weights=choice.kind)
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
+    products = None
+    if choice.kind == "quantized" or draft_format == "q8_0":
+        products = choose_cpu_matmul(cpu_matmul)
     if isinstance(checkpoint, QuantizedCheckpoint):
         target = build_quantized_model(checkpoint, device=torch_device)
+        assert products is not None
+        use_cpu_matmul(target, products.kind)
     else:
         target = build_model(
             checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype,
@@ -78,6 +87,8 @@ def load_engine(
             from dflash.spec.drafter_quantize import quantize_drafter
 
             log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
+            assert products is not None
+            use_cpu_matmul(drafter, products.kind)
         _attach_draft_vocab(drafter, target, draft, draft_vocab)
         if draft_format == "int8":  # after the shortlist, whose rows are then rounded too
             from dflash.spec.drafter_int8 import quantize_drafter_int8
@@ -86,9 +97,12 @@ def load_engine(
     if drafter is None and options.spec != "none":
         options.spec = "none"
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
-    log.info("loaded %s in %.2f s on %s (%s, %s weights: %s)", name, time.perf_counter() - started, torch_device,
-             torch_dtype, choice.kind, choice.reason)
-    return Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
+    log.info("loaded %s in %.2f s on %s (%s, %s weights: %s%s)", name, time.perf_counter() - started, torch_device,
+             torch_dtype, choice.kind, choice.reason,
+             "" if products is None else f"; {products.kind} products: {products.reason}")
+    engine = Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
+    engine.cpu_matmul = None if products is None else products.kind
+    return engine
 
 
 def _drafter_weight_format(choice: str, target_weights: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -1,8 +1,8 @@
-"""Compiling and loading the CPU kernels: quantized-weights products (`quant_matmul.cpp`) and the fused layer
-operations (`cpu_layer_ops.cpp`).
+"""Compiling and loading the CPU kernels: quantized-weights products in float32 (`quant_matmul.cpp`) and on AMX
+tiles with bf16 inputs (`amx_matmul.cpp`), and the fused layer operations (`cpu_layer_ops.cpp`).
 
 Each extension is built once with `torch.utils.cpp_extension.load` (g++ and ninja) into
-`<cache root>/kernels/<key>/`, where the key hashes the source, the compiler flags, the compiler, the torch
+`<cache root>/kernels/<key>/`, where the key hashes the source and the shared headers, the compiler flags, the compiler, the torch
 and Python versions and the CPU's feature flags (`-march=native` builds for the machine it runs on, so a
 cache shared between machines must not hand one machine's build to another). Later processes import the
 built library directly, without a compiler. A failed build raises `KernelUnavailable` with the reason;
@@ -29,10 +29,12 @@ from dflash.errors import DFlashError
 
 __all__ = [
     "BUILD_FLAGS",
+    "AmxKernel",
     "KernelUnavailable",
     "LayerOpsKernel",
     "QuantKernel",
     "kernel_source",
+    "load_amx_kernel",
     "load_layer_ops",
     "load_quant_kernel",
 ]
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_NAME = "quant_matmul.cpp"
 LAYER_OPS_SOURCE = "cpu_layer_ops.cpp"
+AMX_SOURCE = "amx_matmul.cpp"
 # -ffp-contract=off: no multiply-add fusion chosen by the compiler (see the source's batch-invariance note).
 BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
@@ -63,6 +66,18 @@ class QuantKernel(Protocol):
 
     def isa(self) -> str:
         """avx512, avx2 or generic."""
+        ...
+
+
+class AmxKernel(Protocol):
+    """The functions `amx_matmul.cpp` exports."""
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32 (bf16 products, float32 sums)."""
+        ...
+
+    def available(self) -> bool:
+        """Whether the build has AMX and the process may use the tile state."""
         ...
 
 
@@ -103,6 +118,12 @@ def load_quant_kernel(extra_flags: tuple[str, ...] = ()) -> QuantKernel:
     return cast(QuantKernel, _load(SOURCE_NAME, "dflash_quant", (*BUILD_FLAGS, *extra_flags)))
 
 
+def load_amx_kernel() -> AmxKernel:
+    """The compiled AMX kernel (built on first use). Built on any x86 CPU; `available()` is False where the CPU
+    or the compiler lacks AMX (the build then holds only that answer)."""
+    return cast(AmxKernel, _load(AMX_SOURCE, "dflash_amx", BUILD_FLAGS))
+
+
 def load_layer_ops() -> LayerOpsKernel:
     """The compiled fused layer operations (built on first use)."""
     return cast(LayerOpsKernel, _load(LAYER_OPS_SOURCE, "dflash_layer_ops", BUILD_FLAGS))
@@ -130,6 +151,8 @@ def _build_or_import(source_name: str, prefix: str, flags: tuple[str, ...]) -> o
         text = source.read_bytes()
     except OSError as exc:
         raise KernelUnavailable(f"the kernel source {source} cannot be read: {exc.strerror or exc}") from None
+    for header in sorted(source.parent.glob("*.h")):
+        text += header.read_bytes()
     key = _build_key(text, flags)
     name = f"{prefix}_{key}"
     directory = cache_root() / "kernels" / key

@@ -8,6 +8,9 @@ rows up by dequantising just those rows (bit-identical to the dense loader's val
 Both keep an empty float32 `weight` buffer: code that asks `module.weight.dtype` or `.device` for the
 model's compute dtype and device (KV-cache allocation, the decoding loops) keeps working. The weights
 themselves are in the `blocks` buffer; neither buffer is part of the state dict.
+
+`QuantizedLinear.use_products("amx")` moves a matrix to the AMX kernel (bf16 products, float32 sums, batch
+invariant as well); `dflash.models.cpu_matmul` chooses for a whole model.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash.kernels.build import load_quant_kernel
+from dflash.kernels.build import AmxKernel, QuantKernel, load_amx_kernel, load_quant_kernel
 from dflash.models.quantized_weights import QuantizedMatrix
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear", "uses_quantized_weights"]
@@ -32,10 +35,21 @@ class QuantizedLinear(nn.Module):
         self.in_features = matrix.columns
         self.out_features = matrix.rows
         self.qtype = int(matrix.qtype)
-        self._kernel = load_quant_kernel()
+        self.products = "float32"
+        self._kernel: QuantKernel | AmxKernel = load_quant_kernel()
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
         self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
+
+    def use_products(self, products: str) -> None:
+        """float32 (the float32 kernel) or amx (bf16 products on AMX tiles; see `dflash.models.cpu_matmul`)."""
+        if products == "amx":
+            self._kernel = load_amx_kernel()
+        elif products == "float32":
+            self._kernel = load_quant_kernel()
+        else:
+            raise ValueError(f"unknown products {products!r}")
+        self.products = products
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -45,7 +59,8 @@ class QuantizedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
+                f"products={self.products}")
 
 
 class QuantizedEmbedding(nn.Module):

@@ -93,7 +93,9 @@ def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
         from dflash.models.quantized_weights import QuantizedMatrix
 
         blocks = lm_head.blocks.index_select(0, ids.to(lm_head.blocks.device))
-        return QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType(lm_head.qtype), lm_head.in_features))
+        head = QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType(lm_head.qtype), lm_head.in_features))
+        head.use_products(lm_head.products)  # the kernel the target's head runs on
+        return head
     weight = lm_head.weight  # [vocab, hidden]
     assert isinstance(weight, torch.Tensor)
     rows = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)

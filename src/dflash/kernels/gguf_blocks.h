@@ -1,0 +1,298 @@
+// GGUF quantised blocks (Q4_1, Q8_0) shared by the CPU kernels: layouts, fp16 scales, dequantisation to float32
+// vectors per instruction set (AVX-512F, else AVX2 + FMA + F16C, else portable C++; chosen at compile time by
+// -march=native), and the checks on a [rows, bytes] block tensor.
+//
+// Block layouts (32 weights each, little-endian):
+//   Q4_1, 20 bytes: fp16 d | fp16 m | 16 bytes; byte j holds weight j (low nibble) and j + 16 (high nibble);
+//                   weight = d * q + m
+//   Q8_0, 34 bytes: fp16 d | 32 int8 q;                                   weight = d * q
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockValues = 32;
+constexpr int64_t kTypeQ4_1 = 3;  // ggml type ids
+constexpr int64_t kTypeQ8_0 = 8;
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu;
+  uint32_t mantissa = h & 0x3FFu;
+  uint32_t bits;
+  if (exponent == 0x1Fu) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // inf / nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);  // normal
+  } else if (mantissa == 0) {
+    bits = sign;  // zero
+  } else {  // subnormal half: normalise
+    exponent = 113u;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Per-ISA primitives: Weights (32 dequantised weights), Accumulator (partial sums of one output element).
+// ---------------------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+
+struct Weights {
+  __m512 lo, hi;  // weights 0..15, 16..31
+};
+struct Accumulator {
+  __m512 lo, hi;
+};
+
+inline Weights dequant_q4_1(const uint8_t* block) {
+  const __m512 d = _mm512_set1_ps(half_to_float(load_u16(block)));
+  const __m512 m = _mm512_set1_ps(half_to_float(load_u16(block + 2)));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, nibble);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+  const __m512 q_lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low));
+  const __m512 q_hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high));
+  return {_mm512_add_ps(_mm512_mul_ps(d, q_lo), m), _mm512_add_ps(_mm512_mul_ps(d, q_hi), m)};
+}
+
+inline Weights dequant_q8_0(const uint8_t* block) {
+  const __m512 d = _mm512_set1_ps(half_to_float(load_u16(block)));
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+  const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+  return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d),
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d)};
+}
+
+inline void zero(Accumulator& acc) {
+  acc.lo = _mm512_setzero_ps();
+  acc.hi = _mm512_setzero_ps();
+}
+
+inline void accumulate(Accumulator& acc, const Weights& w, const float* x) {
+  acc.lo = _mm512_fmadd_ps(w.lo, _mm512_loadu_ps(x), acc.lo);
+  acc.hi = _mm512_fmadd_ps(w.hi, _mm512_loadu_ps(x + 16), acc.hi);
+}
+
+inline float reduce(const Accumulator& acc) {
+  const __m512 s16 = _mm512_add_ps(acc.lo, acc.hi);
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), upper);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+inline void store(const Weights& w, float* out) {
+  _mm512_storeu_ps(out, w.lo);
+  _mm512_storeu_ps(out + 16, w.hi);
+}
+
+// Parts: `accumulate` split into its lane groups (part 0: weights 0..15 -> lo, part 1: 16..31 -> hi), for
+// weights already dequantised into memory. Same operations in the same order per accumulator.
+constexpr int kParts = 2;
+constexpr int kPartWidth = 16;
+using Part = __m512;
+inline Part load_part(const float* p) { return _mm512_loadu_ps(p); }
+inline void accumulate_part(Accumulator& acc, int part, Part w, Part x) {
+  if (part == 0) {
+    acc.lo = _mm512_fmadd_ps(w, x, acc.lo);
+  } else {
+    acc.hi = _mm512_fmadd_ps(w, x, acc.hi);
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr const char* kIsa = "avx2";
+
+struct Weights {
+  __m256 v[4];  // weights 0..7, 8..15, 16..23, 24..31
+};
+struct Accumulator {
+  __m256 even, odd;  // even: v[0] and v[2] terms, odd: v[1] and v[3] terms
+};
+
+inline Weights dequant_q4_1(const uint8_t* block) {
+  const __m256 d = _mm256_set1_ps(half_to_float(load_u16(block)));
+  const __m256 m = _mm256_set1_ps(half_to_float(load_u16(block + 2)));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, nibble);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+  const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+  Weights w;
+  for (int i = 0; i < 4; ++i) {
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+    w.v[i] = _mm256_add_ps(_mm256_mul_ps(d, q), m);
+  }
+  return w;
+}
+
+inline Weights dequant_q8_0(const uint8_t* block) {
+  const __m256 d = _mm256_set1_ps(half_to_float(load_u16(block)));
+  Weights w;
+  for (int i = 0; i < 4; ++i) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * i));
+    w.v[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+  }
+  return w;
+}
+
+inline void zero(Accumulator& acc) {
+  acc.even = _mm256_setzero_ps();
+  acc.odd = _mm256_setzero_ps();
+}
+
+inline void accumulate(Accumulator& acc, const Weights& w, const float* x) {
+  acc.even = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(x), acc.even);
+  acc.odd = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(x + 8), acc.odd);
+  acc.even = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(x + 16), acc.even);
+  acc.odd = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(x + 24), acc.odd);
+}
+
+inline float reduce(const Accumulator& acc) {
+  const __m256 s8 = _mm256_add_ps(acc.even, acc.odd);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+inline void store(const Weights& w, float* out) {
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + 8 * i, w.v[i]);
+}
+
+// Parts: `accumulate` split into its four lane groups (even parts -> acc.even, odd parts -> acc.odd), for
+// weights already dequantised into memory. Same operations in the same order per accumulator.
+constexpr int kParts = 4;
+constexpr int kPartWidth = 8;
+using Part = __m256;
+inline Part load_part(const float* p) { return _mm256_loadu_ps(p); }
+inline void accumulate_part(Accumulator& acc, int part, Part w, Part x) {
+  if (part % 2 == 0) {
+    acc.even = _mm256_fmadd_ps(w, x, acc.even);
+  } else {
+    acc.odd = _mm256_fmadd_ps(w, x, acc.odd);
+  }
+}
+
+#else
+constexpr const char* kIsa = "generic";
+
+struct Weights {
+  float v[kBlockValues];
+};
+struct Accumulator {
+  float v[kBlockValues];  // one partial sum per lane
+};
+
+inline Weights dequant_q4_1(const uint8_t* block) {
+  const float d = half_to_float(load_u16(block));
+  const float m = half_to_float(load_u16(block + 2));
+  Weights w;
+  for (int j = 0; j < 16; ++j) {
+    const uint8_t byte = block[4 + j];
+    w.v[j] = d * static_cast<float>(byte & 0x0F) + m;
+    w.v[j + 16] = d * static_cast<float>(byte >> 4) + m;
+  }
+  return w;
+}
+
+inline Weights dequant_q8_0(const uint8_t* block) {
+  const float d = half_to_float(load_u16(block));
+  Weights w;
+  for (int j = 0; j < kBlockValues; ++j) {
+    w.v[j] = static_cast<float>(static_cast<int8_t>(block[2 + j])) * d;
+  }
+  return w;
+}
+
+inline void zero(Accumulator& acc) {
+  for (float& v : acc.v) v = 0.0f;
+}
+
+inline void accumulate(Accumulator& acc, const Weights& w, const float* x) {
+  for (int j = 0; j < kBlockValues; ++j) acc.v[j] += w.v[j] * x[j];
+}
+
+inline float reduce(const Accumulator& acc) {
+  float s[kBlockValues];
+  std::memcpy(s, acc.v, sizeof s);
+  for (int width = kBlockValues / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) s[j] += s[j + width];
+  }
+  return s[0];
+}
+
+inline void store(const Weights& w, float* out) { std::memcpy(out, w.v, sizeof w.v); }
+
+// Parts: one part of all 32 lanes (the same operations as `accumulate`).
+constexpr int kParts = 1;
+constexpr int kPartWidth = kBlockValues;
+struct Part {
+  float v[kBlockValues];
+};
+inline Part load_part(const float* p) {
+  Part part;
+  std::memcpy(part.v, p, sizeof part.v);
+  return part;
+}
+inline void accumulate_part(Accumulator& acc, int /*part*/, const Part& w, const Part& x) {
+  for (int j = 0; j < kBlockValues; ++j) acc.v[j] += w.v[j] * x.v[j];
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// Formats
+// ---------------------------------------------------------------------------------------------------------
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  static Weights dequant(const uint8_t* block) { return dequant_q4_1(block); }
+};
+
+struct Q8_0 {
+  static constexpr int64_t kBytes = 34;
+  static Weights dequant(const uint8_t* block) { return dequant_q8_0(block); }
+};
+
+int64_t block_bytes(int64_t qtype) {
+  if (qtype == kTypeQ4_1) return Q4_1::kBytes;
+  if (qtype == kTypeQ8_0) return Q8_0::kBytes;
+  TORCH_CHECK(false, "unsupported quantisation type ", qtype, " (supported: Q4_1 = 3, Q8_0 = 8)");
+}
+
+void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
+  TORCH_CHECK(blocks.device().is_cpu(), "quantised blocks must be on the CPU");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, "quantised blocks must be uint8");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), "quantised blocks must be a contiguous [rows, bytes] tensor");
+  TORCH_CHECK(k % kBlockValues == 0, "row length ", k, " is not a multiple of ", kBlockValues);
+  TORCH_CHECK(blocks.size(1) == k / kBlockValues * block_bytes(qtype), "blocks have ", blocks.size(1),
+              " bytes per row, expected ", k / kBlockValues * block_bytes(qtype), " for ", k, " values");
+}
+
+}  // namespace

@@ -1,0 +1,73 @@
+"""How the CPU kernel multiplies quantized matrices (`--cpu-matmul auto|float32|amx`).
+
+* `float32`: `kernels/quant_matmul.cpp`, float32 products of float32 inputs with the dequantised weights (the
+  reference values `d * q + m`); any CPU. Its cost grows with every input row: a 5-row verification costs about
+  1.6 one-row steps on 2 cores.
+* `amx`: `kernels/amx_matmul.cpp`, the same weights and inputs rounded to bfloat16, multiplied on the AMX tiles of
+  Intel Xeon CPUs (4th generation on), summed in float32. Up to 16 input rows cost what one row costs, so
+  speculative verification is nearly free in the products; the model computes with bf16 products as on a GPU.
+* `auto`: amx where the CPU, the compiler and the kernel allow it, float32 otherwise.
+
+Both kernels are batch invariant (a row's result does not depend on the other rows), so speculative decoding
+reproduces plain decoding exactly under either; the two choices can differ from each other in the last bits of
+a logit and so, rarely, in a greedy token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from dflash.errors import ModelLoadError
+from dflash.kernels.build import KernelUnavailable, load_amx_kernel
+from dflash.models.quantized_layers import QuantizedLinear
+
+__all__ = ["CPU_MATMUL_OPTIONS", "MatmulChoice", "choose_cpu_matmul", "use_cpu_matmul"]
+
+log = logging.getLogger(__name__)
+
+CPU_MATMUL_OPTIONS = ("auto", "float32", "amx")
+
+
+@dataclass(frozen=True)
+class MatmulChoice:
+    kind: str  # float32 | amx
+    reason: str
+
+
+def amx_obstacle() -> str | None:
+    """Why the AMX kernel cannot run here, or None."""
+    try:
+        kernel = load_amx_kernel()
+    except KernelUnavailable as exc:
+        return str(exc)
+    if not kernel.available():
+        return "the CPU (or the compiler) has no AMX-BF16 tiles, or the OS does not grant them"
+    return None
+
+
+def choose_cpu_matmul(requested: str) -> MatmulChoice:
+    """The products kernel for quantized matrices on the CPU (see the module docstring)."""
+    if requested not in CPU_MATMUL_OPTIONS:
+        raise ModelLoadError(f"unknown --cpu-matmul {requested!r}; choose one of {', '.join(CPU_MATMUL_OPTIONS)}")
+    if requested == "float32":
+        return MatmulChoice("float32", "float32 products requested")
+    obstacle = amx_obstacle()
+    if requested == "amx":
+        if obstacle is not None:
+            raise ModelLoadError(f"--cpu-matmul amx is not available: {obstacle}")
+        return MatmulChoice("amx", "AMX products requested")
+    if obstacle is None:
+        return MatmulChoice("amx", "auto: the CPU has AMX-BF16 tiles")
+    log.info("float32 products for quantized matrices: %s", obstacle)
+    return MatmulChoice("float32", f"auto: {obstacle}")
+
+
+def use_cpu_matmul(model: nn.Module, kind: str) -> int:
+    """Put every quantized matrix of `model` on the `kind` kernel; returns how many there are."""
+    matrices = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for matrix in matrices:
+        matrix.use_products(kind)
+    return len(matrices)
