@@ -1,7 +1,7 @@
 """Where a speculative round's time goes on the CPU: target forwards by row count, the drafter's rounds, acceptance.
 
-Decodes `--prompts` HumanEval prompts with plain decoding and with DDTree (budget 4, the CPU default) on the default
-model, timing every target forward (grouped by its number of input rows: 1 = a plain step, 5 = a DDTree
+Decodes `--prompts` HumanEval prompts with plain decoding and with DDTree (`--ddtree-budget`, 4 by default) on the default
+model, timing every target forward (grouped by its number of input rows: 1 = a plain step, budget + 1 = a DDTree
 verification, more = prefill) and every drafter round, and reports the mean milliseconds of each, the round's cost in
 plain steps and the tokens accepted per round: the cost model behind the CPU speed ratios.
 
@@ -41,9 +41,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ddtree-budget", type=int, default=4)
+    parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "float32", "amx"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4), device="cpu")
+    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=args.ddtree_budget),
+                         device="cpu", cpu_matmul=args.cpu_matmul)
     assert engine.drafter is not None
     chats = read_prompt_file(PROMPTS / "humaneval.jsonl")[: args.prompts]
     requests = [engine.chat_prompt_ids(chat) for chat in chats]
@@ -66,12 +69,15 @@ def main() -> None:
         if spec == "ddtree":
             figures[spec]["acceptance_length"] = round(statistics.fmean(accepted), 3)
     step = figures["none"]["target_1_rows"]["mean_ms"]
-    verify = figures["ddtree"]["target_5_rows"]["mean_ms"]
+    rows = args.ddtree_budget + 1
+    verify = figures["ddtree"][f"target_{rows}_rows"]["mean_ms"]
     draft = figures["ddtree"]["drafter_round"]["mean_ms"]
-    figures["in_plain_steps"] = {"verify_5_rows": round(verify / step, 2), "drafter_round": round(draft / step, 2),
+    figures["in_plain_steps"] = {f"verify_{rows}_rows": round(verify / step, 2), "drafter_round": round(draft / step, 2),
                                  "round": round((verify + draft) / step, 2)}
     result: dict[str, Any] = {**provenance(engine.device), "command": "python benchmarks/cpu_round_costs.py "
-                              f"--prompts {args.prompts} --max-tokens {args.max_tokens}",
+                              f"--prompts {args.prompts} --max-tokens {args.max_tokens} --ddtree-budget {args.ddtree_budget} "
+                              f"--cpu-matmul {args.cpu_matmul}",
+                              "cpu_matmul": engine.cpu_matmul,
                               "model": engine.model_name, "figures": figures}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,24 @@ def test_every_row_is_bitwise_the_row_computed_alone(ops: LayerOpsKernel) -> Non
         assert torch.equal(ops.silu_mul(gate_up[:, one]), silu_all[:, one])
 
 
+def test_verified_rows_equal_steps_over_their_own_keys(ops: LayerOpsKernel) -> None:
+    """As in decoding: a plain step of row r sees only the keys up to its own position (no mask, a cache of
+    `past + r + 1` keys), while the verification of all rows holds every key and masks the later ones. Key counts
+    that are not multiples of the kernels' vector widths once made the exponentials differ in the last bits."""
+    torch.manual_seed(5)
+    rows = 9
+    for past in (29, 64, 130, 133):
+        keys = past + rows
+        q = torch.randn(1, 9, rows, 64)
+        k, v = torch.randn(1, 3, keys, 64), torch.randn(1, 3, keys, 64)
+        mask = torch.ones(1, 1, rows, keys, dtype=torch.bool).tril(past)
+        together = ops.attention(q, k, v, mask, 0.125)  # [1, rows, 9 * 64]
+        for r in range(rows):
+            seen = past + r + 1
+            alone = ops.attention(q[:, :, r : r + 1], k[:, :, :seen], v[:, :, :seen], None, 0.125)
+            assert torch.equal(alone, together[:, r : r + 1]), (past, r)
+
+
 def test_layers_use_the_kernel_only_without_autograd(ops: LayerOpsKernel) -> None:
     torch.manual_seed(4)
     norm, mlp = RMSNorm(64, 1e-6), GatedMLP(64, 48, "silu")

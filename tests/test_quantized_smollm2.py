@@ -22,7 +22,7 @@ LOGIT_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def quantized() -> Engine:
-    engine = load_engine("default", "default", weights="quantized")
+    engine = load_engine("default", "default", weights="quantized", cpu_matmul="float32")
     assert uses_quantized_weights(engine.target) and engine.drafter is not None
     return engine
 

@@ -43,10 +43,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // exp(x) for n floats in place. AVX2: range reduction x = k ln2 + r, |r| <= ln2 / 2, and a degree-6 polynomial
 // for exp(r) (the Cephes single-precision coefficients; tests hold it to SDPA and torch's SiLU); inputs below
-// -87.3 give 0 (they are scores far below the row's maximum). Elsewhere std::exp. The same code runs for every row.
-void exp_in_place(float* x, int64_t n) {
-  int64_t i = 0;
+// -87.3 give 0 (they are scores far below the row's maximum). Every element takes that path, the last n % 8 too
+// (through a padded copy): a key's weight must not depend on how many keys the row holds, or a row verified
+// beside later (masked) keys would differ from the same row decoded alone. Without AVX2, std::exp for all.
 #if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 v) {
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
   const __m256 ln2_hi = _mm256_set1_ps(0.693359375f);
   const __m256 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
@@ -56,27 +57,38 @@ void exp_in_place(float* x, int64_t n) {
   const __m256 c3 = _mm256_set1_ps(1.6666665459e-1f), c4 = _mm256_set1_ps(4.1665795894e-2f);
   const __m256 c5 = _mm256_set1_ps(8.3334519073e-3f), c6 = _mm256_set1_ps(1.3981999507e-3f);
   const __m256 c7 = _mm256_set1_ps(1.9875691500e-4f);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 under = _mm256_cmp_ps(v, lowest, _CMP_LT_OQ);
-    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, lowest), highest);
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, ln2_hi, clamped);
-    r = _mm256_fnmadd_ps(k, ln2_lo, r);
-    __m256 p = c7;
-    p = _mm256_fmadd_ps(p, r, c6);
-    p = _mm256_fmadd_ps(p, r, c5);
-    p = _mm256_fmadd_ps(p, r, c4);
-    p = _mm256_fmadd_ps(p, r, c3);
-    p = _mm256_fmadd_ps(p, r, c2);
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
-    p = _mm256_add_ps(p, c1);
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    _mm256_storeu_ps(x + i, _mm256_andnot_ps(under, result));
-  }
+  const __m256 under = _mm256_cmp_ps(v, lowest, _CMP_LT_OQ);
+  const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, lowest), highest);
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(clamped, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, ln2_hi, clamped);
+  r = _mm256_fnmadd_ps(k, ln2_lo, r);
+  __m256 p = c7;
+  p = _mm256_fmadd_ps(p, r, c6);
+  p = _mm256_fmadd_ps(p, r, c5);
+  p = _mm256_fmadd_ps(p, r, c4);
+  p = _mm256_fmadd_ps(p, r, c3);
+  p = _mm256_fmadd_ps(p, r, c2);
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r);
+  p = _mm256_add_ps(p, c1);
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(under, result);
+}
 #endif
-  for (; i < n; ++i) x[i] = std::exp(x[i]);
+
+void exp_in_place(float* x, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
+  if (i < n) {
+    alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::copy(x + i, x + n, tail);
+    _mm256_store_ps(tail, exp8(_mm256_load_ps(tail)));
+    std::copy(tail, tail + (n - i), x + i);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+#endif
 }
 
 // scores[l] = dot(query, keys + l * key_stride) * factor for l < count. Four keys at a time, each key's dot product

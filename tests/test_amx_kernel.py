@@ -1,0 +1,140 @@
+"""The AMX kernel (`--cpu-matmul amx`): bf16 products of the reference weights, float32 sums, batch invariance,
+errors; the choice between kernels; speculative decoding on the default model under it. Skipped where the CPU has
+no AMX tiles (the choice tests run everywhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from dflash.engine.loading import load_engine
+from dflash.errors import ModelLoadError
+from dflash.generation.request import GenerationRequest
+from dflash.kernels.build import AmxKernel, load_amx_kernel
+from dflash.models import cpu_matmul
+from dflash.models.quantized_layers import QuantizedLinear
+from dflash.models.quantized_weights import QuantizedMatrix
+from tests.test_quantized_kernel import Q4_1, Q8_0, quantized_blocks, raw_blocks
+
+# Relative to max |y|: float32 sums in another order than the float64 reference, nothing else.
+TOLERANCE = 1e-5
+
+needs_amx = pytest.mark.skipif(cpu_matmul.amx_obstacle() is not None, reason="no AMX tiles on this CPU")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> AmxKernel:
+    return load_amx_kernel()
+
+
+@pytest.fixture()
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def bf16_weights(blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The reference float32 weights rounded to bf16 (round to nearest even), as float64 [N, K]."""
+    return torch.from_numpy(dequantize(blocks, qtype)).to(torch.bfloat16).double()
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_each_weight_is_the_bf16_of_the_reference_value(kernel: AmxKernel, qtype: GGMLQuantizationType) -> None:
+    """Unit input rows pick single weights: y[j, n] = bf16(W[n, j]) exactly (one product, no rounding in sums)."""
+    blocks = raw_blocks(37, 64, qtype, seed=3)
+    y = kernel.matmul(torch.eye(64), torch.from_numpy(blocks), int(qtype))  # [64, 37]
+    assert torch.equal(y.double().T, bf16_weights(blocks, qtype))
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+@pytest.mark.parametrize(("rows", "columns", "inputs"), [(1, 32, 1), (37, 96, 5), (101, 576, 16), (53, 1536, 40),
+                                                         (48, 160, 120)])
+def test_matmul_matches_the_bf16_product(
+    kernel: AmxKernel, qtype: GGMLQuantizationType, rows: int, columns: int, inputs: int
+) -> None:
+    for make in (quantized_blocks, raw_blocks):
+        blocks = make(rows, columns, qtype, seed=rows + columns)
+        x = torch.randn(inputs, columns, generator=torch.Generator().manual_seed(inputs))
+        y = kernel.matmul(x, torch.from_numpy(blocks), int(qtype))
+        reference = x.to(torch.bfloat16).double() @ bf16_weights(blocks, qtype).T
+        scale = reference.abs().max().item()
+        assert (y.double() - reference).abs().max().item() <= TOLERANCE * scale
+
+
+@needs_amx
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_every_row_is_bitwise_the_row_alone(kernel: AmxKernel, qtype: GGMLQuantizationType, two_threads: None) -> None:
+    """Rows of 1-, 5-, 16-, 17-, 97- (past the six groups one pass holds) and 200-row products, on one and two
+    threads, equal the one-row products bitwise: what lets a verification reproduce plain decoding."""
+    blocks = torch.from_numpy(quantized_blocks(83, 576, qtype, seed=7))
+    x = torch.randn(200, 576, generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([kernel.matmul(x[i : i + 1], blocks, int(qtype)) for i in range(200)])
+    for m in (1, 5, 16, 17, 97, 200):
+        assert torch.equal(kernel.matmul(x[:m], blocks, int(qtype)), alone[:m]), m
+    torch.set_num_threads(1)
+    assert torch.equal(kernel.matmul(x[:16], blocks, int(qtype)), alone[:16])
+
+
+@needs_amx
+def test_bad_inputs_are_refused(kernel: AmxKernel) -> None:
+    blocks = torch.from_numpy(quantized_blocks(16, 64, Q8_0, seed=0))
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        kernel.matmul(torch.randn(2, 96), blocks, int(Q8_0))
+    with pytest.raises(RuntimeError, match="unsupported quantisation type"):
+        kernel.matmul(torch.randn(2, 64), blocks, 2)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.matmul(torch.randn(2, 64, dtype=torch.float64), blocks, int(Q8_0))
+    assert kernel.matmul(torch.randn(0, 64), blocks, int(Q8_0)).shape == (0, 16)
+
+
+def test_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_matmul.choose_cpu_matmul("float32").kind == "float32"
+    monkeypatch.setattr(cpu_matmul, "amx_obstacle", lambda: "no tiles here")
+    assert cpu_matmul.choose_cpu_matmul("auto") == cpu_matmul.MatmulChoice("float32", "auto: no tiles here")
+    with pytest.raises(ModelLoadError, match="--cpu-matmul amx is not available: no tiles here"):
+        cpu_matmul.choose_cpu_matmul("amx")
+    with pytest.raises(ModelLoadError, match="unknown --cpu-matmul 'bf16'"):
+        cpu_matmul.choose_cpu_matmul("bf16")
+    monkeypatch.setattr(cpu_matmul, "amx_obstacle", lambda: None)
+    assert cpu_matmul.choose_cpu_matmul("auto").kind == "amx"
+
+
+def test_unknown_products_are_refused() -> None:
+    matrix = QuantizedMatrix(torch.from_numpy(quantized_blocks(4, 32, Q8_0, seed=0)), Q8_0, 32)
+    with pytest.raises(ValueError, match="unknown products"):
+        QuantizedLinear(matrix).use_products("int4")
+
+
+@needs_amx
+def test_default_model_under_amx_products() -> None:
+    """The whole default model on AMX products: logits close to the float32 kernel's, every quantized matrix
+    (target, drafter, the drafter's shortlist head) on the AMX kernel, and speculative decoding (linear and
+    DDTree with 15 nodes, one 16-row tile) exactly plain decoding."""
+    engine = load_engine("default", "default", device="cpu", cpu_matmul="amx")
+    assert engine.cpu_matmul == "amx" and engine.drafter is not None
+    modules = [*engine.target.modules(), *engine.drafter.modules(), *(engine.drafter.draft_head.modules()
+                                                                      if engine.drafter.draft_head else [])]
+    products = {m.products for m in modules if isinstance(m, QuantizedLinear)}
+    assert products == {"amx"}
+    exact = load_engine("default", "none", device="cpu", cpu_matmul="float32")
+    ids = engine.chat_prompt_ids([{"role": "user", "content": "Write a Python function that reverses a list."}])
+    with torch.inference_mode():
+        got, want = engine.target(torch.tensor([ids])).logits, exact.target(torch.tensor([ids])).logits
+    assert got is not None and want is not None
+    # bf16 products move logits by a few hundredths at most (magnitudes up to about 30)
+    assert (got - want).abs().max().item() < 0.5
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.95
+    plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="none")
+    for spec, budget in (("linear", None), ("ddtree", 15)):
+        engine.options.ddtree_budget = budget or engine.options.ddtree_budget
+        out = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec=spec)
+        assert out.token_ids == plain.token_ids, spec
