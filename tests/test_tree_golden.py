@@ -105,7 +105,12 @@ def test_topk_log_probs_match_golden(golden, case):
     tensors, _ = golden
     lp, ids = topk_log_probs(tensors[f"{case}.draft_logits"], 32)
     assert torch.equal(ids, tensors[f"{case}.topk32_token_ids"])
-    assert torch.equal(lp, tensors[f"{case}.topk32_log_probs"])
+    # torch's float32 logsumexp sums in an order set by the CPU's vector width: on an AVX-512 machine case s1
+    # came out 2 ulps (9.5e-7) from the golden value, bitwise equal on AVX2 machines. The trees built from these
+    # log-probabilities are still compared bitwise below.
+    want = tensors[f"{case}.topk32_log_probs"]
+    ulps = (lp.view(torch.int32) - want.view(torch.int32)).abs().max().item()
+    assert ulps <= 4, f"{ulps} ulps from the golden log-probabilities"
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

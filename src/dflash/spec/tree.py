@@ -141,7 +141,8 @@ def topk_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 
     The log-probabilities are float32 ``logit - logsumexp(row)`` over the whole vocabulary (a true log-softmax,
     not renormalised over the ``k``), computed on the logits' device without materialising ``[depth, vocab]``
-    log-probabilities; this is bit-identical to the reference implementation.
+    log-probabilities; on the reference's CPU kind this is bit-identical to the reference implementation (torch's
+    float32 logsumexp can differ by a few ulps on CPUs of another vector width).
     """
     logits = draft_logits.detach().to(torch.float32)  # [depth, vocab]
     top_logits, top_ids = torch.topk(logits, k, dim=-1, largest=True, sorted=True)  # [depth, k] each
