@@ -4,8 +4,6 @@ no AMX tiles (the choice tests run everywhere)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -19,7 +17,7 @@ from dflash.kernels.build import AmxKernel, load_amx_kernel
 from dflash.models import cpu_matmul
 from dflash.models.quantized_layers import QuantizedLinear
 from dflash.models.quantized_weights import QuantizedMatrix
-from tests.test_quantized_kernel import Q4_1, Q8_0, quantized_blocks, raw_blocks
+from tests.test_quantized_kernel import Q4_1, Q8_0, quantized_blocks, raw_blocks, two_threads  # noqa: F401
 
 # Relative to max |y|: float32 sums in another order than the float64 reference, nothing else.
 TOLERANCE = 1e-5
@@ -30,14 +28,6 @@ needs_amx = pytest.mark.skipif(cpu_matmul.amx_obstacle() is not None, reason="no
 @pytest.fixture(scope="module")
 def kernel() -> AmxKernel:
     return load_amx_kernel()
-
-
-@pytest.fixture()
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def bf16_weights(blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
@@ -71,8 +61,9 @@ def test_matmul_matches_the_bf16_product(
 
 
 @needs_amx
+@pytest.mark.usefixtures("two_threads")
 @pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
-def test_every_row_is_bitwise_the_row_alone(kernel: AmxKernel, qtype: GGMLQuantizationType, two_threads: None) -> None:
+def test_every_row_is_bitwise_the_row_alone(kernel: AmxKernel, qtype: GGMLQuantizationType) -> None:
     """Rows of 1-, 5-, 16-, 17-, 97- (past the six groups one pass holds) and 200-row products, on one and two
     threads, equal the one-row products bitwise: what lets a verification reproduce plain decoding."""
     blocks = torch.from_numpy(quantized_blocks(83, 576, qtype, seed=7))

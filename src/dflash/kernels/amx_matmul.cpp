@@ -268,12 +268,8 @@ bool available() {
 torch::Tensor amx_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype) {
   // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
   TORCH_CHECK(available(), "AMX tile products are not available on this CPU or build");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
-              "x must be a 2-D float32 CPU tensor");
-  const torch::Tensor input = x.contiguous();
+  const auto [input, out] = product_operands(x, blocks, qtype);
   const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
-  check_blocks(blocks, qtype, k);
-  torch::Tensor out = torch::empty({m, n}, input.options());
   if (m == 0 || n == 0) return out;
 #if defined(DFLASH_AMX)
   const std::vector<uint16_t> tiles = input_tiles(input.data_ptr<float>(), m, k);

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
@@ -293,6 +294,17 @@ void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
   TORCH_CHECK(k % kBlockValues == 0, "row length ", k, " is not a multiple of ", kBlockValues);
   TORCH_CHECK(blocks.size(1) == k / kBlockValues * block_bytes(qtype), "blocks have ", blocks.size(1),
               " bytes per row, expected ", k / kBlockValues * block_bytes(qtype), " for ", k, " values");
+}
+
+// The checked, contiguous input x [M, K] of a product with `blocks` and its float32 output y [M, N].
+std::pair<torch::Tensor, torch::Tensor> product_operands(const torch::Tensor& x, const torch::Tensor& blocks,
+                                                         int64_t qtype) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "x must be a 2-D float32 CPU tensor");
+  torch::Tensor input = x.contiguous();
+  check_blocks(blocks, qtype, input.size(1));
+  torch::Tensor out = torch::empty({input.size(0), blocks.size(0)}, input.options());
+  return {input, out};
 }
 
 }  // namespace

@@ -161,12 +161,8 @@ constexpr int64_t kMinRowsPerTask = 16;
 
 torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype) {
   // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
-              "x must be a 2-D float32 CPU tensor");
-  const torch::Tensor input = x.contiguous();
+  const auto [input, out] = product_operands(x, blocks, qtype);
   const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
-  check_blocks(blocks, qtype, k);
-  torch::Tensor out = torch::empty({m, n}, input.options());
   if (m == 0 || n == 0) return out;
   const uint8_t* weights = blocks.data_ptr<uint8_t>();
   const float* xs = input.data_ptr<float>();
