@@ -149,10 +149,10 @@ def _build_or_import(source_name: str, prefix: str, flags: tuple[str, ...]) -> o
     source = kernel_source(source_name)
     try:
         text = source.read_bytes()
+        for header in sorted(source.parent.glob("*.h")):  # shared headers change the build too
+            text += header.read_bytes()
     except OSError as exc:
         raise KernelUnavailable(f"the kernel source {source} cannot be read: {exc.strerror or exc}") from None
-    for header in sorted(source.parent.glob("*.h")):
-        text += header.read_bytes()
     key = _build_key(text, flags)
     name = f"{prefix}_{key}"
     directory = cache_root() / "kernels" / key
