@@ -1,6 +1,6 @@
 """The drafter's round on the CPU: dense float32 against Q8_0 blocks, and what a shorter block would cost.
 
-Part 1 times `draft_logits` (4 and 15 drafted positions, best of 3 x 40 rounds after a 300-position context) and the
+Part 1 times `draft_scores` (4 and 15 drafted positions, best of 3 x 40 rounds after a 300-position context) and the
 drafter's projections alone at 16 rows, for the shipped drafter dense and as Q8_0 blocks
 (`dflash.spec.drafter_quantize`), beside the quantized default target.
 With `--draft-vocab FILE` (repeatable) it also times the Q8_0 drafter's 4-draft round scoring only a shortlist.
@@ -27,7 +27,7 @@ from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import QuantizedLinear
-from dflash.spec.draft_vocab import read_draft_vocab
+from dflash.spec.draft_vocab import DraftScores, read_draft_vocab
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.drafter_quantize import quantize_drafter
 from dflash.training.prompts import read_prompt_file
@@ -54,7 +54,7 @@ def round_times(drafter: DFlashDrafter, target: Any) -> dict[str, float]:
     new = torch.randn(1, 3, config.feature_size)  # 3 newly committed positions per round
 
     def one(drafts: int) -> None:
-        drafter.draft_logits(target, 7, cache.length + 3, new, cache, num_drafts=drafts)
+        drafter.draft_scores(target, 7, cache.length + 3, new, cache, num_drafts=drafts)
         cache.crop(cache.length - 3)
 
     projections = [m for m in drafter.layers.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
@@ -65,7 +65,7 @@ def round_times(drafter: DFlashDrafter, target: Any) -> dict[str, float]:
         for module in projections:
             module(wide if module.in_features == config.intermediate_size else rows)
 
-    return {"draft_logits_4_ms": best_ms(lambda: one(4)), "draft_logits_15_ms": best_ms(lambda: one(15)),
+    return {"draft_scores_4_ms": best_ms(lambda: one(4)), "draft_scores_15_ms": best_ms(lambda: one(15)),
             "projections_16_rows_ms": best_ms(matrices)}
 
 
@@ -74,16 +74,16 @@ def slot_acceptance(engine: Any, slots: int) -> float:
     drafter = engine.drafter
     full = drafter.config.block_size
 
-    def draft_logits(target: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any, *,
-                     window: int | None = None, num_drafts: int | None = None) -> torch.Tensor:
+    def draft_scores(target: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any, *,
+                     window: int | None = None, num_drafts: int | None = None) -> DraftScores:
         block = torch.full((1, slots), drafter.config.mask_token_id, dtype=torch.long)
         block[0, 0] = pending
         positions = torch.arange(start, start + slots)[None]
         new_positions = torch.arange(cache.length, cache.length + new_features.shape[1])[None]
         hidden = drafter.draft_hidden(target.embed(block), positions, new_features, new_positions, cache, window=window)
-        return target.project_logits(hidden[0, 1 : 1 + (num_drafts or full - 1)])
+        return drafter.project_scores(target, hidden[0, 1 : 1 + (num_drafts or full - 1)])
 
-    drafter.draft_logits = draft_logits if slots < full else DFlashDrafter.draft_logits.__get__(drafter)
+    drafter.draft_scores = draft_scores if slots < full else DFlashDrafter.draft_scores.__get__(drafter)
     chats = read_prompt_file(PROMPTS / "humaneval.jsonl")[:4] + read_prompt_file(PROMPTS / "mtbench.jsonl")[:4]
     taus = []
     for chat in chats:
@@ -111,9 +111,9 @@ def main() -> None:
     for path in args.draft_vocab:
         ids = read_draft_vocab(path, engine.target.config.vocab_size)
         quantized.use_draft_vocab(ids, engine.target)
-        shortlists[f"{path.name} ({ids.numel()} ids)"] = round_times(quantized, engine.target)["draft_logits_4_ms"]
+        shortlists[f"{path.name} ({ids.numel()} ids)"] = round_times(quantized, engine.target)["draft_scores_4_ms"]
     quantized.use_draft_vocab(None, engine.target)
-    result["q8_0_draft_logits_4_ms_with_shortlist"] = shortlists
+    result["q8_0_draft_scores_4_ms_with_shortlist"] = shortlists
     engine.drafter = quantized
     slots = [int(s) for s in args.slots.split(",") if s.strip()]
     result["ddtree_4_acceptance_by_block_slots"] = {str(s): slot_acceptance(engine, s) for s in slots}

@@ -3,7 +3,9 @@
 Decodes `--prompts` HumanEval prompts with plain decoding and with DDTree (`--ddtree-budget`, 4 by default) on the default
 model, timing every target forward (grouped by its number of input rows: 1 = a plain step, budget + 1 = a DDTree
 verification, more = prefill) and every drafter round, and reports the mean milliseconds of each, the round's cost in
-plain steps and the tokens accepted per round: the cost model behind the CPU speed ratios.
+plain steps and the tokens accepted per round: the cost model behind the CPU speed ratios. `whole_round_ms` is the
+decoding time per round (per token for plain decoding) with everything else in it: tree building, the target's
+choices, cache moves.
 
     python benchmarks/cpu_round_costs.py --out results/cpu_round_costs.json
 """
@@ -57,23 +59,28 @@ def main() -> None:
         target, drafter = engine.target, engine.drafter
         target.forward = timed(type(target).forward.__get__(target),  # type: ignore[method-assign]
                                lambda ids, *a, **k: f"target_{ids.shape[1]}_rows", times)
-        drafter.draft_logits = timed(type(drafter).draft_logits.__get__(drafter),  # type: ignore[method-assign]
+        drafter.draft_scores = timed(type(drafter).draft_scores.__get__(drafter),  # type: ignore[method-assign]
                                      lambda *a, **k: "drafter_round", times)
-        accepted = []
+        accepted, decode_s, rounds = [], 0.0, 0
         for ids in requests:
             result = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=args.max_tokens), spec=spec)
             accepted.append(result.stats.acceptance_length)
-        del target.forward, drafter.draft_logits  # back to the class methods
+            decode_s += result.stats.decode_s
+            rounds += result.stats.rounds or result.stats.completion_tokens - 1
+        del target.forward, drafter.draft_scores  # back to the class methods
         figures[spec] = {name: {"calls": len(values), "mean_ms": round(statistics.fmean(values), 2)}
                          for name, values in sorted(times.items())}
+        figures[spec]["whole_round_ms"] = round(decode_s * 1000 / rounds, 2)  # everything between the prefills
         if spec == "ddtree":
             figures[spec]["acceptance_length"] = round(statistics.fmean(accepted), 3)
     step = figures["none"]["target_1_rows"]["mean_ms"]
     rows = args.ddtree_budget + 1
     verify = figures["ddtree"][f"target_{rows}_rows"]["mean_ms"]
     draft = figures["ddtree"]["drafter_round"]["mean_ms"]
+    whole = figures["ddtree"]["whole_round_ms"]
     figures["in_plain_steps"] = {f"verify_{rows}_rows": round(verify / step, 2), "drafter_round": round(draft / step, 2),
-                                 "round": round((verify + draft) / step, 2)}
+                                 "round": round((verify + draft) / step, 2),
+                                 "whole_round": round(whole / figures["none"]["whole_round_ms"], 2)}
     result: dict[str, Any] = {**provenance(engine.device), "command": "python benchmarks/cpu_round_costs.py "
                               f"--prompts {args.prompts} --max-tokens {args.max_tokens} --ddtree-budget {args.ddtree_budget} "
                               f"--cpu-matmul {args.cpu_matmul}",

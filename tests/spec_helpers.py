@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,10 +19,28 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.models.registry import build_model
+from dflash.spec.draft_vocab import DraftScores
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.drafter_loader import load_drafter
 from dflash.spec.linear import decode_linear
 from tests.golden import golden_dir
+
+
+def patch_draft_logits(
+    monkeypatch: pytest.MonkeyPatch, drafter: DFlashDrafter, replacement: Callable[..., torch.Tensor]
+) -> None:
+    """Make the decoding loops draft from `replacement(original, target, pending, start, new_features, cache, **kw)`
+    -> logits [drafts, vocab], where `original` takes the same arguments and gives the drafter's own logits."""
+    own = drafter.draft_scores  # bound before patching
+
+    def original(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return own(*args, **kwargs).full()
+
+    def draft_scores(*args: Any, **kwargs: Any) -> DraftScores:
+        logits = replacement(original, *args, **kwargs)  # [drafts, vocab]
+        return DraftScores(logits, None, logits.shape[-1])
+
+    monkeypatch.setattr(drafter, "draft_scores", draft_scores)
 
 
 @cache

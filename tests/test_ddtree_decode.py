@@ -30,7 +30,7 @@ from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from dflash.spec.tree import DraftTree, linear_chain_tree
-from tests.spec_helpers import golden_pair, random_prompts, run
+from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 LENGTHS = (3, 17, 64, 65, 130, 257)  # short, around and beyond the prefill chunk of 64
@@ -126,9 +126,8 @@ def install_oracle(monkeypatch: pytest.MonkeyPatch, drafter: DFlashDrafter, sequ
     logits get the right token on top, except at some (position, round) pairs where a wrong token is put first
     and the right one second: linear DFlash then stops there, while a tree that also holds the runner-up
     continues through a non-first child."""
-    original = drafter.draft_logits
-
-    def oracle(tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+    def oracle(original: Any, tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any,
+               **kw: Any) -> torch.Tensor:
         logits = original(tgt, pending, start, new_features, cache, **kw).clone()  # [B-1, vocab]
         vocab = logits.shape[1]
         for row in range(logits.shape[0]):
@@ -144,7 +143,7 @@ def install_oracle(monkeypatch: pytest.MonkeyPatch, drafter: DFlashDrafter, sequ
                 logits[row, right] = top + 6.0
         return logits
 
-    monkeypatch.setattr(drafter, "draft_logits", oracle)
+    patch_draft_logits(monkeypatch, drafter, oracle)
 
 
 # ---- greedy: lossless ----------------------------------------------------------------------------------------
@@ -192,7 +191,7 @@ def test_budget_zero_is_plain_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_drafting(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise AssertionError("budget 0 must not run the drafter")
 
-    monkeypatch.setattr(drafter, "draft_logits", no_drafting)
+    monkeypatch.setattr(drafter, "draft_scores", no_drafting)
     prompt = GOLDEN_PROMPTS[1]
     tokens, stats = run_ddtree(target, drafter, prompt, 40, budget=0)
     assert tuple(tokens) == tuple(run(target, None, prompt, 40)[0])
@@ -300,10 +299,11 @@ def _same_rounds_as_linear(
     assert compared >= len(theirs) - block_size
 
 
-def _chain(draft_logits: torch.Tensor, budget: int, **kw: Any) -> DraftTree:
+def _chain(draft_logits: torch.Tensor, budget: int, *, token_ids: torch.Tensor | None = None, **kw: Any) -> DraftTree:
     """A builder that returns the drafter's argmax chain (needs a budget of at least the depth)."""
     assert budget >= draft_logits.shape[0]
-    return linear_chain_tree(draft_logits.argmax(dim=-1).tolist())
+    best = draft_logits.argmax(dim=-1)  # [depth] columns
+    return linear_chain_tree((best if token_ids is None else token_ids[best]).tolist())
 
 
 @pytest.mark.parametrize("pair", ["golden", "peaky"])
@@ -452,13 +452,12 @@ def test_drafter_gets_the_features_of_the_committed_positions(pair: str, monkeyp
         prompt, max_new, budget, sampling = GOLDEN_PROMPTS[1], 64, 16, SamplingParams()
         install_oracle(monkeypatch, drafter, prompt + run(target, None, prompt, max_new + 16)[0])
     seen: list[tuple[int, torch.Tensor, int]] = []
-    original = drafter.draft_logits
-
-    def spy(tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+    def spy(original: Any, tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any,
+            **kw: Any) -> torch.Tensor:
         seen.append((cache.length, new_features.clone(), start))
         return original(tgt, pending, start, new_features, cache, **kw)
 
-    monkeypatch.setattr(drafter, "draft_logits", spy)
+    patch_draft_logits(monkeypatch, drafter, spy)
     tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=budget, sampling=sampling)
     monkeypatch.undo()
     assert seen[0][0] == 0 and seen[0][2] == len(prompt)

@@ -23,7 +23,7 @@ from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.linear import decode_linear
-from tests.spec_helpers import golden_pair, random_prompts
+from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts
 
 
 def generate(
@@ -200,10 +200,9 @@ def test_accepting_rounds_match_the_host_loop(pair_with_runner, monkeypatch, mod
     prompt = random_prompts(1, target.config.vocab_size, seed=37, lengths=(30,))[0]
     plain, _ = host_loop(target, drafter, "plain", prompt, 140)
     sequence = prompt + plain.token_ids
-    host_draft = drafter.draft_logits
-    monkeypatch.setattr(
-        drafter, "draft_logits",
-        lambda tgt, pending, start, *a, **kw: oracle_logits(host_draft(tgt, pending, start, *a, **kw), start, sequence),
+    patch_draft_logits(
+        monkeypatch, drafter,
+        lambda own, tgt, pending, start, *a, **kw: oracle_logits(own(tgt, pending, start, *a, **kw), start, sequence),
     )
     resident_draft = runner.drafter_block_logits
     monkeypatch.setattr(
@@ -246,7 +245,7 @@ def test_long_prompts_go_straight_to_resident_rounds(pair_with_runner, monkeypat
     def no_host_round(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("a host-driven drafter round ran")
 
-    monkeypatch.setattr(drafter, "draft_logits", no_host_round)
+    monkeypatch.setattr(drafter, "draft_scores", no_host_round)
     sink, stats = generate(target, drafter, mode, prompt, 50)
     assert sink.token_ids == reference.token_ids
     assert stats.rounds > 0

@@ -10,7 +10,7 @@ import torch
 
 from dflash.generation.sampling import SamplingParams
 from dflash.spec.drafter import DFlashDrafter
-from tests.spec_helpers import golden_pair, random_prompts, run
+from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 LENGTHS = (3, 17, 64, 65, 130, 257)  # short, around and beyond the prefill chunk of 64
@@ -34,22 +34,20 @@ def test_chunk_size_does_not_change_spec_output() -> None:
     assert outputs[7] == outputs[64] == outputs[1000]
 
 
-def test_drafter_and_target_lengths_stay_in_step() -> None:
+def test_drafter_and_target_lengths_stay_in_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every round the drafter gets exactly the features of positions [its cache length, start)."""
     target, drafter = golden_pair()
     seen: list[tuple[int, int, int]] = []
-    original = drafter.draft_logits
 
-    def spy(tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any, **kw: Any) -> torch.Tensor:
+    def spy(original: Any, tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any,
+            **kw: Any) -> torch.Tensor:
         seen.append((cache.length, new_features.shape[1], start))
         return original(tgt, pending, start, new_features, cache, **kw)
 
-    drafter.draft_logits = spy  # type: ignore[method-assign]
-    try:
-        prompt = random_prompts(1, 1000, seed=1008, lengths=(94,))[0]
-        run(target, drafter, prompt, 200)
-    finally:
-        del drafter.draft_logits
+    patch_draft_logits(monkeypatch, drafter, spy)
+    prompt = random_prompts(1, 1000, seed=1008, lengths=(94,))[0]
+    run(target, drafter, prompt, 200)
+    monkeypatch.undo()
     assert seen[0] == (0, 94, 94)
     for drafter_len, new_rows, start in seen:
         assert drafter_len + new_rows == start

@@ -120,11 +120,11 @@ def decode_ddtree(
         max_depth = min(block_size - 1, request.max_new_tokens - produced - 1)
         carried: torch.Tensor | None = None
         if drafting and max_depth > 0:
-            draft_logits = drafter.draft_logits(
+            draft = drafter.draft_scores(
                 target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
                 num_drafts=draft_rows,
-            )  # [draft_rows, vocab]
-            tree = build_tree(draft_logits[:max_depth], budget, seed_top1_chain=seed_top1_chain)
+            )  # logits [draft_rows, shortlist or vocab]
+            tree = build_tree(draft.logits[:max_depth], budget, seed_top1_chain=seed_top1_chain, token_ids=draft.ids)
         else:  # root alone (plain decoding step); the drafter has not read the pending features yet
             tree = linear_chain_tree([])
             if drafting:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,37 @@ def most_frequent_tokens(counts: Counter[int], size: int, always: Iterable[int] 
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+@dataclass(frozen=True, eq=False)
+class DraftScores:
+    """The drafter's logits for some block positions over the columns `ids` (None: the whole vocabulary).
+
+    With a shortlist every token off the list scores -inf, so its logits over the list alone carry the same
+    distribution: argmax, top-k and log-softmax read them directly instead of a [rows, vocab] spread.
+    `ids` is ascending, so the lowest column among equal maxima is also the lowest token id."""
+
+    logits: torch.Tensor  # [rows, columns] (any leading shape for `full`)
+    ids: torch.Tensor | None  # [columns] int64: the token id of each column
+    vocab_size: int
+
+    def __getitem__(self, rows: slice) -> DraftScores:
+        return DraftScores(self.logits[rows], self.ids, self.vocab_size)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Column indices (any shape) -> the token ids they stand for (same shape)."""
+        return columns if self.ids is None else self.ids[columns]
+
+    def greedy(self) -> torch.Tensor:
+        """The most likely token per row: [rows] int64."""
+        return self.token_ids(self.logits.argmax(dim=-1))
+
+    def full(self) -> torch.Tensor:
+        """Logits over the whole vocabulary: [..., vocab], -inf off the shortlist."""
+        if self.ids is None:
+            return self.logits
+        logits = self.logits.new_full((*self.logits.shape[:-1], self.vocab_size), float("-inf"))  # [..., vocab]
+        return logits.scatter_(-1, self.ids.expand(self.logits.shape), self.logits)  # (index_copy_ is 2x slower)
+
+
 class DraftHead(nn.Module):
     """The target's LM head restricted to a shortlist: hidden [..., hidden] -> logits [..., vocab], -inf
     outside the list (soft-capped where the target's family does)."""
@@ -70,16 +102,18 @@ class DraftHead(nn.Module):
         self.rows = _head_rows(target.lm_head, ids)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.spread(self.rows(hidden))
+        return self.scores(hidden).full()
+
+    def scores(self, hidden: torch.Tensor) -> DraftScores:
+        """hidden [rows, hidden] -> the shortlist's logits [rows, size] (capped), with their token ids."""
+        return DraftScores(self.capped(self.rows(hidden)), self.ids, self.vocab_size)
+
+    def capped(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(scores / self.cap) * self.cap if self.cap else scores
 
     def spread(self, scores: torch.Tensor) -> torch.Tensor:
         """The shortlist's raw scores [..., size] -> logits [..., vocab] (capped, -inf off the list)."""
-        if self.cap:
-            scores = torch.tanh(scores / self.cap) * self.cap
-        logits = torch.full(
-            (*scores.shape[:-1], self.vocab_size), float("-inf"), dtype=scores.dtype, device=scores.device
-        )
-        return logits.scatter_(-1, self.ids.expand(scores.shape), scores)  # (index_copy_ is 2x slower on the CPU)
+        return DraftScores(self.capped(scores), self.ids, self.vocab_size).full()
 
 
 def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:

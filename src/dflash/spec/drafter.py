@@ -25,7 +25,7 @@ from dflash.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
     from dflash.fastpath.runner import GraphRunner
-    from dflash.spec.draft_vocab import DraftHead
+    from dflash.spec.draft_vocab import DraftHead, DraftScores
 
 
 class TargetModel(Protocol):
@@ -241,7 +241,7 @@ class DFlashDrafter(nn.Module):
 
     def use_draft_vocab(self, ids: torch.Tensor | None, target: Any) -> None:
         """Score only the token ids in `ids` (None: the whole vocabulary). Call after both models are placed."""
-        from dflash.spec.draft_vocab import DraftHead
+        from dflash.spec.draft_vocab import DraftHead, DraftScores
 
         object.__setattr__(self, "draft_head", None if ids is None else DraftHead(ids, target))
 
@@ -249,6 +249,16 @@ class DFlashDrafter(nn.Module):
         """Final-normed drafter hidden [..., hidden] -> draft logits [..., vocab] (-inf outside a shortlist)."""
         head = self.draft_head
         return target.project_logits(hidden) if head is None else head(hidden)
+
+    def project_scores(self, target: TargetModel, hidden: torch.Tensor) -> DraftScores:
+        """Final-normed drafter hidden [rows, hidden] -> draft logits over the shortlist (or the whole vocabulary)."""
+        from dflash.spec.draft_vocab import DraftScores
+
+        head = self.draft_head
+        if head is None:
+            logits = target.project_logits(hidden)  # [rows, vocab]
+            return DraftScores(logits, None, logits.shape[-1])
+        return head.scores(hidden)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """Context K/V of committed positions, one slot per position."""
@@ -362,11 +372,29 @@ class DFlashDrafter(nn.Module):
 
         `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
         """
+        return self.draft_scores(target, pending_token, start, new_features, cache, window=window,
+                                 num_drafts=num_drafts).full()
+
+    def draft_scores(
+        self,
+        target: TargetModel,
+        pending_token: int,
+        start: int,
+        new_features: torch.Tensor,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+        num_drafts: int | None = None,
+    ) -> DraftScores:
+        """`draft_logits` as logits over the shortlist alone ([num_drafts, size] and the columns' token ids),
+        the cheaper form wherever only the best tokens and their log-probabilities are read."""
+        from dflash.spec.draft_vocab import DraftScores
+
         last = self.config.block_size if num_drafts is None else 1 + num_drafts
         if self.graph_runner is not None and window is None:
             graphed = self.graph_runner.draft_logits(pending_token, start, new_features, cache, last - 1)
             if graphed is not None:
-                return graphed
+                return DraftScores(graphed, None, graphed.shape[-1])
         device = self.fc.weight.device
         block = torch.full((1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = pending_token
@@ -374,4 +402,4 @@ class DFlashDrafter(nn.Module):
         new_positions = torch.arange(cache.length, cache.length + new_features.shape[1], device=device)[None]
         hidden = self.draft_hidden(target.embed(block), block_positions, new_features, new_positions, cache,
                                    window=window, outputs=slice(1, last))  # [1, last - 1, hidden]
-        return self.project(target, hidden[0])
+        return self.project_scores(target, hidden[0])

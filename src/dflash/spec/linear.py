@@ -66,11 +66,10 @@ def decode_linear(
             state, drafter_cache, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
             break
-        draft_logits = drafter.draft_logits(
+        draft_tokens = drafter.draft_scores(
             target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
             num_drafts=drafts_per_round,
-        )  # [k, vocab]
-        draft_tokens = draft_logits.argmax(dim=-1)  # [k]
+        ).greedy()  # [k]
         block = torch.cat((draft_tokens.new_full((1,), state.pending), draft_tokens))[None]  # [1, k+1]
         out = target(block, cache=target_cache, capture=layer_ids)
         assert out.logits is not None and out.features is not None

@@ -150,7 +150,9 @@ def topk_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     return top_lp, top_ids
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int, *, seed_top1_chain: bool = False) -> DraftTree:
+def build_tree(
+    draft_logits: torch.Tensor, budget: int, *, seed_top1_chain: bool = False, token_ids: torch.Tensor | None = None
+) -> DraftTree:
     """Grow the best-first draft tree of ``budget`` nodes (root excluded) from the drafter's logits.
 
     ``draft_logits`` is ``[depth, vocab]``: row ``d-1`` holds the logits of block position ``d``. Per depth the
@@ -167,6 +169,10 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, seed_top1_chain: bool
     best-first process, skipping the chain nodes it meets again (they are not counted twice but still offer their
     siblings and children). The result is the chain plus the best ``budget - len(chain)`` prefixes not on it; it is
     still prefix-closed, and every parent still precedes its children.
+
+    ``token_ids`` ``[columns]`` names the token of each column of ``draft_logits`` when the drafter scores a
+    shortlist (every other token's logit being -inf, the log-softmax over the columns is the one over the whole
+    vocabulary); None: column ``c`` is token ``c``.
     """
     if draft_logits.dim() != 2:
         raise ValueError(f"draft_logits must be [depth, vocab], got shape {tuple(draft_logits.shape)}")
@@ -179,6 +185,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int, *, seed_top1_chain: bool
     k = min(budget, vocab)
     # One top-k and one log-sum-exp on the logits' own device, then a single host transfer of [depth, K].
     top_lp_t, top_ids_t = topk_log_probs(draft_logits, k)  # [depth, K] each
+    if token_ids is not None:
+        top_ids_t = token_ids[top_ids_t]  # columns -> token ids
     top_lp: list[list[float]] = top_lp_t.cpu().tolist()
     top_ids: list[list[int]] = top_ids_t.cpu().tolist()
 
