@@ -52,17 +52,19 @@ def test_rotary_is_bitwise_the_torch_formula(ops: LayerOpsKernel) -> None:
         assert torch.equal(ops.rotary(x, cos, sin), torch_rotary(x, cos, sin))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 64 and 128 have a vector path of their own
 @pytest.mark.parametrize("rows,keys,masked", [(1, 37, False), (5, 300, True), (16, 130, True), (3, 8, False)])
-def test_attention_matches_sdpa(ops: LayerOpsKernel, rows: int, keys: int, masked: bool) -> None:
+def test_attention_matches_sdpa(ops: LayerOpsKernel, rows: int, keys: int, masked: bool, head_dim: int) -> None:
     torch.manual_seed(rows)
-    q = torch.randn(2, rows, 9, 64).transpose(1, 2)  # [batch, heads, rows, head_dim]
-    storage_k, storage_v = torch.randn(2, 3, keys + 10, 64), torch.randn(2, 3, keys + 10, 64)
+    q = torch.randn(2, rows, 9, head_dim).transpose(1, 2)  # [batch, heads, rows, head_dim]
+    storage_k = torch.randn(2, 3, keys + 10, head_dim)
+    storage_v = torch.randn(2, 3, keys + 10, head_dim)
     k, v = storage_k[:, :, :keys], storage_v[:, :, :keys]  # cache views: strided over heads
     mask = None
     if masked:
         mask = torch.rand(2, 1, rows, keys) > 0.4
         mask[..., 0] = True  # every row sees a key
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)  # float32 reference
     got = ops.attention(q, k, v, mask, 0.125)  # [batch, rows, heads * head_dim]
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(2, rows, -1), rtol=1e-5, atol=1e-5)
 
@@ -160,3 +162,32 @@ def test_the_environment_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("DFLASH_CPU_LAYER_OPS", "0")
     with torch.no_grad():
         assert fused_cpu.layer_ops(torch.randn(2, 8)) is None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_tree_rows_equal_steps_over_their_compacted_paths(ops: LayerOpsKernel, head_dim: int) -> None:
+    """A DDTree verification row sees the committed keys plus its ancestors at scattered slots of the tree block
+    (other nodes masked between them); once accepted, the same token decoded alone sees those ancestors side by
+    side. The kernel's sums must not depend on where the masked keys sit."""
+    torch.manual_seed(7)
+    parents = [-1, 0, 0, 1, 2, 3, 3, 4, 6, 8, 9, 5, 11, 12, 7, 14]  # a 16-node tree, root first
+    nodes = len(parents)
+    for past in (30, 77, 200):
+        keys = past + nodes
+        q = torch.randn(1, 9, nodes, head_dim)
+        k, v = torch.randn(1, 3, keys, head_dim), torch.randn(1, 3, keys, head_dim)
+        mask = torch.zeros(1, 1, nodes, keys, dtype=torch.bool)
+        mask[..., :past] = True
+        paths = []
+        for node in range(nodes):
+            path, at = [], node
+            while at >= 0:
+                path.append(at)
+                at = parents[at]
+            paths.append(path[::-1])
+            mask[0, 0, node, [past + i for i in path]] = True
+        together = ops.attention(q, k, v, mask, 0.125)  # [1, nodes, 9 * head_dim]
+        for node, path in enumerate(paths):
+            slots = torch.tensor([*range(past), *(past + i for i in path)])
+            alone = ops.attention(q[:, :, node : node + 1], k[:, :, slots], v[:, :, slots], None, 0.125)
+            assert torch.equal(alone, together[:, node : node + 1]), (past, node)

@@ -13,6 +13,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "attention_rows.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -279,6 +281,14 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const float* key0 = ks + b * kb + kh * kh_;
       const float* value0 = vs + b * vb + kh * vh;
       const bool* row_mask = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
+      float* dst = ys + (b * seq + s) * heads * d + h * d;
+#if defined(__AVX512F__)
+      if (d == 64 || d == 128) {
+        (d == 64 ? attention_rows::attend<4> : attention_rows::attend<8>)(
+            query, key0, kl, value0, vl, keys, factor, row_mask, mask_key_stride, weights.data(), dst);
+        continue;
+      }
+#endif
       scores_of(query, key0, kl, keys, d, factor, weights.data());
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < keys; ++l) {
@@ -293,7 +303,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       float total = 0.0f;
       for (int64_t l = 0; l < keys; ++l) total += weights[l];
       weighted_values(weights.data(), value0, vl, keys, d, acc.data());
-      float* dst = ys + (b * seq + s) * heads * d + h * d;
       const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
       for (int64_t j = 0; j < d; ++j) dst[j] = acc[j] * inverse;
     }

@@ -241,7 +241,7 @@ class DFlashDrafter(nn.Module):
 
     def use_draft_vocab(self, ids: torch.Tensor | None, target: Any) -> None:
         """Score only the token ids in `ids` (None: the whole vocabulary). Call after both models are placed."""
-        from dflash.spec.draft_vocab import DraftHead, DraftScores
+        from dflash.spec.draft_vocab import DraftHead
 
         object.__setattr__(self, "draft_head", None if ids is None else DraftHead(ids, target))
 

@@ -1,0 +1,161 @@
+// One query row's attention over a KV cache with AVX-512, for head sizes of 64 and 128 (cpu_layer_ops.cpp).
+//
+// The layer kernel's portable path spends most of a verification's attention in per-key horizontal sums and
+// scalar softmax loops. Here sixteen keys' dot products are formed at once and summed lane-wise in one fixed tree,
+// the softmax runs sixteen keys per instruction and the value sums use fused multiply-adds.
+//
+// Row invariance holds as in the rest of the kernel, and it decides the order of every sum:
+//  * a key's score depends on the query and that key alone (its own accumulator, the same tree for every key);
+//  * the maximum is exact in any order; exp is elementwise;
+//  * the weighted values and the weights' total are sums over keys whose order must not depend on where the
+//    masked keys sit (a verified tree row sees its ancestors at scattered slots, the same row decoded alone sees
+//    them side by side): keys of weight zero are skipped and the others alternate between two accumulators by
+//    their rank among the nonzero keys, never by their slot.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace attention_rows {
+
+// Sixteen keys' dot products with one query of 16 * kChunks floats -> [16] in key order. Key i's lane j sums
+// q[j + 16c] * k_i[j + 16c] over c in order; the 16 lanes are then added pairwise (j with j + 8, then + 4, + 2,
+// + 1), the same tree for every key.
+template <int kChunks>
+inline __m512 dot16(const __m512* query, const float* const* key) {
+  __m512 lanes[16];
+  for (int i = 0; i < 16; ++i) {
+    __m512 sum = _mm512_mul_ps(query[0], _mm512_loadu_ps(key[i]));
+    for (int c = 1; c < kChunks; ++c) sum = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(key[i] + 16 * c), sum);
+    lanes[i] = sum;
+  }
+  __m512 halves[8];  // [i]: key i's 8 sums (j, j + 8) in the low 256 bits, key i + 8's in the high ones
+  for (int i = 0; i < 8; ++i) {
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(lanes[i], lanes[i + 8], 0x44),
+                              _mm512_shuffle_f32x4(lanes[i], lanes[i + 8], 0xEE));
+  }
+  __m512 quarters[4];  // [i]: 4 sums per 128-bit lane for keys i, i + 8, i + 4, i + 12
+  for (int i = 0; i < 4; ++i) {
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[i], halves[i + 4], 0x88),
+                                _mm512_shuffle_f32x4(halves[i], halves[i + 4], 0xDD));
+  }
+  __m512 pairs[2];  // [i]: per 128-bit lane, 2 sums of quarters[i]'s key, then 2 of quarters[i + 2]'s
+  for (int i = 0; i < 2; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[i], quarters[i + 2], 0x44),
+                             _mm512_shuffle_ps(quarters[i], quarters[i + 2], 0xEE));
+  }
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                    _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+  // sums holds keys 0 2 1 3 | 8 10 9 11 | 4 6 5 7 | 12 14 13 15
+  const __m512i key_order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+  return _mm512_permutexvar_ps(key_order, sums);
+}
+
+// scores[l] = dot(query, key l) * factor for l < count (the last group of 16 repeats the last key, unstored).
+template <int kChunks>
+inline void scores(const float* query, const float* keys, int64_t key_stride, int64_t count, float factor,
+                   float* out) {
+  __m512 q[kChunks];
+  for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+  const __m512 scale = _mm512_set1_ps(factor);
+  const float* key[16];
+  for (int64_t l = 0; l < count; l += 16) {
+    const int64_t n = std::min<int64_t>(16, count - l);
+    for (int i = 0; i < 16; ++i) key[i] = keys + (l + std::min<int64_t>(i, n - 1)) * key_stride;
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    _mm512_mask_storeu_ps(out + l, valid, _mm512_mul_ps(dot16<kChunks>(q, key), scale));
+  }
+}
+
+// exp(v) for 16 floats: the portable kernel's range reduction and polynomial, elementwise the same operations.
+inline __m512 exp16(__m512 v) {
+  const __m512 lowest = _mm512_set1_ps(-87.3f);
+  const __mmask16 under = _mm512_cmp_ps_mask(v, lowest, _CMP_LT_OQ);
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(v, lowest), _mm512_set1_ps(88.3f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
+
+// weights[0:count] (raw scores, -inf where masked) -> exp(score - max) in place.
+inline void softmax_numerators(float* weights, int64_t count) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = minus_inf;
+  for (int64_t l = 0; l < count; l += 16) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, count - l)) - 1u);
+    best = _mm512_max_ps(best, _mm512_mask_loadu_ps(minus_inf, valid, weights + l));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t l = 0; l < count; l += 16) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, count - l)) - 1u);
+    const __m512 shifted = _mm512_sub_ps(_mm512_mask_loadu_ps(minus_inf, valid, weights + l), top);
+    _mm512_mask_storeu_ps(weights + l, valid, exp16(shifted));
+  }
+}
+
+// acc[0:16 * kChunks] = sum over keys of weights[l] * value l; returns the sum of the weights. Zero weights are
+// skipped; the others alternate between two accumulators by their rank among the nonzero weights.
+template <int kChunks>
+inline float weighted_values(const float* weights, const float* values, int64_t value_stride, int64_t count,
+                             float* acc) {
+  __m512 first[kChunks], second[kChunks];  // the nonzero weights of even rank, of odd rank
+  for (int c = 0; c < kChunks; ++c) first[c] = second[c] = _mm512_setzero_ps();
+  float first_total = 0.0f, second_total = 0.0f;
+  int64_t l = 0;
+  const auto next_nonzero = [&]() {
+    while (l < count && weights[l] == 0.0f) ++l;
+    return l < count;
+  };
+  while (next_nonzero()) {
+    __m512 weight = _mm512_set1_ps(weights[l]);
+    const float* value = values + l * value_stride;
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) first[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), first[c]);
+    first_total += weights[l++];
+    if (!next_nonzero()) break;
+    weight = _mm512_set1_ps(weights[l]);
+    value = values + l * value_stride;
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) second[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), second[c]);
+    second_total += weights[l++];
+  }
+  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(first[c], second[c]));
+  return first_total + second_total;
+}
+
+// One query row: out[0:16 * kChunks] = softmax(q k^T * factor) v over `count` keys; row_mask (stride mask_stride,
+// null: all visible) hides keys. weights: scratch of `count` floats.
+template <int kChunks>
+inline void attend(const float* query, const float* keys, int64_t key_stride, const float* values,
+                   int64_t value_stride, int64_t count, float factor, const bool* row_mask, int64_t mask_stride,
+                   float* weights, float* out) {
+  scores<kChunks>(query, keys, key_stride, count, factor, weights);
+  if (row_mask != nullptr) {
+    for (int64_t l = 0; l < count; ++l) {
+      if (!row_mask[l * mask_stride]) weights[l] = -std::numeric_limits<float>::infinity();
+    }
+  }
+  softmax_numerators(weights, count);
+  alignas(64) float acc[16 * kChunks];
+  const float total = weighted_values<kChunks>(weights, values, value_stride, count, acc);
+  const __m512 inverse = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
+  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), inverse));
+}
+
+}  // namespace attention_rows
+#endif
