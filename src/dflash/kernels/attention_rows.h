@@ -7,10 +7,9 @@
 // Row invariance holds as in the rest of the kernel, and it decides the order of every sum:
 //  * a key's score depends on the query and that key alone (its own accumulator, the same tree for every key);
 //  * the maximum is exact in any order; exp is elementwise;
-//  * the weighted values and the weights' total are sums over keys whose order must not depend on where the
-//    masked keys sit (a verified tree row sees its ancestors at scattered slots, the same row decoded alone sees
-//    them side by side): keys of weight zero are skipped and the others alternate between two accumulators by
-//    their rank among the nonzero keys, never by their slot.
+//  * the weighted values and the weights' total must not depend on where the masked keys sit (a verified tree row
+//    sees its ancestors at scattered slots, the same row decoded alone sees them side by side): they are one
+//    sequential sum over the keys in order, to which a masked key (weight exactly zero) adds exactly nothing.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -55,19 +54,22 @@ inline __m512 dot16(const __m512* query, const float* const* key) {
   return _mm512_permutexvar_ps(key_order, sums);
 }
 
-// scores[l] = dot(query, key l) * factor for l < count (the last group of 16 repeats the last key, unstored).
+// scores[i][l] = dot(query i, key l) * factor for n queries and l < count, sixteen keys at a time so that each
+// group of keys is read once for all the queries (the last group repeats the last key, unstored).
 template <int kChunks>
-inline void scores(const float* query, const float* keys, int64_t key_stride, int64_t count, float factor,
-                   float* out) {
-  __m512 q[kChunks];
-  for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
+inline void scores(const float* const* queries, int n, const float* keys, int64_t key_stride, int64_t count,
+                   float factor, float* const* out) {
   const __m512 scale = _mm512_set1_ps(factor);
   const float* key[16];
   for (int64_t l = 0; l < count; l += 16) {
-    const int64_t n = std::min<int64_t>(16, count - l);
-    for (int i = 0; i < 16; ++i) key[i] = keys + (l + std::min<int64_t>(i, n - 1)) * key_stride;
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-    _mm512_mask_storeu_ps(out + l, valid, _mm512_mul_ps(dot16<kChunks>(q, key), scale));
+    const int64_t valid_keys = std::min<int64_t>(16, count - l);
+    for (int i = 0; i < 16; ++i) key[i] = keys + (l + std::min<int64_t>(i, valid_keys - 1)) * key_stride;
+    const __mmask16 valid = static_cast<__mmask16>((1u << valid_keys) - 1u);
+    for (int i = 0; i < n; ++i) {
+      __m512 q[kChunks];
+      for (int c = 0; c < kChunks; ++c) q[c] = _mm512_loadu_ps(queries[i] + 16 * c);
+      _mm512_mask_storeu_ps(out[i] + l, valid, _mm512_mul_ps(dot16<kChunks>(q, key), scale));
+    }
   }
 }
 
@@ -92,6 +94,24 @@ inline __m512 exp16(__m512 v) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
 }
 
+// weights[l] = -inf where visible[l * stride] is false, sixteen keys at a time where the mask is contiguous.
+inline void hide(float* weights, int64_t count, const bool* visible, int64_t stride) {
+  int64_t l = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (stride == 1) {
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; l + 16 <= count; l += 16) {
+      const __mmask16 hidden = _mm_cmpeq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(visible + l)),
+                                                   _mm_setzero_si128());
+      _mm512_mask_storeu_ps(weights + l, hidden, minus_inf);
+    }
+  }
+#endif
+  for (; l < count; ++l) {
+    if (!visible[l * stride]) weights[l] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 // weights[0:count] (raw scores, -inf where masked) -> exp(score - max) in place.
 inline void softmax_numerators(float* weights, int64_t count) {
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -108,53 +128,52 @@ inline void softmax_numerators(float* weights, int64_t count) {
   }
 }
 
-// acc[0:16 * kChunks] = sum over keys of weights[l] * value l; returns the sum of the weights. Zero weights are
-// skipped; the others alternate between two accumulators by their rank among the nonzero weights.
-template <int kChunks>
-inline float weighted_values(const float* weights, const float* values, int64_t value_stride, int64_t count,
-                             float* acc) {
-  __m512 first[kChunks], second[kChunks];  // the nonzero weights of even rank, of odd rank
-  for (int c = 0; c < kChunks; ++c) first[c] = second[c] = _mm512_setzero_ps();
-  float first_total = 0.0f, second_total = 0.0f;
-  int64_t l = 0;
-  const auto next_nonzero = [&]() {
-    while (l < count && weights[l] == 0.0f) ++l;
-    return l < count;
-  };
-  while (next_nonzero()) {
-    __m512 weight = _mm512_set1_ps(weights[l]);
-    const float* value = values + l * value_stride;
-#pragma GCC unroll 8
-    for (int c = 0; c < kChunks; ++c) first[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), first[c]);
-    first_total += weights[l++];
-    if (!next_nonzero()) break;
-    weight = _mm512_set1_ps(weights[l]);
-    value = values + l * value_stride;
-#pragma GCC unroll 8
-    for (int c = 0; c < kChunks; ++c) second[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(value + 16 * c), second[c]);
-    second_total += weights[l++];
+// kQueries rows at once: out[q][0:16 * kChunks] = sum over keys l in order of weights[q][l] * value l, divided by
+// the sum of weights[q]. Every key is added, a masked one with weight zero adding exactly nothing, so a row's sums
+// are the same whatever masked keys lie between its visible ones. Each value row is loaded once for the kQueries.
+template <int kChunks, int kQueries>
+inline void weighted_values(const float* const* weights, const float* values, int64_t value_stride, int64_t count,
+                            float* const* out) {
+  __m512 sums[kQueries][kChunks];
+  float totals[kQueries];
+  for (int q = 0; q < kQueries; ++q) {
+    totals[q] = 0.0f;
+    for (int c = 0; c < kChunks; ++c) sums[q][c] = _mm512_setzero_ps();
   }
-  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(first[c], second[c]));
-  return first_total + second_total;
-}
-
-// One query row: out[0:16 * kChunks] = softmax(q k^T * factor) v over `count` keys; row_mask (stride mask_stride,
-// null: all visible) hides keys. weights: scratch of `count` floats.
-template <int kChunks>
-inline void attend(const float* query, const float* keys, int64_t key_stride, const float* values,
-                   int64_t value_stride, int64_t count, float factor, const bool* row_mask, int64_t mask_stride,
-                   float* weights, float* out) {
-  scores<kChunks>(query, keys, key_stride, count, factor, weights);
-  if (row_mask != nullptr) {
-    for (int64_t l = 0; l < count; ++l) {
-      if (!row_mask[l * mask_stride]) weights[l] = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < count; ++l) {
+    __m512 value[kChunks];
+    for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(values + l * value_stride + 16 * c);
+#pragma GCC unroll 4
+    for (int q = 0; q < kQueries; ++q) {
+      const float w = weights[q][l];
+      const __m512 weight = _mm512_set1_ps(w);
+#pragma GCC unroll 8
+      for (int c = 0; c < kChunks; ++c) sums[q][c] = _mm512_fmadd_ps(weight, value[c], sums[q][c]);
+      totals[q] += w;
     }
   }
-  softmax_numerators(weights, count);
-  alignas(64) float acc[16 * kChunks];
-  const float total = weighted_values<kChunks>(weights, values, value_stride, count, acc);
-  const __m512 inverse = _mm512_set1_ps(total > 0.0f ? 1.0f / total : 0.0f);
-  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), inverse));
+  for (int q = 0; q < kQueries; ++q) {
+    const __m512 inverse = _mm512_set1_ps(totals[q] > 0.0f ? 1.0f / totals[q] : 0.0f);
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out[q] + 16 * c, _mm512_mul_ps(sums[q][c], inverse));
+  }
+}
+
+// n query rows of one key head: out[i][0:16 * kChunks] = softmax(q_i k^T * factor) v over `count` keys; masks[i]
+// (stride mask_stride, null: all visible) hides keys. weights: n scratch rows of `count` floats. Each group of
+// keys, each value row, is read once for several query rows.
+template <int kChunks>
+inline void attend(const float* const* queries, int n, const float* keys, int64_t key_stride, const float* values,
+                   int64_t value_stride, int64_t count, float factor, const bool* const* masks, int64_t mask_stride,
+                   float* const* weights, float* const* out) {
+  scores<kChunks>(queries, n, keys, key_stride, count, factor, weights);
+  for (int i = 0; i < n; ++i) {
+    if (masks[i] != nullptr) hide(weights[i], count, masks[i], mask_stride);
+    softmax_numerators(weights[i], count);
+  }
+  constexpr int kGroup = kChunks <= 4 ? 3 : 2;  // rows per pass over the values: their sums fill the registers
+  int i = 0;
+  for (; i + kGroup <= n; i += kGroup) weighted_values<kChunks, kGroup>(weights + i, values, value_stride, count, out + i);
+  for (; i < n; ++i) weighted_values<kChunks, 1>(weights + i, values, value_stride, count, out + i);
 }
 
 }  // namespace attention_rows

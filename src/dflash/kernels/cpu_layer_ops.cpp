@@ -270,6 +270,38 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const int64_t qb = q.stride(0), qh = q.stride(1), qs_ = q.stride(2);
   const int64_t kb = k.stride(0), kh_ = k.stride(1), kl = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
+#if defined(__AVX512F__)
+  if (d == 64 || d == 128) {
+    // Work units: the query rows (heads of the group x sequence rows) of one key head, in `parts` slices so that
+    // every thread has work; each unit reads its key head's keys and values once for all its rows.
+    const int64_t rows_per_head = group * seq;
+    const int64_t parts = std::min<int64_t>(rows_per_head, (2 * at::get_num_threads() + batch * kv_heads - 1) /
+                                                                   (batch * kv_heads));
+    const int64_t per_part = (rows_per_head + parts - 1) / parts;
+    const int64_t units = batch * kv_heads * parts;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(static_cast<size_t>(per_part * keys));
+      std::vector<const float*> queries(per_part);
+      std::vector<const bool*> masks(per_part);
+      std::vector<float*> weights(per_part), outs(per_part);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t b = u / (kv_heads * parts), kh = (u / parts) % kv_heads, part = u % parts;
+        const int64_t first = part * per_part, n = std::min(rows_per_head, first + per_part) - first;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t h = kh * group + (first + i) / seq, s = (first + i) % seq;
+          queries[i] = qs + b * qb + h * qh + s * qs_;
+          masks[i] = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
+          weights[i] = scratch.data() + i * keys;
+          outs[i] = ys + (b * seq + s) * heads * d + h * d;
+        }
+        (d == 64 ? attention_rows::attend<4> : attention_rows::attend<8>)(
+            queries.data(), static_cast<int>(n), ks + b * kb + kh * kh_, kl, vs + b * vb + kh * vh, vl, keys, factor,
+            masks.data(), mask_key_stride, weights.data(), outs.data());
+      }
+    });
+    return out;
+  }
+#endif
   const int64_t units = batch * heads * seq;
   at::parallel_for(0, units, grain(units, 4 * keys * d), [&](int64_t begin, int64_t end) {
     std::vector<float> weights(static_cast<size_t>(keys));
@@ -282,13 +314,6 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const float* value0 = vs + b * vb + kh * vh;
       const bool* row_mask = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
       float* dst = ys + (b * seq + s) * heads * d + h * d;
-#if defined(__AVX512F__)
-      if (d == 64 || d == 128) {
-        (d == 64 ? attention_rows::attend<4> : attention_rows::attend<8>)(
-            query, key0, kl, value0, vl, keys, factor, row_mask, mask_key_stride, weights.data(), dst);
-        continue;
-      }
-#endif
       scores_of(query, key0, kl, keys, d, factor, weights.data());
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < keys; ++l) {
