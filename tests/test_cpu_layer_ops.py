@@ -191,3 +191,18 @@ def test_tree_rows_equal_steps_over_their_compacted_paths(ops: LayerOpsKernel, h
             slots = torch.tensor([*range(past), *(past + i for i in path)])
             alone = ops.attention(q[:, :, node : node + 1], k[:, :, slots], v[:, :, slots], None, 0.125)
             assert torch.equal(alone, together[:, node : node + 1]), (past, node)
+
+
+def test_argmax_rows_is_torch_argmax(ops: LayerOpsKernel) -> None:
+    """First index of the maximum (ties, a maximum in the last partial vector), NaN ranked first as torch does."""
+    torch.manual_seed(9)
+    for vocab in (1, 7, 16, 49152, 49157):
+        logits = torch.randn(6, vocab)
+        logits[1] = logits[1].round()  # many ties
+        logits[2, -1] = 100.0  # the maximum in the tail
+        logits[3] = float("-inf")
+        logits[4, vocab // 2] = float("nan")
+        logits[5, : min(vocab, 3)] = 50.0  # equal maxima, the first wins
+        assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1)), vocab
+    strided = torch.randn(40, 3)[:, 1:].t()  # [2, 40], not contiguous
+    assert torch.equal(ops.argmax_rows(strided), strided.argmax(dim=-1))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import GenerationError
+from dflash.kernels.fused_cpu import layer_ops
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, params: Sampling
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits: [rows, vocab] -> one token per row [rows] (argmax when greedy, else a sample per row)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        ops = layer_ops(logits) if logits.dim() == 2 else None
+        return logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits)  # the same tokens, faster on a CPU
     probs = filtered_probs(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

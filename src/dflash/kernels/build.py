@@ -102,6 +102,10 @@ class LayerOpsKernel(Protocol):
         """gate_up: [..., 2I] -> silu(gate) * up [..., I]."""
         ...
 
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [rows, vocab] -> int64 [rows], exactly torch.argmax(logits, dim=-1)."""
+        ...
+
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, ...], object] = {}

@@ -360,6 +360,59 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  // logits: [rows, vocab] -> int64 [rows]: torch.argmax(logits, dim=-1), the first index of the maximum, or of the
+  // first NaN where a row holds one (torch ranks NaN above every number).
+  check_float_cpu(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
+  const torch::Tensor input = logits.contiguous();
+  const int64_t rows = input.size(0), vocab = input.size(1);
+  torch::Tensor out = torch::empty({rows}, input.options().dtype(torch::kLong));
+  const float* xs = input.data_ptr<float>();
+  int64_t* ys = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(rows, vocab), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xs + r * vocab;
+      int64_t best = 0;
+      int64_t i = 0;
+      bool unordered = false;
+#if defined(__AVX512F__)
+      // Per lane the first index of that lane's maximum (strictly greater replaces), then the smallest index among
+      // the lanes holding the overall maximum. NaNs are only detected here and searched for below.
+      if (vocab >= 16) {
+        __m512 top = _mm512_loadu_ps(row);
+        __m512i top_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i index = top_index;
+        __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (i = 16; i + 16 <= vocab; i += 16) {
+          const __m512 x = _mm512_loadu_ps(row + i);
+          index = _mm512_add_epi32(index, step);
+          const __mmask16 greater = _mm512_cmp_ps_mask(x, top, _CMP_GT_OQ);
+          top = _mm512_mask_mov_ps(top, greater, x);
+          top_index = _mm512_mask_mov_epi32(top_index, greater, index);
+          nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        }
+        unordered = nan != 0;
+        const float best_value = _mm512_reduce_max_ps(top);
+        const __mmask16 holders = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
+        best = _mm512_mask_reduce_min_epi32(holders, top_index);
+      }
+#endif
+      for (; i < vocab; ++i) {
+        if (row[i] > row[best]) best = i;
+        unordered = unordered || std::isnan(row[i]);
+      }
+      if (unordered) {
+        for (best = 0; !std::isnan(row[best]); ++best) {
+        }
+      }
+      ys[r] = best;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   namespace py = pybind11;
   module.doc() = "Fused float32 CPU operations of a decoder layer (row invariant)";
@@ -370,4 +423,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("attention", &attention, "softmax(q k^T * scale) v -> [B, S, H * D]", py::arg("q"), py::arg("k"),
              py::arg("v"), py::arg("mask"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   module.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
+  module.def("argmax_rows", &argmax_rows, "[rows, vocab] -> first index of each row's maximum", py::arg("logits"),
+             py::call_guard<py::gil_scoped_release>());
 }
