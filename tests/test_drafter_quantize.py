@@ -60,3 +60,27 @@ def test_quantized_drafter_needs_float32_on_the_cpu() -> None:
         load_engine("default", "default", device="cpu", dtype="bfloat16", draft_weights="quantized")
     with pytest.raises(DFlashError, match="unknown --draft-weights"):
         load_engine("default", "default", device="cpu", draft_weights="int4")
+
+
+def test_stacked_projections_compute_what_the_separate_ones_do() -> None:
+    """quantize_drafter stacks [q; k; v], [k; v] and [gate; up] into one product each: every output column is
+    computed from its own weight row, so a stacked product is bitwise the separate ones side by side. (The
+    drafter's logits then differ only by the fused SiLU * up, which rounds differently from torch's.)"""
+    target, dense = golden_pair()
+    quantized = copy.deepcopy(dense)
+    quantize_drafter(quantized)
+    x = torch.randn(5, quantized.config.hidden_size)
+    with torch.inference_mode():
+        for layer in quantized.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            assert attention.qkv_proj is not None and attention.kv_proj is not None and mlp.gate_up_proj is not None
+            assert torch.equal(attention.qkv_proj(x), torch.cat([attention.q_proj(x), attention.k_proj(x),
+                                                                 attention.v_proj(x)], -1))
+            assert torch.equal(attention.kv_proj(x), torch.cat([attention.k_proj(x), attention.v_proj(x)], -1))
+            assert torch.equal(mlp.gate_up_proj(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
+        features = torch.randn(1, 40, quantized.config.feature_size)
+        stacked = quantized.draft_logits(target, 7, 40, features, quantized.new_cache(80))
+        for layer in quantized.layers:
+            layer.self_attn.kv_proj = layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
+        separate = quantized.draft_logits(target, 7, 40, features, quantized.new_cache(80))
+    torch.testing.assert_close(stacked, separate, rtol=1e-4, atol=1e-4)

@@ -9,6 +9,7 @@ The drafter borrows the target's embedding and LM head through the `TargetModel`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -148,13 +149,30 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        # Inference-only concatenations of [k; v] and [q; k; v] (`fuse_projections`): one product instead of two
+        # or three where each call has a fixed cost (the CPU kernels). Not part of the checkpoint.
+        self.kv_proj: nn.Module | None = None
+        self.qkv_proj: nn.Module | None = None
+
+    def fuse_projections(self, concatenate: Callable[[list[nn.Module]], nn.Module]) -> None:
+        self.kv_proj = concatenate([self.k_proj, self.v_proj])
+        self.qkv_proj = concatenate([self.q_proj, self.k_proj, self.v_proj])
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [batch, rows, hidden] -> normed, rotated keys and values [batch, kv_heads, rows, head_dim]."""
-        batch, rows, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(batch, rows, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(batch, rows, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rotary(k.transpose(1, 2), cos, sin), v
+        size = self.num_kv_heads * self.head_dim
+        k, v = (self.k_proj(x), self.v_proj(x)) if self.kv_proj is None else self.kv_proj(x).split((size, size), -1)
+        return self._keys(k, cos, sin), self._values(v)
+
+    def _keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """k: [batch, rows, kv_heads * head_dim] -> normed, rotated [batch, kv_heads, rows, head_dim]."""
+        batch, rows, _ = k.shape
+        k = self.k_norm(k.view(batch, rows, self.num_kv_heads, self.head_dim))
+        return apply_rotary(k.transpose(1, 2), cos, sin)
+
+    def _values(self, v: torch.Tensor) -> torch.Tensor:
+        batch, rows, _ = v.shape
+        return v.view(batch, rows, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -165,18 +183,35 @@ class DrafterAttention(nn.Module):
         context_v: torch.Tensor,
         mask: torch.Tensor | None,
         queries: slice | None = None,
+        context_rows: int | None = None,
     ) -> torch.Tensor:
         """h: normed block rows [batch, block, hidden]; context_k/v: [batch, kv_heads, context, head_dim].
-        `queries` picks the block rows whose output is wanted (every row still serves as a key and value)."""
-        block_k, block_v = self.keys_values(h, cos, sin)
+        `queries` picks the block rows whose output is wanted (every row still serves as a key and value).
+        `context_rows`: context_k/v are views of a cache with free slots after their first `context_rows`
+        (the context); the block's keys and values are written there instead of joined to copies."""
+        if self.qkv_proj is None:
+            block_k, block_v = self.keys_values(h, cos, sin)
+            projected_q = self.q_proj(h if queries is None else h[:, queries])
+        else:
+            size = self.num_kv_heads * self.head_dim
+            projected_q, k_rows, v_rows = self.qkv_proj(h).split((self.num_heads * self.head_dim, size, size), -1)
+            block_k, block_v = self._keys(k_rows, cos, sin), self._values(v_rows)
+            if queries is not None:
+                projected_q = projected_q[:, queries]
         if queries is not None:
-            h, cos, sin = h[:, queries], cos[:, :, queries], sin[:, :, queries]
+            cos, sin = cos[:, :, queries], sin[:, :, queries]
             mask = None if mask is None else mask[:, :, queries]
-        batch, rows, _ = h.shape
-        q = self.q_norm(self.q_proj(h).view(batch, rows, self.num_heads, self.head_dim))
+        batch, rows, _ = projected_q.shape
+        q = self.q_norm(projected_q.view(batch, rows, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = torch.cat((context_k, block_k), dim=2)
-        v = torch.cat((context_v, block_v), dim=2)
+        if context_rows is None:
+            k = torch.cat((context_k, block_k), dim=2)
+            v = torch.cat((context_v, block_v), dim=2)
+        else:
+            end = context_rows + block_k.shape[2]
+            context_k[:, :, context_rows:end] = block_k
+            context_v[:, :, context_rows:end] = block_v
+            k, v = context_k[:, :, :end], context_v[:, :, :end]
         ops = layer_ops(q)
         if ops is not None and fits_attention_kernel(q, mask):
             return self.o_proj(ops.attention(q, k, v, mask, self.head_dim**-0.5))  # [batch, rows, heads * head_dim]
@@ -191,9 +226,21 @@ class DrafterMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = activation(config.hidden_act)
+        self.silu = config.hidden_act == "silu"
+        self.gate_up_proj: nn.Module | None = None  # [gate; up] in one product (`fuse_projections`)
+
+    def fuse_projections(self, concatenate: Callable[[list[nn.Module]], nn.Module]) -> None:
+        self.gate_up_proj = concatenate([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]
+        ops = layer_ops(gate_up) if self.silu else None
+        if ops is not None:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DrafterLayer(nn.Module):
@@ -213,9 +260,10 @@ class DrafterLayer(nn.Module):
         context_v: torch.Tensor,
         mask: torch.Tensor | None,
         queries: slice | None = None,
+        context_rows: int | None = None,
     ) -> torch.Tensor:
         """x: [batch, block, hidden] -> [batch, block, hidden], or only the `queries` rows of it."""
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask, queries)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask, queries, context_rows)
         x = (x if queries is None else x[:, queries]) + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -308,17 +356,27 @@ class DFlashDrafter(nn.Module):
         self.absorb_context(new_features, new_positions, cache)
         length = cache.length
         first = max(0, length - window) if window else 0
+        block = block_embeds.shape[1]
+        cache.reserve(block)  # the block's keys and values go to the free slots after the context (not committed)
         masks = self._inference_masks(block_positions, cache.positions[:, first:length])
         cos, sin = self.rotary.cos_sin(block_positions, self.fc.weight.dtype)
         x = block_embeds.to(self.fc.weight.dtype)
         layer: Any
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            context_k = cache.keys[index, :, :, first:length]
-            context_v = cache.values[index, :, :, first:length]
+            slots_k = cache.keys[index, :, :, first : length + block]
+            slots_v = cache.values[index, :, :, first : length + block]
             queries = outputs if index == last else None
-            x = layer(x, cos, sin, context_k, context_v, masks[self.sliding[index]], queries)
+            x = layer(x, cos, sin, slots_k, slots_v, masks[self.sliding[index]], queries, length - first)
         return self.norm(x)
+
+    def fuse_projections(self, concatenate: Callable[[list[nn.Module]], nn.Module]) -> None:
+        """Give every layer one product for [q; k; v], one for [k; v] (context rows) and one for [gate; up];
+        `concatenate` builds a module computing its inputs' outputs side by side (inference only)."""
+        layer: Any
+        for layer in self.layers:
+            layer.self_attn.fuse_projections(concatenate)
+            layer.mlp.fuse_projections(concatenate)
 
     def forward_blocks(
         self,

@@ -29,9 +29,22 @@ def q8_0_matrix(weight: torch.Tensor) -> QuantizedMatrix:
     return QuantizedMatrix(torch.from_numpy(np.ascontiguousarray(blocks)), GGMLQuantizationType.Q8_0, values.shape[1])
 
 
+def stacked_q8_0(matrices: list[nn.Module]) -> QuantizedLinear:
+    """Q8_0 matrices of one input width -> one whose output is theirs side by side (their rows stacked)."""
+    stacked = [m for m in matrices if isinstance(m, QuantizedLinear)]
+    columns = stacked[0].in_features
+    if len(stacked) != len(matrices) or any(
+        m.bias is not None or m.in_features != columns or m.qtype != GGMLQuantizationType.Q8_0 for m in stacked
+    ):
+        raise ValueError("only bias-free Q8_0 matrices of one input width stack")
+    blocks = torch.cat([m.blocks for m in stacked])  # [sum of rows, blocks per row * 34]
+    return QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType.Q8_0, columns))
+
+
 def quantize_drafter(drafter: DFlashDrafter) -> int:
     """Replace every bias-free `nn.Linear` of a float32 CPU drafter whose input width is a multiple of 32 by a
-    Q8_0 `QuantizedLinear`, in place. Returns how many were replaced."""
+    Q8_0 `QuantizedLinear`, in place, and stack the projections that read the same input into one product each
+    (`DFlashDrafter.fuse_projections`). Returns how many matrices were replaced."""
     if drafter.fc.weight.device.type != "cpu" or drafter.fc.weight.dtype != torch.float32:
         raise ValueError("only a float32 drafter on the CPU can run on the quantized kernel")
     replaced = 0
@@ -40,4 +53,5 @@ def quantize_drafter(drafter: DFlashDrafter) -> int:
             if isinstance(child, nn.Linear) and child.bias is None and child.in_features % BLOCK_VALUES == 0:
                 setattr(parent, name, QuantizedLinear(q8_0_matrix(child.weight)))
                 replaced += 1
+    drafter.fuse_projections(stacked_q8_0)
     return replaced

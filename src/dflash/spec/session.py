@@ -68,7 +68,8 @@ def begin_speculation(
     stats = GenerationStats(prompt_tokens=prompt.shape[1])
     capacity = prompt.shape[1] + request.max_new_tokens + rows_per_round + 1
     target_cache = target.new_cache(capacity)
-    drafter_cache = drafter.new_cache(capacity)
+    # the drafter writes its block's keys and values in the free slots after its context
+    drafter_cache = drafter.new_cache(capacity + drafter.config.block_size)
     started = time.perf_counter()
     prefilled = prefill_prompt(
         target, target_cache, prompt, chunk=prefill_chunk, capture=drafter.config.target_layer_ids,
