@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from dflash.engine.engine import AMX_DDTREE_BUDGET, DEFAULT_DDTREE_BUDGET, EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.errors import ModelLoadError
 from dflash.generation.request import GenerationRequest
@@ -105,6 +106,14 @@ def test_unknown_products_are_refused() -> None:
         QuantizedLinear(matrix).use_products("int4")
 
 
+def test_a_chosen_tree_budget_is_kept_and_float32_products_keep_the_cpu_default() -> None:
+    chosen = load_engine("default", "default", device="cpu", cpu_matmul="float32",
+                         options=EngineOptions(ddtree_budget=5))
+    assert chosen.options.ddtree_budget == 5
+    plain = load_engine("default", "default", device="cpu", cpu_matmul="float32")
+    assert plain.options.ddtree_budget == DEFAULT_DDTREE_BUDGET["cpu"]
+
+
 @needs_amx
 def test_default_model_under_amx_products() -> None:
     """The whole default model on AMX products: logits close to the float32 kernel's, every quantized matrix
@@ -112,6 +121,7 @@ def test_default_model_under_amx_products() -> None:
     DDTree with 15 nodes, one 16-row tile) exactly plain decoding."""
     engine = load_engine("default", "default", device="cpu", cpu_matmul="amx")
     assert engine.cpu_matmul == "amx" and engine.drafter is not None
+    assert engine.options.ddtree_budget == AMX_DDTREE_BUDGET  # the default tree on AMX products
     modules = [*engine.target.modules(), *engine.drafter.modules(), *(engine.drafter.draft_head.modules()
                                                                       if engine.drafter.draft_head else [])]
     products = {m.products for m in modules if isinstance(m, QuantizedLinear)}

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from dflash.engine.devices import pick_device, pick_dtype
-from dflash.engine.engine import Engine, EngineOptions
+from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
 from dflash.errors import DFlashError, ModelLoadError
 from dflash.models.cpu_matmul import choose_cpu_matmul, use_cpu_matmul
 from dflash.models.model import CausalLM
@@ -96,6 +96,8 @@ def load_engine(
             log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
     if drafter is None and options.spec != "none":
         options.spec = "none"
+    if products is not None and products.kind == "amx" and options.ddtree_budget is None:
+        options.ddtree_budget = AMX_DDTREE_BUDGET
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
     log.info("loaded %s in %.2f s on %s (%s, %s weights: %s%s)", name, time.perf_counter() - started, torch_device,
              torch_dtype, choice.kind, choice.reason,
