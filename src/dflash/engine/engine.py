@@ -34,7 +34,8 @@ SPEC_MODES = ("none", "linear", "ddtree")
 # fused kernels and device-resident rounds).
 DEFAULT_DDTREE_BUDGET = {"cpu": 4, "cuda": 32}
 # With the CPU matrices on AMX tiles (`dflash.models.cpu_matmul`) a verified row costs far less, so larger trees win:
-# results/cpu_speed_smollm2_amx_attention.json (budget 8 against 4 and 10 on the same machine).
+# results/cpu_speed_smollm2_amx_attention*.json (budget 8 1.58x / 1.48x plain decoding in two runs, 10 within noise of
+# it at 1.63x / 1.46x with more rows per round, 4 1.45x).
 AMX_DDTREE_BUDGET = 8
 # Drafts verified per linear round per device class (absent: the whole block). On the CPU every verified row costs
 # about a tenth of a plain step, so short rounds win: results/cpu_num_drafts_drafter_v5.json (2-4 drafts 0.95x
