@@ -413,25 +413,9 @@ class DFlashDrafter(nn.Module):
             masks[True] = visible[:, None]
         return masks
 
-    def draft_logits(
-        self,
-        target: TargetModel,
-        pending_token: int,
-        start: int,
-        new_features: torch.Tensor,
-        cache: KVCache,
-        *,
-        window: int | None = None,
-        num_drafts: int | None = None,
-    ) -> torch.Tensor:
-        """Block [pending, MASK x (B-1)] at positions start.. -> logits [num_drafts, vocab] for positions
-        start+1 .. start+num_drafts (default num_drafts = B-1; fewer rows skip LM-head work, the block itself
-        always has B slots as in training).
-
-        `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
-        """
-        return self.draft_scores(target, pending_token, start, new_features, cache, window=window,
-                                 num_drafts=num_drafts).full()
+    def draft_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`draft_scores(...)` spread over the whole vocabulary: logits [num_drafts, vocab], -inf off a shortlist."""
+        return self.draft_scores(*args, **kwargs).full()
 
     def draft_scores(
         self,
@@ -444,8 +428,13 @@ class DFlashDrafter(nn.Module):
         window: int | None = None,
         num_drafts: int | None = None,
     ) -> DraftScores:
-        """`draft_logits` as logits over the shortlist alone ([num_drafts, size] and the columns' token ids),
-        the cheaper form wherever only the best tokens and their log-probabilities are read."""
+        """Block [pending, MASK x (B-1)] at positions start.. -> the drafter's logits for positions start+1 ..
+        start+num_drafts (default num_drafts = B-1; fewer rows skip LM-head work, the block itself always has B
+        slots as in training), over its shortlist alone where it has one ([num_drafts, size] and the columns' token
+        ids): the form the decoding loops read, as they need only the best tokens and their log-probabilities.
+
+        `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
+        """
         from dflash.spec.draft_vocab import DraftScores
 
         last = self.config.block_size if num_drafts is None else 1 + num_drafts
