@@ -200,12 +200,15 @@ void weights_times_groups(const uint8_t* weights, int64_t row_bytes, uint16_t* p
   if constexpr (GROUPS >= 4) _tile_stored(3, sums[3], kTileBytes);
   if constexpr (GROUPS >= 5) _tile_stored(4, sums[4], kTileBytes);
   if constexpr (GROUPS >= 6) _tile_stored(5, sums[5], kTileBytes);
+  // Column i of a sums tile is input i's 16 outputs: one gather each, stored as the `rows` outputs of y's row.
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(kTileRows));
+  const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1u);
   for (int g = 0; g < GROUPS; ++g) {
     const int64_t base = (first_group + g) * kTileRows;
     const int64_t inputs = std::min<int64_t>(kTileRows, m - base);
     for (int64_t i = 0; i < inputs; ++i) {
-      float* out = y + (base + i) * n;
-      for (int r = 0; r < rows; ++r) out[r] = sums[g][r * kTileRows + i];
+      _mm512_mask_storeu_ps(y + (base + i) * n, valid, _mm512_i32gather_ps(column, sums[g] + i, 4));
     }
   }
 }
