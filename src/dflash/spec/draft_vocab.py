@@ -69,16 +69,10 @@ class DraftScores:
     ids: torch.Tensor | None  # [columns] int64: the token id of each column
     vocab_size: int
 
-    def __getitem__(self, rows: slice) -> DraftScores:
-        return DraftScores(self.logits[rows], self.ids, self.vocab_size)
-
-    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Column indices (any shape) -> the token ids they stand for (same shape)."""
-        return columns if self.ids is None else self.ids[columns]
-
     def greedy(self) -> torch.Tensor:
         """The most likely token per row: [rows] int64."""
-        return self.token_ids(self.logits.argmax(dim=-1))
+        best = self.logits.argmax(dim=-1)  # [rows] columns
+        return best if self.ids is None else self.ids[best]
 
     def full(self) -> torch.Tensor:
         """Logits over the whole vocabulary: [..., vocab], -inf off the shortlist."""

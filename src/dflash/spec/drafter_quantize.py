@@ -29,16 +29,13 @@ def q8_0_matrix(weight: torch.Tensor) -> QuantizedMatrix:
     return QuantizedMatrix(torch.from_numpy(np.ascontiguousarray(blocks)), GGMLQuantizationType.Q8_0, values.shape[1])
 
 
-def stacked_q8_0(matrices: list[nn.Module]) -> QuantizedLinear:
-    """Q8_0 matrices of one input width -> one whose output is theirs side by side (their rows stacked)."""
-    stacked = [m for m in matrices if isinstance(m, QuantizedLinear)]
-    columns = stacked[0].in_features
-    if len(stacked) != len(matrices) or any(
-        m.bias is not None or m.in_features != columns or m.qtype != GGMLQuantizationType.Q8_0 for m in stacked
-    ):
-        raise ValueError("only bias-free Q8_0 matrices of one input width stack")
-    blocks = torch.cat([m.blocks for m in stacked])  # [sum of rows, blocks per row * 34]
-    return QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType.Q8_0, columns))
+def stacked_matrices(matrices: list[nn.Module]) -> QuantizedLinear:
+    """Quantized matrices of one format and input width -> one whose output is theirs side by side."""
+    linear = [m for m in matrices if isinstance(m, QuantizedLinear) and m.bias is None]
+    if len(linear) != len(matrices):
+        raise ValueError("only bias-free quantized matrices stack")
+    parts = [QuantizedMatrix(m.blocks, GGMLQuantizationType(m.qtype), m.in_features) for m in linear]
+    return QuantizedLinear(QuantizedMatrix.stack_rows(parts, "the drafter's projections"))
 
 
 def quantize_drafter(drafter: DFlashDrafter) -> int:
@@ -53,5 +50,5 @@ def quantize_drafter(drafter: DFlashDrafter) -> int:
             if isinstance(child, nn.Linear) and child.bias is None and child.in_features % BLOCK_VALUES == 0:
                 setattr(parent, name, QuantizedLinear(q8_0_matrix(child.weight)))
                 replaced += 1
-    drafter.fuse_projections(stacked_q8_0)
+    drafter.fuse_projections(stacked_matrices)
     return replaced
