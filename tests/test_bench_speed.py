@@ -64,3 +64,32 @@ def test_bench_acceptance_reports_sets_prompts_and_provenance(tmp_path: Path) ->
     assert saved["spec"] == "linear" and saved["max_tokens"] == 16
     assert saved["command"].startswith("dflash bench acceptance") and saved["device"].startswith("cpu")
     assert "torch" in saved["versions"] and saved["date"] and saved["dtype"] == "float32"
+
+
+def test_speed_repetitions_interleave_modes() -> None:
+    """Repetition r of every mode runs before repetition r + 1 of any; a mode with fewer repetitions drops out."""
+    from dflash.bench.speed import Runner, interleaved_runs
+
+    calls: list[tuple[str, int]] = []
+
+    def runner(mode: str, tokens: int, tau: float) -> Runner:
+        def run(ids: list[int]) -> tuple[int, float]:
+            calls.append((mode, ids[0]))
+            return tokens, tau
+
+        return run
+
+    advanced: list[int] = []
+    results = interleaved_runs(
+        {"base": runner("base", 3, 0.0), "ar": runner("ar", 4, 0.0), "spec": runner("spec", 4, 2.5)},
+        {"base": 1, "ar": 2, "spec": 2},
+        [[10], [20]],
+        advance=advanced.append,
+    )
+    assert calls == [("base", 10), ("base", 20), ("ar", 10), ("ar", 20), ("spec", 10), ("spec", 20),
+                     ("ar", 10), ("ar", 20), ("spec", 10), ("spec", 20)]
+    assert len(advanced) == len(calls)
+    assert {mode: len(row["runs"]) for mode, row in results.items()} == {"base": 1, "ar": 2, "spec": 2}
+    assert results["ar"]["tokens_per_run"] == 8 and results["base"]["tokens_per_run"] == 6
+    assert results["spec"]["acceptance_length"] == 2.5 and results["ar"]["acceptance_length"] is None
+    assert all(row["tokens_per_s"] > 0 for row in results.values())

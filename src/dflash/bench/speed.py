@@ -3,7 +3,9 @@
 Modes: `transformers` (HF generate, greedy), `transformers-pld` (its prompt-lookup decoding), `ar` (our plain
 decoding), `linear` (DFlash), `ddtree` (at the engine's budget) or `ddtree:N` (budget N); any of ours with the
 suffix `@eager` runs without the GPU fast path (for its gain in the same run). Tokens/s is completion tokens over
-wall time (prefill included), aggregated over the prompt set; the median over `runs` repetitions is reported with ratios between modes.
+wall time (prefill included), aggregated over the prompt set; the median over `runs` repetitions is reported with
+ratios between modes. The repetitions are interleaved (every mode's first, then every mode's second, ...), so that a
+drift of the machine's speed during the run does not favour one mode.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from dflash.models.quantized_layers import uses_quantized_weights
 from dflash.progress import progress_bar
 from dflash.training.prompts import read_prompt_file
 
+Runner = Callable[[list[int]], tuple[int, float]]  # prompt ids -> (new tokens, acceptance length or 0)
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Callable[[list[int]], tuple[int, float]]:
-    """A function prompt_ids -> (new tokens, acceptance length or 0)."""
+def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Runner:
     if mode.startswith("transformers"):
         from dflash.bench.baselines import load_transformers_model, transformers_generate
 
@@ -74,6 +77,50 @@ def _variant(engine: Engine, budget: int | None, *, eager: bool) -> Iterator[Non
             engine.drafter.graph_runner = drafter_runner
 
 
+def interleaved_runs(
+    runners: dict[str, Runner],
+    repeats: dict[str, int],
+    prompts: list[list[int]],
+    *,
+    sync: Callable[[], None] = lambda: None,
+    advance: Callable[[int], None] = lambda n: None,
+) -> dict[str, dict[str, Any]]:
+    """Time `repeats[mode]` passes of every runner over the prompts, repetition r of every mode before repetition
+    r + 1 of any: a machine whose speed drifts during the run (clocks, neighbours) then weighs on every mode alike
+    instead of on the modes that happen to run last. Per mode: median tokens/s, tokens of a pass, every pass's
+    tokens/s, mean acceptance length (None without speculation)."""
+    per_run: dict[str, list[float]] = {mode: [] for mode in runners}
+    tokens: dict[str, int] = {}
+    acceptance: dict[str, list[float]] = {mode: [] for mode in runners}
+    for repetition in range(max(repeats.values(), default=0)):
+        for mode, runner in runners.items():
+            if repetition >= repeats[mode]:
+                continue
+            produced, seconds = 0, 0.0
+            for ids in prompts:
+                sync()
+                started = time.perf_counter()
+                new, tau = runner(ids)
+                sync()
+                seconds += time.perf_counter() - started
+                produced += new
+                if tau:
+                    acceptance[mode].append(tau)
+                advance(1)
+            per_run[mode].append(produced / seconds)
+            tokens[mode] = produced
+    return {
+        mode: {
+            "tokens_per_s": round(statistics.median(per_run[mode]), 3),
+            "tokens_per_run": tokens[mode],
+            "runs": per_run[mode],
+            "acceptance_length": round(statistics.fmean(acceptance[mode]), 4) if acceptance[mode] else None,
+        }
+        for mode in runners
+        if per_run[mode]
+    }
+
+
 def measure_speed(
     engine: Engine,
     prompt_files: list[Path],
@@ -88,37 +135,17 @@ def measure_speed(
     """`runs` repetitions per mode (median reported); the transformers modes take `baseline_runs` instead when given
     (they run 30-40x slower, so their repetitions dominate a run's time)."""
     prompts = [engine.chat_prompt_ids(chat) for path in prompt_files for chat in read_prompt_file(path)[:limit]]
-    results: dict[str, Any] = {}
-    for mode in modes:
-        runner = _runner(engine, mode, model_arg, max_tokens)
+    runners = {mode: _runner(engine, mode, model_arg, max_tokens) for mode in modes}
+    repeats = {
+        mode: baseline_runs if baseline_runs is not None and mode.startswith("transformers") else runs for mode in modes
+    }
+    for mode, runner in runners.items():
         # warm-up: a whole first generation (kernel choices, allocator, clocks); our modes run every prompt once,
         # so each graph shape they need is captured before timing, as a serving engine's first requests do
         for ids in prompts if not mode.startswith("transformers") else prompts[:1]:
             runner(ids)
-        per_run: list[float] = []
-        tokens = 0
-        acceptance: list[float] = []
-        repeats = baseline_runs if baseline_runs is not None and mode.startswith("transformers") else runs
-        with progress_bar(f"speed {mode}", repeats * len(prompts)) as bar:
-            for _ in range(repeats):
-                tokens, seconds = 0, 0.0
-                for ids in prompts:
-                    _sync(engine.device)
-                    started = time.perf_counter()
-                    new, tau = runner(ids)
-                    _sync(engine.device)
-                    seconds += time.perf_counter() - started
-                    tokens += new
-                    if tau:
-                        acceptance.append(tau)
-                    bar.advance(1)
-                per_run.append(tokens / seconds)
-        results[mode] = {
-            "tokens_per_s": round(statistics.median(per_run), 3),
-            "tokens_per_run": tokens,
-            "runs": per_run,
-            "acceptance_length": round(statistics.fmean(acceptance), 4) if acceptance else None,
-        }
+    with progress_bar("speed", sum(repeats.values()) * len(prompts)) as bar:
+        results = interleaved_runs(runners, repeats, prompts, sync=lambda: _sync(engine.device), advance=bar.advance)
     ratios: dict[str, float] = {}
     for base in ("ar", "transformers"):
         if base in results:
