@@ -1,7 +1,8 @@
 """Bar chart of linear acceptance length per evaluation set, one bar group per drafter version.
 
     python benchmarks/plot_acceptance_versions.py v3=results/ddtree_replay_acceptance_h100_drafter_v3.json \
-        v4=results/ddtree_replay_acceptance_h100_drafter_v4.json v5=results/ddtree_replay_acceptance_h100.json \
+        v4=results/ddtree_replay_acceptance_h100_drafter_v4.json v5=results/ddtree_replay_acceptance_h100_drafter_v5.json \
+        v6=results/ddtree_replay_acceptance_h100.json \
         --bar 3.0 --out results/drafter_acceptance_versions.png
 
 Each file is a `dflash train eval` or `dflash bench acceptance` result (per-set `acceptance_length`).

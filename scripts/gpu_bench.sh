@@ -14,7 +14,7 @@ MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
 RESULTS=${OUT:-$PWD/gpu_out}
 DFLASH="python3 -m dflash"
 SETS="--prompts-file benchmarks/prompts/humaneval.jsonl --prompts-file benchmarks/prompts/mtbench.jsonl"
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. scripts/gpu_env.sh
 mkdir -p "$RESULTS"
 case "$1" in
   stage)

@@ -9,6 +9,7 @@
 # Settings from the environment: PROMPTS (prompt files, space-separated; .stage/train_prompts.jsonl.gz), DATA_BATCH (512), DATA (answered sets,
 # space-separated; $RUN/data.jsonl.gz), STEPS (5000), BATCH (32), LR (6e-4), DISTILL (0: hard labels only),
 # LAYERS (4), MLP (the target's width), INIT (a drafter to continue from, grown to LAYERS / MLP).
+# Dependencies a bare GPU machine lacks (gguf, platformdirs): their wheels in .stage/wheels (or $WHEELS), see scripts/gpu_env.sh.
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 RUN=${RUN:-/tmp/run}
@@ -16,7 +17,7 @@ DATA=${DATA:-$RUN/data.jsonl.gz}
 MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 DFLASH="python3 -m dflash"
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. scripts/gpu_env.sh
 mkdir -p "$STAGE" "$RUN"
 case "$1" in
   stage)

@@ -16,7 +16,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="DFlash drafter folder, 'default' (the shipped drafter of the default model) or 'none'; "
         "the default model uses its shipped drafter unless 'none' is given",
     )
-    group.add_argument("--spec", default="linear", choices=["none", "linear", "ddtree"], help="decoding strategy")
+    group.add_argument(
+        "--spec", default="ddtree", choices=["none", "linear", "ddtree"],
+        help="decoding strategy: ddtree (default: the drafter's block verified as a tree of its likeliest "
+        "continuations, the fastest on CPU and GPU), linear (its single most likely chain) or none (plain decoding)",
+    )
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
     group.add_argument(

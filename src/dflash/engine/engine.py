@@ -45,7 +45,7 @@ DEFAULT_NUM_DRAFTS = {"cpu": 4}
 
 @dataclass
 class EngineOptions:
-    spec: str = "linear"  # "none" | "linear" | "ddtree"
+    spec: str = "ddtree"  # "none" | "linear" | "ddtree" (the fastest on CPU and GPU: results/README.md)
     prefill_chunk: int = 256
     max_ctx: int | None = None  # defaults to the model's max positions
     draft_window: int | None = None
