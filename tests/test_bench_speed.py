@@ -61,7 +61,7 @@ def test_bench_acceptance_reports_sets_prompts_and_provenance(tmp_path: Path) ->
     values = [p["acceptance_length"] for p in saved["per_prompt"]]
     assert all(1.0 <= v <= 16 for v in values)
     assert saved["acceptance_length"] == pytest.approx(sum(values) / 3, abs=1e-3)
-    assert saved["spec"] == "linear" and saved["max_tokens"] == 16
+    assert saved["spec"] == "ddtree" and saved["max_tokens"] == 16
     assert saved["command"].startswith("dflash bench acceptance") and saved["device"].startswith("cpu")
     assert "torch" in saved["versions"] and saved["date"] and saved["dtype"] == "float32"
 
