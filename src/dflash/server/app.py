@@ -14,7 +14,14 @@ from fastapi import FastAPI
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dflash.server import anthropic_messages, info, openai_chat, openai_completions, openai_responses
+from dflash.server import (
+    anthropic_messages,
+    chat_page,
+    info,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+)
 from dflash.server.auth import APIKeyMiddleware
 from dflash.server.context import ServerContext
 from dflash.server.engine_port import EnginePort
@@ -55,7 +62,9 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
 
     app = FastAPI(title="dflash", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
-    routers = [m.router for m in (info, openai_chat, openai_completions, openai_responses, anthropic_messages)]
+    routers = [
+        m.router for m in (info, openai_chat, openai_completions, openai_responses, anthropic_messages, chat_page)
+    ]
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)

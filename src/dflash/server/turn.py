@@ -84,6 +84,7 @@ class Outcome:
             "draft_tokens": s.draft_tokens,
             "accepted_tokens": s.accepted_tokens,
             "acceptance_length": round(s.acceptance_length, 4),
+            "acceptance_histogram": list(s.acceptance_histogram),  # [k] = rounds that accepted k drafts
             "fallbacks": s.fallbacks,
         }
 
