@@ -18,11 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("dflash.server")
 
-ErrorKind = Literal["invalid_request", "authentication", "not_found", "too_large", "server", "unavailable"]
+ErrorKind = Literal[
+    "invalid_request", "authentication", "permission", "not_found", "too_large", "server", "unavailable"
+]
 
 _OPENAI_TYPE: dict[ErrorKind, str] = {
     "invalid_request": "invalid_request_error",
     "authentication": "invalid_request_error",
+    "permission": "invalid_request_error",
     "not_found": "invalid_request_error",
     "too_large": "invalid_request_error",
     "server": "server_error",
@@ -31,6 +34,7 @@ _OPENAI_TYPE: dict[ErrorKind, str] = {
 _ANTHROPIC_TYPE: dict[ErrorKind, str] = {
     "invalid_request": "invalid_request_error",
     "authentication": "authentication_error",
+    "permission": "permission_error",
     "not_found": "not_found_error",
     "too_large": "request_too_large",
     "server": "api_error",
