@@ -1,7 +1,10 @@
 """The prefix cache as a data structure: content keys, longest-prefix lookup, partial blocks, LRU under a byte
-budget (leaves first), refusal of inconsistent stores, and restoring blocks into a target cache."""
+budget (leaves first), the read-only length forecast (also while another thread writes), stores of a cache cut
+short by a cancelled prefill, refusal of inconsistent stores, and restoring blocks into a target cache."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -77,6 +80,57 @@ def test_lru_eviction_under_budget_drops_leaves_first() -> None:
     # every block left is reachable from the first block of its prompt: nothing stranded
     reachable = len(pc.lookup([*conv_b, 0], limit=12)) + len(pc.lookup([*conv_a[:8], 300, 301, 302, 303, 0], limit=12))
     assert reachable == pc.stats().blocks
+
+
+def test_cached_length_forecasts_a_lookup_without_touching_anything() -> None:
+    one_block = prefilled(list(range(BLOCK)))[0].keys[:, 0, :, :BLOCK].nbytes * 2 + BLOCK * FEATURES * 4
+    pc = PrefixCache(5 * one_block, BLOCK, feature_layers=(1,))
+    conv_a, conv_b = list(range(100, 112)), list(range(200, 208))
+    store(pc, conv_a)
+    store(pc, conv_b)  # 5 blocks: full; B is the most recently used
+    assert pc.cached_length(conv_a, limit=len(conv_a) - 1) == 2 * BLOCK  # the last block holds the last token
+    assert pc.cached_length([*conv_a, 0], limit=12) == 3 * BLOCK
+    assert pc.cached_length([*conv_a[:6], 1, 2, 3, 4], limit=9) == BLOCK  # half a block is not reused
+    assert pc.cached_length([7, *conv_a[1:]], limit=11) == 0
+    assert pc.cached_length(conv_a, limit=0) == 0 and pc.cached_length([], limit=5) == 0
+    assert (pc.stats().hits, pc.stats().misses, pc.stats().reused_tokens) == (0, 0, 0)  # no lookup counted
+    for _ in range(3):
+        pc.cached_length([*conv_a, 0], limit=12)  # would make A the most recent, were it a lookup
+    store(pc, list(range(300, 304)))  # one block over budget: A's deepest block is still the least recent leaf
+    assert pc.cached_length([*conv_a, 0], limit=12) == 2 * BLOCK
+    assert pc.cached_length([*conv_b, 0], limit=8) == 2 * BLOCK
+
+
+def test_cached_length_is_safe_while_another_thread_stores_and_evicts() -> None:
+    one_block = prefilled(list(range(BLOCK)))[0].keys[:, 0, :, :BLOCK].nbytes * 2 + BLOCK * FEATURES * 4
+    pc = PrefixCache(4 * one_block, BLOCK, feature_layers=(1,))
+    prompts = [list(range(base, base + 4 * BLOCK)) for base in range(0, 4000, 100)]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def fill() -> None:
+        for prompt in prompts:
+            store(pc, prompt)
+        done.set()
+
+    writer = threading.Thread(target=fill)
+    writer.start()
+    while not done.is_set():
+        seen.extend(pc.cached_length([*prompt, 0], limit=4 * BLOCK) for prompt in prompts[::7])
+    writer.join()
+    assert seen and all(length % BLOCK == 0 and 0 <= length <= 4 * BLOCK for length in seen)
+    assert pc.cached_length([*prompts[-1], 0], limit=4 * BLOCK) == 4 * BLOCK  # the last prompt stored stays whole
+    assert pc.stats().evictions > 0
+
+
+def test_store_of_a_cache_cut_short_keeps_only_the_blocks_it_holds() -> None:
+    """A prefill cancelled between chunks leaves cache.length short of the prompt: only blocks within it go in."""
+    tokens = list(range(50, 66))  # four blocks
+    cache, features = prefilled(tokens)
+    cache.length = 2 * BLOCK + 1  # two blocks and one position of the third were prefilled
+    pc = PrefixCache(1 << 20, BLOCK, feature_layers=(1,))
+    assert pc.store(tokens, cache, features[:, : cache.length]) == 2
+    assert pc.cached_length(tokens, limit=len(tokens) - 1) == 2 * BLOCK
 
 
 def test_zero_budget_keeps_nothing() -> None:

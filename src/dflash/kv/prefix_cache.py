@@ -9,8 +9,9 @@ drafter, the target features the drafter reads (the captured layer outputs). The
 not stored: it is a per-position function of the features, recomputed on the first draft exactly as after a
 cold prefill.
 
-Exactness. Blocks are only written from a completed prefill, and `block_tokens` is a multiple of the prefill
-chunk, so a hit ends on a chunk boundary of the cold prefill: the remaining suffix is prefilled in the same
+Exactness. Blocks are only written from completed prefill chunks (a whole prefill, or the chunks a cancelled
+one finished), and `block_tokens` is a multiple of the prefill chunk, so a hit ends on a chunk boundary of the
+cold prefill: the remaining suffix is prefilled in the same
 chunks, over the same K/V, as a cold run would, and the restored state equals the cold one.
 
 Eviction. Least recently used, whole blocks, under a byte budget. A lookup or store touches its chain from the
@@ -90,14 +91,7 @@ class PrefixCache:
     def lookup(self, token_ids: Sequence[int], *, limit: int) -> list[CachedBlock]:
         """The longest chain of cached blocks that prefixes `token_ids[:limit]`, first block first."""
         with self._lock:
-            found: list[CachedBlock] = []
-            count = min(limit, len(token_ids)) // self.block_tokens
-            for index, key in enumerate(block_keys(token_ids, self.block_tokens, count)):
-                block = self._blocks.get(key)
-                lo = index * self.block_tokens
-                if block is None or block.tokens != tuple(token_ids[lo : lo + self.block_tokens]):
-                    break
-                found.append(block)
+            found = self._chain(token_ids, limit)
             self._touch(found)
             if found:
                 self._hits += 1
@@ -105,6 +99,12 @@ class PrefixCache:
             else:
                 self._misses += 1
             return found
+
+    def cached_length(self, token_ids: Sequence[int], *, limit: int) -> int:
+        """Positions `lookup(token_ids, limit=limit)` would return now, without marking blocks used or counting a
+        hit or miss (a forecast for another thread: the generation thread may insert or evict before it looks)."""
+        with self._lock:
+            return len(self._chain(token_ids, limit)) * self.block_tokens
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
@@ -116,10 +116,11 @@ class PrefixCache:
 
     # ---- writing -----------------------------------------------------------------------------------------
     def store(self, token_ids: Sequence[int], cache: KVCache, features: torch.Tensor | None) -> int:
-        """Keep every full block of a completed prefill of `token_ids`; returns the number of new blocks.
+        """Keep every full block of `token_ids` that the cache holds; returns the number of new blocks.
 
-        cache: the target cache after the prefill (slots 0 .. len(token_ids)-1 hold the prompt, batch 1);
-        features: [1, len(token_ids), n*hidden] captured at `feature_layers` (None when there are none)."""
+        cache: the target cache after a prefill of `token_ids`, whole or cancelled between chunks (slots
+        0 .. cache.length-1 hold the prompt's first positions, batch 1); features: [1, cache.length or more,
+        n*hidden] captured at `feature_layers` (None when there are none)."""
         if cache.batch != 1:
             raise ValueError("the prefix cache stores batch-1 caches only")
         if bool(self.feature_layers) != (features is not None):
@@ -158,6 +159,18 @@ class PrefixCache:
             values=cache.values[:, 0, :, lo:hi].clone(),
             features=features[0, lo:hi].clone() if features is not None else None,  # [block, n*hidden]
         )
+
+    def _chain(self, token_ids: Sequence[int], limit: int) -> list[CachedBlock]:
+        """The cached blocks that prefix `token_ids[:limit]`, first block first (the caller holds the lock)."""
+        found: list[CachedBlock] = []
+        count = min(limit, len(token_ids)) // self.block_tokens
+        for index, key in enumerate(block_keys(token_ids, self.block_tokens, count)):
+            block = self._blocks.get(key)
+            lo = index * self.block_tokens
+            if block is None or block.tokens != tuple(token_ids[lo : lo + self.block_tokens]):
+                break
+            found.append(block)
+        return found
 
     def _touch(self, chain: list[CachedBlock]) -> None:
         """Mark a chain used, deepest block first, so every parent ends up more recent than its children."""
