@@ -16,6 +16,10 @@ class ServerSettings:
     port: int = 8000
     served_model_name: str | None = None  # None: the engine's model name
     api_key: str | None = None  # None: no authentication
+    allowed_hosts: tuple[str, ...] | None = None  # Host names accepted besides loopback (origin_guard); "*": any
+    allowed_origins: tuple[str, ...] = ()  # web origins whose pages may call the API (CORS); "*": any
+    body_timeout_s: float = 60.0  # time to receive a whole request body, then 408 (slow or stalled senders)
+    http_keep_alive_s: float = 30.0  # an idle connection is closed after this (not the SSE keepalive below)
     default_max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS_CAP, capped by the remaining context
     clamp_max_tokens: bool = False  # cap a too-large max tokens to the room left in the context, instead of a 400
     remap_developer_role: bool = False  # render OpenAI "developer" messages as "system"
