@@ -105,7 +105,7 @@ function histogram(counts) {
     bin.append(element("span", "count", String(count)), bar, element("span", "k", String(k)));
     bins.append(bin);
   });
-  wrap.append(bins, element("div", "histogram-label", "rounds by drafts accepted"));
+  wrap.append(element("div", "histogram-label", "rounds by drafts accepted"), bins);
   return wrap;
 }
 
@@ -125,6 +125,7 @@ function showTimings(parts, timings) {
     stats.append(histogram(timings.acceptance_histogram.map(Number)));
   }
   parts.box.append(stats);
+  scrollToEnd();
 }
 
 // The `data:` payloads of a server-sent event stream, one string per event (comments skipped).
