@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from starlette.routing import BaseRoute, Match
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
 
 from dflash.server import (
     anthropic_messages,
@@ -23,11 +22,15 @@ from dflash.server import (
     openai_responses,
 )
 from dflash.server.auth import APIKeyMiddleware
+from dflash.server.body_deadline import BodyDeadline
 from dflash.server.context import ServerContext
 from dflash.server.engine_port import EnginePort
 from dflash.server.errors import install_error_handlers
 from dflash.server.metrics import Metrics
+from dflash.server.openapi_bodies import install_request_bodies
+from dflash.server.origin_guard import BrowserGuard, BrowserPolicy
 from dflash.server.prompt import PromptBuilder
+from dflash.server.request_log import RequestCounter
 from dflash.server.runner import TurnRunner
 from dflash.server.settings import ServerSettings
 from dflash.server.worker import GenerationWorker
@@ -68,39 +71,18 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
     for router in routers:
         app.include_router(router)
     install_error_handlers(app)
+    install_request_bodies(app)
 
+    # Outermost last: counter and log see every answer; the browser guard runs before CORS preflights are
+    # answered and before the key check (a preflight carries no key).
+    app.add_middleware(BodyDeadline, timeout_s=settings.body_timeout_s)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], max_age=600)
+    policy = BrowserPolicy.for_server(settings.host, settings.allowed_hosts, settings.allowed_origins)
+    app.add_middleware(BrowserGuard, policy=policy)
     app.add_middleware(RequestCounter, metrics=metrics, routes=[r for router in routers for r in router.routes])
     return app
 
-
-class RequestCounter:
-    """Counts HTTP requests by route template, method and status (pure ASGI: streams pass through untouched)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: list[BaseRoute]) -> None:
-        self.app, self.metrics, self.routes = app, metrics, routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = [500]
-        route = self._route(scope)
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            self.metrics.http_requests.labels(route, str(scope.get("method", "")), str(status[0])).inc()
-
-    def _route(self, scope: Scope) -> str:
-        for route in self.routes:
-            match, _ = route.matches(dict(scope))
-            if match == Match.FULL:
-                return str(getattr(route, "path", "other"))
-        return "other"
