@@ -3,7 +3,8 @@ drafter exactly where a cold prefill leaves them, so answers and acceptance are 
 
 Cases: the restored state itself (K/V, features, logits, first drafts), a growing agent conversation with tool
 calls and results (linear, plain and DDTree decoding), two conversations interleaved (A, B, A), eviction under a
-small budget, a request cancelled mid-prefill, prompts sharing part of a block, and the per-request opt-out. A
+small budget, a request cancelled mid-prefill and sent again (its completed chunks are reused, in every mode),
+the read-only forecast of the cached prefix, prompts sharing part of a block, and the per-request opt-out. A
 prefill chunk of 32 tokens makes blocks small, so short prompts exercise several of them.
 """
 
@@ -151,20 +152,63 @@ def cache_block_bytes(engine: Engine) -> int:
     return CHUNK * (kv + drafter.config.feature_size * 4)
 
 
-def test_a_prefill_cancelled_midway_stores_nothing(engine: Engine, cache: PrefixCache) -> None:
-    ids = prompt_ids(engine, agent_conversation("archive", 2)[1])
+def stop_after_chunks(chunks: int) -> Callable[[], bool]:
+    """A `should_stop` that turns true once `chunks` prefill chunks ran (the prefill polls it before each chunk)."""
     polls = [0]
 
-    def stop_after_three_chunks() -> bool:
+    def should_stop() -> bool:
         polls[0] += 1
-        return polls[0] > 3
+        return polls[0] > chunks
 
-    result = ask(engine, ids, should_stop=stop_after_three_chunks)
+    return should_stop
+
+
+@pytest.mark.parametrize("spec", ["none", "linear", "ddtree"])
+def test_a_cancelled_prefill_keeps_its_chunks_for_the_resend(engine: Engine, cache: PrefixCache, spec: str) -> None:
+    """A client gives up during the prefill and sends the same prompt again: the resend restores every chunk the
+    first attempt completed (K/V and drafter features) and answers exactly as a cold run."""
+    ids = prompt_ids(engine, agent_conversation("archive", 2)[1])
+    assert len(ids) > 5 * CHUNK
+    result = ask(engine, ids, spec=spec, should_stop=stop_after_chunks(3))
     assert result.finish_reason == "cancelled" and result.token_ids == []
-    assert cache.stats().blocks == 0
-    warm = same_as_cold(engine, ids)
-    assert warm.stats.cached_tokens == 0  # nothing half-written was picked up
+    assert cache.stats().blocks == 3
+    warm = same_as_cold(engine, ids, spec=spec)
+    assert warm.stats.cached_tokens == 3 * CHUNK
     assert cache.stats().blocks == len(ids) // CHUNK
+
+
+def test_each_cancelled_resend_gets_further(engine: Engine, cache: PrefixCache) -> None:
+    """Retries that are cancelled too still make progress: each one resumes where the last stopped."""
+    ids = prompt_ids(engine, agent_conversation("archive", 2)[1])
+    for attempt in (1, 2):
+        result = ask(engine, ids, should_stop=stop_after_chunks(2))
+        assert result.finish_reason == "cancelled"
+        assert cache.stats().blocks == 2 * attempt
+    warm = same_as_cold(engine, ids)
+    assert warm.stats.cached_tokens == 4 * CHUNK
+
+
+def test_a_prefill_cancelled_before_its_first_chunk_stores_nothing(engine: Engine, cache: PrefixCache) -> None:
+    ids = prompt_ids(engine, agent_conversation("archive", 2)[1])
+    result = ask(engine, ids, should_stop=stop_after_chunks(0))
+    assert result.finish_reason == "cancelled" and cache.stats().blocks == 0
+
+
+def test_the_cached_prompt_forecast_matches_what_the_prefill_restores(engine: Engine, cache: PrefixCache) -> None:
+    first, second = (prompt_ids(engine, messages) for messages in agent_conversation("invoice", 2))
+    request = GenerationRequest(prompt_ids=second, max_new_tokens=1)
+    assert engine.cached_prompt_tokens(request) == 0
+    ask(engine, first, max_new=1)
+    before = cache.stats()
+    forecast = engine.cached_prompt_tokens(request)
+    assert forecast == len(first) // CHUNK * CHUNK > 0
+    assert cache.stats() == before  # a forecast is not a lookup: no hit, no miss
+    assert engine.cached_prompt_tokens(GenerationRequest(prompt_ids=second, max_new_tokens=1, use_prefix_cache=False)) == 0
+    assert ask(engine, second, max_new=1).stats.cached_tokens == forecast
+    # the same prompt again: every full block but the one holding the last token, as the prefill restores
+    again = engine.cached_prompt_tokens(request)
+    assert again == (len(second) - 1) // CHUNK * CHUNK
+    assert ask(engine, second, max_new=1).stats.cached_tokens == again
 
 
 def test_prompts_sharing_part_of_a_block_reuse_only_whole_blocks(engine: Engine, cache: PrefixCache) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from dflash.errors import DFlashError, GenerationError
 from dflash.generation.autoregressive import decode_autoregressive
+from dflash.generation.cached_prefill import cached_prefix_length
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
 from dflash.generation.selection import TokenChooser
@@ -149,6 +150,12 @@ class Engine:
         if self.drafter is None or request.sampling.penalised:
             return "none"  # penalties depend on every earlier token: plain decoding applies them exactly
         return mode
+
+    def cached_prompt_tokens(self, request: GenerationRequest) -> int:
+        """Leading prompt tokens of `request` the prefix cache could restore now (0 when it has none or the request
+        opts out): what a stream reports before generation starts; the generation's stats carry the exact figure."""
+        prefix_cache = self.prefix_cache if request.use_prefix_cache else None
+        return cached_prefix_length(prefix_cache, request.prompt_ids, chunk=self.options.prefill_chunk)
 
     def generate(
         self,

@@ -2,8 +2,12 @@
 
 Used by plain and speculative decoding alike. A hit leaves the target cache and the features exactly as a cold
 chunked prefill would (see `dflash.kv.prefix_cache` for why), and at least the last prompt token always goes
-through the target, because its logits choose the first generated token. Blocks are stored only after the whole
-prefill completed: a prefill cancelled between chunks (or failing) leaves nothing behind.
+through the target, because its logits choose the first generated token.
+
+A prefill cancelled between chunks still stores the full blocks its completed chunks cover: they end on the cold
+prefill's chunk grid, so they are exactly what a completed prefill would have stored. A client that gives up on a
+long prompt and sends it again then resumes where the first attempt stopped instead of starting over. A prefill
+that fails (raises) stores nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ def prefix_cache_usable(prefix_cache: PrefixCache | None, chunk: int, capture: S
     return not capture or tuple(capture) == prefix_cache.feature_layers
 
 
+def cached_prefix_length(
+    prefix_cache: PrefixCache | None, token_ids: Sequence[int], *, chunk: int, capture: Sequence[int] = ()
+) -> int:
+    """Prompt positions `prefill_prompt` would restore for `token_ids` now (0 when the cache cannot serve it).
+
+    Read-only: it neither marks blocks used nor counts a hit or miss. The generation thread may insert or evict
+    blocks before the prompt is prefilled, so this is a forecast; the prefill's `cached_tokens` is the fact."""
+    if not prefix_cache_usable(prefix_cache, chunk, capture) or not token_ids:
+        return 0
+    assert prefix_cache is not None
+    return prefix_cache.cached_length(token_ids, limit=_restorable(token_ids))
+
+
+def _restorable(token_ids: Sequence[int]) -> int:
+    """How many leading prompt tokens may come from the cache: all but the last, whose logits must be computed."""
+    return len(token_ids) - 1
+
+
 def prefill_prompt(
     model: CausalLM,
     cache: KVCache,
@@ -43,23 +65,29 @@ def prefill_prompt(
     should_stop: Callable[[], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
 ) -> PromptPrefill | None:
-    """prompt: [1, length] into an empty `cache`. Returns None when `should_stop` abandoned the prefill."""
+    """prompt: [1, length] into an empty `cache`. Returns None when `should_stop` abandoned the prefill (after
+    storing the full blocks of the chunks it completed)."""
     if not prefix_cache_usable(prefix_cache, chunk, capture):
         logits, captured = chunked_prefill(model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop)
         return None if logits is None else PromptPrefill(logits, captured, 0)
     assert prefix_cache is not None
     token_ids = prompt[0].tolist()
-    blocks = prefix_cache.lookup(token_ids, limit=len(token_ids) - 1)  # the last token must run for its logits
+    blocks = prefix_cache.lookup(token_ids, limit=_restorable(token_ids))
     reused = restore_prefix(cache, blocks)
     layers = prefix_cache.feature_layers
     logits, suffix_features = chunked_prefill(
         model, cache, prompt[:, reused:], chunk=chunk, capture=layers, should_stop=should_stop
-    )  # [1, vocab], [1, length - reused, n*hidden] or None
-    if logits is None:
-        return None
+    )  # [1, vocab] or None when cancelled; [1, positions prefilled, n*hidden] or None without layers
     features: torch.Tensor | None = None
-    if suffix_features is not None:
+    if layers:
         cached = [block.features for block in blocks if block.features is not None]  # each [block, n*hidden]
-        features = torch.cat([torch.cat(cached)[None], suffix_features], dim=1) if cached else suffix_features
+        parts = [torch.cat(cached)[None]] if cached else []
+        if suffix_features is not None:
+            parts.append(suffix_features)
+        features = torch.cat(parts, dim=1) if parts else None  # [1, cache.length, n*hidden]
+    if logits is None:  # cancelled: keep what the completed chunks computed, for the resend
+        if cache.length >= reused + prefix_cache.block_tokens:  # at least one new full block
+            prefix_cache.store(token_ids, cache, features)  # only blocks that end within cache.length
+        return None
     prefix_cache.store(token_ids, cache, features)
     return PromptPrefill(logits, features if capture else None, reused)

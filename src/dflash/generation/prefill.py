@@ -24,7 +24,9 @@ def chunked_prefill(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """input_ids: [1, prompt] -> (last-position logits [1, vocab], features [1, prompt, n*hidden] or None).
 
-    Returns (None, None) when `should_stop` asks to abandon the prefill between chunks.
+    `should_stop` is polled before every chunk. When it asks to abandon the prefill, the logits are None and the
+    features cover only the chunks completed so far ([1, done, n*hidden], or None when none were captured); the
+    cache then holds exactly those chunks, so a caller can keep them (`dflash.generation.cached_prefill`).
     """
     total = input_ids.shape[1]
     if model.graph_runner is not None:  # chunks the runner's graphs can serve (eager forwards are launch-bound)
@@ -33,7 +35,7 @@ def chunked_prefill(
     logits: torch.Tensor | None = None
     for lo in range(0, total, max(1, chunk)):
         if should_stop is not None and should_stop():
-            return None, None
+            return None, (torch.cat(features, dim=1) if features else None)
         last = lo + chunk >= total
         out = model(input_ids[:, lo : lo + chunk], cache=cache, capture=capture, logits="last" if last else "none")
         if out.features is not None:

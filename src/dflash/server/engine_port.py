@@ -54,3 +54,13 @@ def spec_mode(engine: EnginePort, request: GenerationRequest) -> str:
     if callable(chooser):
         return str(chooser(request, None))
     return str(getattr(engine.options, "spec", "none"))
+
+
+def cached_prompt_tokens(engine: EnginePort, request: GenerationRequest) -> int:
+    """Leading prompt tokens of `request` the engine's prefix cache holds now (0 for stand-ins without a cache).
+
+    A forecast made before generation starts (the generation may find the cache changed by then)."""
+    lookup = getattr(engine, "cached_prompt_tokens", None)
+    if callable(lookup):
+        return int(lookup(request))
+    return 0
