@@ -1,7 +1,8 @@
 """The prefix cache behind `dflash serve` (real default model and drafter, real uvicorn), driven by the official
 SDKs: cached tokens in the usage of chat completions (plain and streamed), Responses and Anthropic Messages
-(plain and streamed), the same answer with and without the cache, the body and header opt-outs, the metrics, and
-a request whose client goes away mid-prefill leaving nothing in the cache."""
+(plain and streamed, where message_start already reports the cached read), the same answer with and without
+the cache, the body and header opt-outs, the metrics, and a request whose client goes away mid-prefill: the
+chunks it completed are kept, and the same request sent again resumes from them."""
 
 from __future__ import annotations
 
@@ -125,8 +126,42 @@ def test_anthropic_usage_splits_cached_and_uncached_input(claude: anthropic.Anth
     assert final.usage.input_tokens == whole - full_blocks(whole - 1)
 
 
-def test_a_client_gone_mid_prefill_leaves_nothing_cached(server: ServerThread, engine: Engine) -> None:
-    """A long prompt (about 45 prefill chunks) is abandoned while it is being prefilled; nothing of it is kept."""
+def message_start_and_final_usage(claude: anthropic.Anthropic, **params: Any) -> tuple[Any, Any]:
+    """The usage a raw Anthropic stream reports in message_start and in its closing message_delta."""
+    stream = claude.messages.create(model="any", max_tokens=2, stream=True, **params)
+    events = list(stream)
+    starts = [e for e in events if e.type == "message_start"]
+    deltas = [e for e in events if e.type == "message_delta"]
+    assert len(starts) == 1 and len(deltas) == 1 and events[0] is starts[0]
+    return starts[0].message.usage, deltas[0].usage
+
+
+def test_anthropic_message_start_reports_the_cached_read(claude: anthropic.Anthropic) -> None:
+    """Before generating, the stream already splits the prompt into the cached read and the rest, as Anthropic
+    does; the closing message_delta agrees with what the prefill actually restored."""
+    turns: list[anthropic.types.MessageParam] = [{"role": "user", "content": "List the failing tests of the parser."}]
+    whole = claude.messages.count_tokens(model="any", system=SYSTEM, messages=turns).input_tokens
+    cold_start, cold_end = message_start_and_final_usage(
+        claude, system=SYSTEM, messages=turns, extra_body={"cache_prompt": False})
+    assert (cold_start.input_tokens, cold_start.cache_read_input_tokens) == (whole, 0)
+    assert cold_end.cache_read_input_tokens == 0
+    first_start, first_end = message_start_and_final_usage(claude, system=SYSTEM, messages=turns)
+    assert first_start.input_tokens + (first_start.cache_read_input_tokens or 0) == whole
+    assert first_start.cache_read_input_tokens == first_end.cache_read_input_tokens  # the system prompt's blocks
+    again_start, again_end = message_start_and_final_usage(claude, system=SYSTEM, messages=turns)
+    cached = full_blocks(whole - 1)  # every full block but the one holding the last token
+    assert cached > 0
+    assert (again_start.input_tokens, again_start.cache_read_input_tokens) == (whole - cached, cached)
+    assert (again_end.input_tokens, again_end.cache_read_input_tokens) == (whole - cached, cached)
+    off_start, off_end = message_start_and_final_usage(
+        claude, system=SYSTEM, messages=turns, extra_headers={"X-DFlash-Prefix-Cache": "off"})
+    assert (off_start.input_tokens, off_start.cache_read_input_tokens) == (whole, 0)
+    assert off_end.cache_read_input_tokens == 0
+
+
+def test_a_client_gone_mid_prefill_keeps_its_chunks_for_the_resend(server: ServerThread, engine: Engine) -> None:
+    """A long prompt (about 45 prefill chunks) is abandoned while it is being prefilled, as a client that times
+    out does; the blocks its completed chunks cover are kept, and the same request sent again resumes from them."""
     assert engine.prefix_cache is not None
     words = " ".join(f"line {i}: value = compute({i}, {i * 7 % 13})" for i in range(90))
     messages = [{"role": "user", "content": f"Read this log and find the bug.\n{words}"}]
@@ -138,7 +173,7 @@ def test_a_client_gone_mid_prefill_leaves_nothing_cached(server: ServerThread, e
     def stream_then_leave() -> None:
         with httpx.Client(timeout=60) as client, client.stream("POST", f"{server.url}/v1/chat/completions", json=body):
             assert wait_until(lambda: metric(server.url, "dflash_busy") == 1.0, timeout=30)
-            time.sleep(0.3)  # well inside the prefill (seconds on this model)
+            time.sleep(0.5)  # a few chunks into the prefill (seconds on this model)
         done.set()
 
     thread = threading.Thread(target=stream_then_leave)
@@ -147,8 +182,9 @@ def test_a_client_gone_mid_prefill_leaves_nothing_cached(server: ServerThread, e
     assert done.is_set()
     assert wait_until(lambda: metric(server.url, "dflash_cancelled_total", api="chat", stage="running") == cancelled + 1,
                       timeout=30)
-    assert engine.prefix_cache.stats().blocks == blocks_before  # nothing half-written was stored
+    kept = engine.prefix_cache.stats().blocks - blocks_before
     follow = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1}, timeout=120)
     usage = follow.json()["usage"]
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < kept < usage["prompt_tokens"] // CHUNK  # cancelled inside the prefill, after some chunks
+    assert usage["prompt_tokens_details"]["cached_tokens"] == kept * CHUNK
     assert engine.prefix_cache.stats().blocks == blocks_before + usage["prompt_tokens"] // CHUNK

@@ -15,11 +15,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from dflash.server.body import read_json_object, validate
 from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, sampling_params
 from dflash.server.conversation import Message, ToolCall, ToolChoice, ToolSpec, new_id
+from dflash.server.engine_port import cached_prompt_tokens
 from dflash.server.errors import APIError, anthropic_error_body
 from dflash.server.runner import TurnHandle, error_for
 from dflash.server.schemas_anthropic import (
@@ -182,12 +184,16 @@ class _Blocks:
         return named_event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
 
-async def stream_message(handle: TurnHandle, mid: str, model: str, prompt_tokens: int) -> AsyncGenerator[str, None]:
+async def stream_message(
+    handle: TurnHandle, mid: str, model: str, prompt_tokens: int, cached_tokens: int
+) -> AsyncGenerator[str, None]:
+    """The event stream of one message. `cached_tokens`: the prefix cache's forecast for the prompt, split off in
+    message_start as Anthropic does; message_delta carries the figure the generation actually restored."""
     start: dict[str, Any] = {
         "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": 0},
+        "usage": {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": cached_tokens},
     }
     yield named_event("message_start", {"type": "message_start", "message": start})
     yield named_event("ping", {"type": "ping"})
@@ -255,10 +261,13 @@ async def messages(request: Request) -> Response:
         received_at=received_at,
         use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
     )
+    # asked before the turn starts, so its own prefill cannot inflate the figure (the lookup may wait on the cache's lock)
+    cached = await run_in_threadpool(cached_prompt_tokens, ctx.engine, turn.request) if body.stream else 0
     handle = ctx.runner.start(turn, "messages")
     mid = new_id("msg_")
     if body.stream:
-        return EventStreamResponse(stream_message(handle, mid, model, len(prompt.ids)), on_close=handle.cancel)
+        stream = stream_message(handle, mid, model, len(prompt.ids), cached)
+        return EventStreamResponse(stream, on_close=handle.cancel)
     outcome = await handle.outcome_unless_disconnected(request)
     if outcome.finish_reason == "cancelled":
         return JSONResponse(anthropic_error_body(APIError(499, "client closed the request")), status_code=499)
