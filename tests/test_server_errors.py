@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from dflash.errors import GenerationError
 from dflash.server import ServerSettings, create_app
-from tests.server_helpers import FakeEngine, ServerThread, metric, serving, sse_events, wait_until
+from tests.server_helpers import FakeEngine, ServerThread, metric, sdk_clients, serving, sse_events, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,15 +143,38 @@ def test_oversized_body_is_413(server: ServerThread) -> None:
 
 
 # ------------------------------------------------------------------------------------------ budget
-def test_context_overflow_is_400(server: ServerThread) -> None:
+def test_context_overflow_uses_each_apis_words(server: ServerThread) -> None:
+    """Clients act on these words: Claude Code retries with a smaller max_tokens on Anthropic's "input length and
+    `max_tokens` exceed context limit: A + B > C" and compacts on "prompt is too long"; LiteLLM/aider read
+    "maximum context length is"; OpenAI clients read the code context_length_exceeded."""
     error = openai_error(post(server, "/v1/chat/completions", {"model": "any", "messages": ASK, "max_tokens": 600}), 400)
-    assert "exceeds the context limit of 512 tokens" in error["message"] and error["param"] == "max_tokens"
+    assert "This model's maximum context length is 512 tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    prompt = len(FakeEngine().tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
     error = anthropic_error(post(server, "/v1/messages", {"model": "any", "messages": ASK, "max_tokens": 600}), 400)
-    assert "context limit" in error["message"]
-    long_prompt = {"model": "any", "messages": [{"role": "user", "content": "y" * 600}]}
-    assert "fills the context limit" in openai_error(post(server, "/v1/chat/completions", long_prompt), 400)["message"]
+    assert error["type"] == "invalid_request_error"
+    assert re.search(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)", error["message"])
+    assert f"{prompt} + 600 > 512" in error["message"]
+    long_prompt = {"model": "any", "messages": [{"role": "user", "content": "y" * 600}], "max_tokens": 10}
+    error = anthropic_error(post(server, "/v1/messages", long_prompt), 400)
+    assert re.match(r"prompt is too long: \d+ tokens > 511 maximum", error["message"])
+    error = openai_error(post(server, "/v1/chat/completions", long_prompt), 400)
+    assert "maximum context length is 512 tokens" in error["message"] and error["param"] == "messages"
+    assert error["code"] == "context_length_exceeded"
+    error = openai_error(post(server, "/v1/completions", {"model": "any", "prompt": "z" * 600}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
     error = openai_error(post(server, "/v1/responses", {"model": "any", "input": "hi", "max_output_tokens": 900}), 400)
-    assert error["param"] == "max_output_tokens"
+    assert error["code"] == "context_length_exceeded" and error["param"] == "input"
+    assert "exceeds the context window" in error["message"] and "maximum context length is 512" in error["message"]
+
+
+def test_context_overflow_through_the_sdks(server: ServerThread) -> None:
+    oa, claude = sdk_clients(server)
+    with pytest.raises(anthropic.BadRequestError, match="exceed context limit"):
+        claude.messages.create(model="any", max_tokens=32000, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        oa.chat.completions.create(model="any", max_tokens=32000, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.code == "context_length_exceeded"
 
 
 def test_clamp_max_tokens_setting() -> None:

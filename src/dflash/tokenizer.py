@@ -26,6 +26,7 @@ from tokenizers.models import BPE
 
 from dflash.chat_template import render_chat_template
 from dflash.errors import GenerationError, ModelLoadError
+from dflash.special_text import SpecialText, SpecialTextGuard
 
 __all__ = ["END_OF_TURN_TOKENS", "StreamDecoder", "Tokenizer"]
 
@@ -81,6 +82,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos = add_bos
         self.source = source
+        self._special_text: SpecialText | None = None  # built on first use
 
     # ----------------------------------------------------------------------------------- construction
     @classmethod
@@ -230,6 +232,13 @@ class Tokenizer:
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def special_text_guard(self) -> SpecialTextGuard:
+        """A guard for one chat prompt: special tokens typed in its content are encoded as text
+        (`dflash.special_text`)."""
+        if self._special_text is None:
+            self._special_text = SpecialText(self.backend)
+        return self._special_text.guard()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -18,12 +19,14 @@ import torch
 from dflash.errors import DFlashError, GenerationError
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.cached_prefill import cached_prefix_length
+from dflash.generation.constraint_factory import ConstraintFactory
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
+from dflash.special_text import SpecialTextGuard
 from dflash.tokenizer import Tokenizer
 
 log = logging.getLogger("dflash.engine")
@@ -94,8 +97,17 @@ class Engine:
             )
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.target.config.vocab_size)
+
+    @property
     def device(self) -> torch.device:
         return self.target.embed_tokens.weight.device
+
+    @cached_property
+    def constraints(self) -> ConstraintFactory:
+        """Builds token constraints for this model's vocabulary (tool names, grammars), for `request.constraint`."""
+        return ConstraintFactory(self.tokenizer, self.target.config.vocab_size, self.eos_ids)
 
     def warm_up(self) -> int:
         """Capture the CUDA graphs of the first decode shapes now rather than during the first request: one short
@@ -114,13 +126,17 @@ class Engine:
     # ---- prompts -----------------------------------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                         add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        guard = self.tokenizer.special_text_guard()  # special-token text typed in a message stays text
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+            guard.protect(messages), tools=guard.protect(tools) if tools is not None else None,
+            add_generation_prompt=add_generation_prompt, **template_kwargs
         )
-        return self.encode(text)
+        return self.encode(text, guard)
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text)
+    def encode(self, text: str, guard: SpecialTextGuard | None = None) -> list[int]:
+        """Token ids of `text`, BOS first where the model wants one. With `guard` (a chat prompt rendered from the
+        guard's protected conversation) only the template's own special tokens are control tokens."""
+        ids = guard.encode(text) if guard is not None else self.tokenizer.encode(text)
         bos = self.tokenizer.bos_token_id
         if self.tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]
@@ -191,6 +207,7 @@ class Engine:
         chooser = TokenChooser(
             request.sampling, eos_ids=eos, min_tokens=request.min_tokens,
             vocab_size=self.target.config.vocab_size, device=self.device,
+            constraint=request.constraint.start() if request.constraint is not None else None,
         )
         stats = self._decode(mode, request, sink, chooser, should_stop)
         assert sink.finish_reason is not None

@@ -47,7 +47,7 @@ class SamplingParams:
             return None
         generator = torch.Generator(device=device)
         if self.seed is not None:
-            generator.manual_seed(self.seed)
+            generator.manual_seed(self.seed % 2**64)  # any integer names a seed; torch takes 64 bits
         else:
             generator.seed()
         return generator
@@ -55,7 +55,10 @@ class SamplingParams:
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [rows, vocab] -> probabilities [rows, vocab] after temperature, top-k, top-p and min-p."""
-    scores = logits.float() / params.temperature
+    logits = logits.float()
+    # Shifted so the best score is 0 before dividing: a tiny temperature then sends the others to -inf (the
+    # argmax limit) instead of overflowing every score to inf and the softmax to NaN.
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -66,7 +69,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        dropped = before >= params.top_p
+        dropped[..., 0] = False  # the most likely token always stays (a top_p below float precision keeps it alone)
+        sorted_probs = sorted_probs.masked_fill(dropped, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(-1, keepdim=True)
 

@@ -59,13 +59,43 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
+def _system_text(message: AnthropicMessage, where: str) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, block in enumerate(message.content):
+        if not isinstance(block, TextBlock):
+            raise APIError(400, f"{where}.content.{j}: a message with role system holds text blocks only, not "
+                           f"{block.type} blocks", param=f"{where}.content.{j}")
+        texts.append(block.text)
+    return "\n\n".join(texts)
+
+
 def convert_messages(system: str | list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[Message]:
+    """Anthropic conversation -> API-neutral messages.
+
+    `role: "system"` entries of `messages` (mid-conversation system instructions, which Claude Code sends on every
+    request) are kept where they stand, so the prompt builder renders them at that point; ones before the first
+    user message join the top-level `system`, and consecutive ones are joined, as the API expects them to be.
+    """
     out: list[Message] = []
+    leading: list[str] = []
     if system:
         text = system if isinstance(system, str) else "\n\n".join(b.text for b in system)
         if text:
-            out.append(Message("system", text))
+            leading.append(text)
     for i, m in enumerate(messages):
+        if m.role == "system":
+            text = _system_text(m, f"messages.{i}")
+            if not text:
+                continue
+            if not out:
+                leading.append(text)
+            elif out[-1].role == "system":
+                out[-1].content = f"{out[-1].content}\n\n{text}"
+            else:
+                out.append(Message("system", text))
+            continue
         if isinstance(m.content, str):
             out.append(Message(m.role, m.content))
             continue
@@ -92,6 +122,8 @@ def convert_messages(system: str | list[TextBlock] | None, messages: list[Anthro
                 raise _unsupported(block.type, where)
         if texts or calls or thinking:
             out.append(Message(m.role, "".join(texts), reasoning="".join(thinking) or None, tool_calls=calls))
+    if leading:
+        out.insert(0, Message("system", "\n\n".join(leading)))
     return out
 
 
@@ -254,7 +286,7 @@ async def messages(request: Request) -> Response:
         raise APIError(400, "stop_sequences entries must be non-empty strings", param="stop_sequences")
     turn = ctx.chat_turn(
         prompt,
-        max_new_tokens=ctx.max_new_tokens(body.max_tokens, len(prompt.ids), param="max_tokens"),
+        max_new_tokens=ctx.max_new_tokens(body.max_tokens, len(prompt.ids), api="anthropic", param="max_tokens"),
         sampling=sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
         stop=stops,
         choice=choice,

@@ -1,9 +1,10 @@
-"""Request bodies: size limit (413), JSON parsing (400 naming the problem) and schema validation (400
-naming the field)."""
+"""Request bodies: size limit (413), JSON parsing (400 naming the problem), value checks every later step relies
+on (nesting depth, well-formed Unicode: 400 naming the field) and schema validation (400 naming the field)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -43,9 +44,58 @@ async def read_json_object(request: Request, limit: int) -> dict[str, Any]:
         raise APIError(400, f"the request body is not UTF-8 text: {exc}") from None
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _too_deep("") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {_json_type(data)}")
+    check_json_values(data)
     return data
+
+
+def check_json_values(data: Any) -> None:
+    """Refuses (400) what JSON allows but no later step can handle: nesting deeper than `MAX_JSON_DEPTH` (every
+    recursive consumer, from validation to the chat template, would fail on it) and strings or keys holding
+    lone UTF-16 surrogates (`"\\ud800"` parses, but such text cannot be encoded, tokenised or written back).
+    Iterative, so a hostile body cannot exhaust the stack here either."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+            continue
+        if isinstance(value, dict):
+            items: list[tuple[str, Any]] = list(value.items())
+        elif isinstance(value, list):
+            items = [(str(i), v) for i, v in enumerate(value)]
+        else:
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _too_deep(path)
+        for key, child in items:
+            child_path = f"{path}.{key}" if path else key
+            if isinstance(value, dict):
+                _check_text(key, child_path)
+            stack.append((child, child_path, depth + 1))
+
+
+MAX_JSON_DEPTH = 128  # tool schemas nest a few dozen levels at most
+
+
+def _check_text(text: str, path: str) -> None:
+    if _SURROGATE.search(text) is not None:
+        where = path or "the request body"
+        raise APIError(
+            400, f"{where}: the text holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is "
+            "not a Unicode character", param=path or None,
+        )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _too_deep(path: str) -> APIError:
+    where = f"{path}: " if path else ""
+    return APIError(400, f"{where}the request body is nested more than {MAX_JSON_DEPTH} levels deep", param=path or None)
 
 
 def validate(model: type[M], data: Any, *, where: str = "") -> M:

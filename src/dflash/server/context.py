@@ -12,8 +12,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from dflash.errors import GenerationError
+from dflash.generation.constraints import TokenConstraint
 from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
+from dflash.server.context_limit import API, output_does_not_fit, prompt_too_long
 from dflash.server.conversation import Message, ToolChoice, ToolSpec
 from dflash.server.engine_port import EnginePort
 from dflash.server.errors import APIError
@@ -21,10 +23,12 @@ from dflash.server.metrics import Metrics
 from dflash.server.prompt import Prompt, PromptBuilder
 from dflash.server.runner import TurnRunner
 from dflash.server.settings import ServerSettings
+from dflash.server.tool_constraint import tool_constraint
 from dflash.server.turn import Turn
 from dflash.server.worker import GenerationWorker
 
 ANY_MODEL = frozenset({"", "any"})
+_PROMPT_PARAM: dict[API, str] = {"chat": "messages", "completions": "prompt", "responses": "input", "anthropic": "messages"}
 
 
 @dataclass
@@ -48,22 +52,22 @@ class ServerContext:
         )
 
     # ---- budgets ----------------------------------------------------------------------------------
-    def max_new_tokens(self, requested: int | None, prompt_tokens: int, *, param: str) -> int:
+    def max_new_tokens(self, requested: int | None, prompt_tokens: int, *, api: API, param: str) -> int:
+        """The output budget of a request: `requested` (`param` in the API), or, when the client names none, the
+        server's default cap within the room the context leaves. A prompt or budget that does not fit is refused
+        in the API's own words (`dflash.server.context_limit`), or clamped with `--clamp-max-tokens`."""
         limit = self.engine.max_ctx
+        prompt_param = _PROMPT_PARAM[api]
+        if prompt_tokens >= limit:
+            raise prompt_too_long(api, prompt_tokens, limit, prompt_param=prompt_param)
+        room = limit - prompt_tokens
         if requested is None:
-            room = limit - prompt_tokens
-            if room < 1:
-                raise APIError(
-                    400, f"the prompt ({prompt_tokens} tokens) fills the context limit of {limit} tokens",
-                    param="messages", code="context_length_exceeded",
-                )
             return min(self.settings.completion_cap(), room)
-        if prompt_tokens + requested > limit:
-            if self.settings.clamp_max_tokens and prompt_tokens < limit:
-                return limit - prompt_tokens
-            raise APIError(
-                400, f"prompt ({prompt_tokens} tokens) + {param} ({requested}) = {prompt_tokens + requested} "
-                f"exceeds the context limit of {limit} tokens", param=param, code="context_length_exceeded",
+        if requested > room:
+            if self.settings.clamp_max_tokens:
+                return room
+            raise output_does_not_fit(
+                api, prompt_tokens, requested, limit, prompt_param=prompt_param, output_param=param
             )
         return requested
 
@@ -81,6 +85,14 @@ class ServerContext:
         template_kwargs: Mapping[str, Any] | None,
     ) -> Prompt:
         return await run_in_threadpool(self.prompts.build, messages, tools, choice, template_kwargs)
+
+    def turn_constraint(self, prompt: Prompt, choice: ToolChoice) -> TokenConstraint | None:
+        """Only offered tool names (and strict tools' schemas) after a forced call opening; None for an engine
+        that builds no constraints (test stand-ins)."""
+        source = getattr(self.engine, "constraints", None)
+        if source is None or not prompt.forced_prefix:
+            return None
+        return tool_constraint(source, prompt.tools, choice, prompt.tool_format)
 
     def chat_turn(
         self,
@@ -104,6 +116,7 @@ class ServerContext:
             request=GenerationRequest(
                 prompt_ids=prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
                 min_tokens=self.min_tokens(bool(offered), max_new_tokens), use_prefix_cache=use_prefix_cache,
+                constraint=self.turn_constraint(prompt, choice),
             ),
             tools=offered,
             tool_format=prompt.tool_format,

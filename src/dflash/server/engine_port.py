@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from dflash.generation.request import GenerationRequest, GenerationResult, TokenCallback
+from dflash.special_text import SpecialTextGuard
 
 
 class TokenizerPort(Protocol):
@@ -36,7 +37,7 @@ class EnginePort(Protocol):
     @property
     def options(self) -> Any: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, guard: SpecialTextGuard | None = None) -> list[int]: ...
 
     def generate(
         self,

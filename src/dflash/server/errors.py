@@ -52,8 +52,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message, param = _printable(message), _printable(param) if param is not None else None
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def _printable(text: str) -> str:
+    """`text` as valid Unicode: an error that quotes a client's lone surrogate must still be writable as JSON."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def is_anthropic_path(path: str) -> bool:

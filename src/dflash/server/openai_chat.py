@@ -75,7 +75,10 @@ def convert_messages(messages: list[ChatMessage]) -> list[Message]:
 
 def convert_tools(body: ChatCompletionRequest) -> tuple[list[ToolSpec], ToolChoice]:
     tools = [
-        ToolSpec(t.function.name, t.function.description or "", t.function.parameters or {"type": "object", "properties": {}})
+        ToolSpec(
+            t.function.name, t.function.description or "",
+            t.function.parameters or {"type": "object", "properties": {}}, strict=bool(t.function.strict),
+        )
         for t in body.tools or []
     ]
     choice = body.tool_choice
@@ -188,7 +191,7 @@ async def chat_completions(request: Request) -> Response:
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     turn = ctx.chat_turn(
         prompt,
-        max_new_tokens=ctx.max_new_tokens(requested, len(prompt.ids), param=param),
+        max_new_tokens=ctx.max_new_tokens(requested, len(prompt.ids), api="chat", param=param),
         sampling=sampling_params(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

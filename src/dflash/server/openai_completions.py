@@ -46,7 +46,23 @@ def prompt_ids(ctx: ServerContext, prompt: str | list[str] | list[int] | list[li
                        param="prompt", code="unsupported_parameter")
     if not ids:
         raise APIError(400, "prompt is empty", param="prompt")
-    return ids, ctx.engine.tokenizer.decode(ids)
+    check_token_ids(ids, getattr(ctx.engine, "vocab_size", None))
+    try:
+        return ids, ctx.engine.tokenizer.decode(ids)
+    except (ValueError, OverflowError, TypeError) as exc:
+        raise APIError(400, f"prompt: the token ids cannot be decoded: {exc}", param="prompt") from None
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None) -> None:
+    """Token ids must name tokens of the vocabulary (negative or huge ids would reach tensors and the tokenizer)."""
+    upper = vocab_size if vocab_size is not None else _MAX_TOKEN_ID + 1
+    for i, tid in enumerate(ids):
+        if not 0 <= tid < upper:
+            limit = f"the vocabulary's {vocab_size} tokens" if vocab_size is not None else f"0..{_MAX_TOKEN_ID}"
+            raise APIError(400, f"prompt.{i}: token id {tid} is outside {limit}", param=f"prompt.{i}")
+
+
+_MAX_TOKEN_ID = 2**31 - 1  # where the engine cannot say its vocabulary size
 
 
 def check_unsupported(body: CompletionRequest) -> None:
@@ -102,7 +118,7 @@ async def completions(request: Request) -> Response:
     model = ctx.resolve_model(body.model)
     check_unsupported(body)
     ids, prompt_text = prompt_ids(ctx, body.prompt)
-    max_tokens = ctx.max_new_tokens(body.max_tokens, len(ids), param="max_tokens")
+    max_tokens = ctx.max_new_tokens(body.max_tokens, len(ids), api="completions", param="max_tokens")
     turn = Turn(
         request=GenerationRequest(
             prompt_ids=ids, max_new_tokens=max_tokens, stop=tuple(stop_list(body.stop)),

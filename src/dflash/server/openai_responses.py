@@ -106,7 +106,10 @@ def convert_tools(body: ResponsesRequest) -> tuple[list[ToolSpec], ToolChoice]:
             continue
         if not tool.name:
             raise APIError(400, f"tools.{i}.name: a function tool needs a name", param=f"tools.{i}.name")
-        tools.append(ToolSpec(tool.name, tool.description or "", tool.parameters or {"type": "object", "properties": {}}))
+        tools.append(ToolSpec(
+            tool.name, tool.description or "", tool.parameters or {"type": "object", "properties": {}},
+            strict=bool(tool.strict),
+        ))
     choice = body.tool_choice
     if choice is None or choice == "auto":
         return tools, ToolChoice("auto")
@@ -312,7 +315,7 @@ async def responses(request: Request) -> Response:
     prompt = await ctx.build_prompt(conversation, tools, choice, body.chat_template_kwargs)
     turn = ctx.chat_turn(
         prompt,
-        max_new_tokens=ctx.max_new_tokens(body.max_output_tokens, len(prompt.ids), param="max_output_tokens"),
+        max_new_tokens=ctx.max_new_tokens(body.max_output_tokens, len(prompt.ids), api="responses", param="max_output_tokens"),
         sampling=sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed),
         stop=[],
         choice=choice,

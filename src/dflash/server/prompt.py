@@ -20,6 +20,7 @@ from dflash.server.engine_port import EnginePort
 from dflash.server.errors import APIError
 from dflash.server.reasoning import THINK_OPEN
 from dflash.server.tool_calls import ToolFormat, forced_opening, format_call_text
+from dflash.special_text import SpecialTextGuard
 
 _RESERVED_KWARGS = frozenset({"template", "messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 AUTO = ToolChoice("auto")
@@ -97,14 +98,45 @@ class PromptBuilder:
         if offered and not self.native_tools:
             dicts = _with_tool_section(dicts, offered, choice)
         template_tools = [t.template_dict() for t in offered] if offered and self.native_tools else None
-        try:
-            text = self._render(dicts, template_tools, kwargs)
-        except GenerationError as exc:
-            raise APIError(400, str(exc)) from None
+        guard = self._guard()
+        if guard is not None:  # content goes into the template with its special-token text disarmed
+            dicts = guard.protect(dicts)
+            template_tools = guard.protect(template_tools)
+        text = self._render_conversation(dicts, template_tools, kwargs)
         forced = forced_opening(choice, self.tool_format) if offered else ""
-        ids = self.engine.encode(text + forced)
+        if guard is None:
+            ids = self.engine.encode(text + forced)
+        else:
+            ids = self.engine.encode(text + forced, guard)
+            text = guard.restore(text)
         starts_in_reasoning = not forced and text.rstrip().endswith(THINK_OPEN)
         return Prompt(text, ids, forced, starts_in_reasoning, offered, self.tool_format)
+
+    def _guard(self) -> SpecialTextGuard | None:
+        """The tokenizer's special-text guard; stand-in tokenizers without special tokens have none."""
+        make = getattr(self.engine.tokenizer, "special_text_guard", None)
+        return make() if callable(make) else None
+
+    def _render_conversation(
+        self, dicts: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any]
+    ) -> str:
+        """The template's rendering of `dicts`. System messages after the first turn (mid-conversation instructions)
+        go in as they are where the template renders them; a template that refuses them or leaves their text out is
+        given them folded into the neighbouring user turn instead, at the same point of the conversation."""
+        inline = [d for i, d in enumerate(dicts) if i > 0 and d["role"] == "system"]
+        try:
+            text = self._render(dicts, tools, kwargs)
+        except GenerationError as exc:
+            if not inline:
+                raise APIError(400, str(exc)) from None
+            text = None
+        if inline and (text is None or not all(str(d["content"]) in text for d in inline)):
+            try:
+                text = self._render(fold_inline_system(dicts), tools, kwargs)
+            except GenerationError as exc:
+                raise APIError(400, str(exc)) from None
+        assert text is not None
+        return text
 
     def _message_dict(self, message: Message) -> dict[str, Any]:
         role = message.role
@@ -138,6 +170,34 @@ def _with_reasoning(out: dict[str, Any], message: Message) -> dict[str, Any]:
     if message.reasoning:
         out["reasoning_content"] = message.reasoning
     return out
+
+
+def fold_inline_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages after the first turn joined to the user turn they follow (or, when none precedes, the one
+    they precede; else they become a user turn), for templates that render a system message only first."""
+    out: list[dict[str, Any]] = []
+    carried: list[str] = []  # system text waiting for the next user turn
+    for i, message in enumerate(messages):
+        if i > 0 and message["role"] == "system":
+            if out and out[-1]["role"] == "user":
+                out[-1] = {**out[-1], "content": _joined(str(out[-1]["content"] or ""), str(message["content"]))}
+            else:
+                carried.append(str(message["content"]))
+            continue
+        if carried and message["role"] == "user":
+            message = {**message, "content": _joined("\n\n".join(carried), str(message["content"] or ""))}
+            carried = []
+        elif carried:
+            out.append({"role": "user", "content": "\n\n".join(carried)})
+            carried = []
+        out.append(message)
+    if carried:
+        out.append({"role": "user", "content": "\n\n".join(carried)})
+    return out
+
+
+def _joined(first: str, second: str) -> str:
+    return f"{first}\n\n{second}" if first and second else first or second
 
 
 def tool_section(tools: Sequence[ToolSpec], choice: ToolChoice) -> str:

@@ -61,7 +61,7 @@ ContentBlock = Annotated[
 
 
 class AnthropicMessage(_Block):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # "system": an instruction from this point of the conversation on
     content: str | list[ContentBlock]
 
 
