@@ -2,15 +2,27 @@
 
 Agent stall recovery is opt-in through the environment: DFLASH_MIN_TOKENS=N, DFLASH_STALL_TOOL_PREFIX=1,
 DFLASH_DEGENERATE_RUN_TOKENS=N (see dflash.server.stall).
+
+API key: none by default. Give one through $DFLASH_API_KEY or --api-key-file PATH (--api-key KEY also works,
+but other users of the machine can read it in `ps`); the start-up banner names it without printing it.
+
+Web pages: the API refuses request bodies not declared JSON (415), cross-site requests (a foreign Origin
+header, 403) unless --allowed-origins names the site, and, on a loopback address, Host names other than
+localhost, 127.0.0.1 and [::1] (DNS rebinding, 403) unless --allowed-hosts names them. With a non-loopback
+--host every Host name is accepted (the names the server is reached by are unknown), unless --allowed-hosts
+is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from dflash.cli.api_key import ENV_VAR, APIKey, load_api_key
 from dflash.cli.common import add_model_options, add_prefix_cache_option, engine_from_args
 from dflash.errors import DFlashError
 
@@ -27,7 +39,16 @@ def register(commands: Any) -> None:
     group.add_argument("--port", type=int, default=8000)
     group.add_argument("--served-model-name", default=None, help="model id clients use (default: the model's name)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/ routes")
+                       help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/ routes (visible in "
+                       f"`ps`: prefer ${ENV_VAR} or --api-key-file)")
+    group.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help=f"read the API key from this file (its only line); default: ${ENV_VAR} if set")
+    group.add_argument("--allowed-hosts", default=None, metavar="A,B",
+                       help="Host names accepted besides localhost/127.0.0.1/[::1] and the --host address ('*': any); "
+                       "default: only those on a loopback --host, any on another --host")
+    group.add_argument("--allowed-origins", default=None, metavar="A,B",
+                       help="web origins (e.g. http://localhost:3000) whose pages may call the API, with CORS "
+                       "('*': any); default: none but the server's own")
     group.add_argument("--chat-template-file", default=None, help="Jinja chat template replacing the model's")
     group.add_argument("--default-max-tokens", type=int, default=None,
                        help="completion budget of requests that name none (default 4096, capped by the context)")
@@ -37,10 +58,15 @@ def register(commands: Any) -> None:
     group.add_argument("--remap-developer-role", action="store_true",
                        help="render OpenAI 'developer' messages as 'system' (for templates that reject it)")
     group.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit in MiB (larger: 413)")
+    group.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="time to receive a whole request body (slower or stalled senders: 408)")
+    group.add_argument("--keep-alive-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="close a client's idle connection after this")
     parser.set_defaults(run=run)
 
 
-def settings_from_args(args: argparse.Namespace) -> Any:
+def settings_from_args(args: argparse.Namespace, key: APIKey | None = None) -> Any:
+    """Settings of the flags; the API key is `key` if given, else loaded from the flags and environment."""
     from dflash.server.settings import ServerSettings
     from dflash.server.stall import StallSettings
 
@@ -55,34 +81,74 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise DFlashError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if not 0 < args.port < 65536:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
+    for flag, seconds in (("--body-timeout", args.body_timeout), ("--keep-alive-timeout", args.keep_alive_timeout)):
+        if not seconds > 0:
+            raise DFlashError(f"{flag} must be a positive number of seconds, got {seconds}")
+    key = key or load_api_key(args.api_key, args.api_key_file, os.environ)
     return ServerSettings(
-        host=args.host, port=args.port, served_model_name=args.served_model_name, api_key=args.api_key,
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_key=key.value if key else None, allowed_hosts=_host_list(args.allowed_hosts),
+        allowed_origins=_origin_list(args.allowed_origins), body_timeout_s=args.body_timeout,
+        http_keep_alive_s=args.keep_alive_timeout,
         default_max_tokens=args.default_max_tokens, clamp_max_tokens=args.clamp_max_tokens,
         remap_developer_role=args.remap_developer_role,
         chat_template=template, max_body_bytes=int(args.max_body_mb * 1024 * 1024), stall=StallSettings.from_env(),
     )
 
 
-def banner(settings: Any, model: str, spec: str) -> str:
+def _host_list(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for name in names:
+        if "/" in name or " " in name:
+            raise DFlashError(f"--allowed-hosts: {name!r} is not a host name (give names like gpu-box.lan, or '*')")
+    if not names:
+        raise DFlashError("--allowed-hosts is empty (give names like gpu-box.lan, or '*')")
+    return names
+
+
+def _origin_list(text: str | None) -> tuple[str, ...]:
+    origins = tuple(o.strip().rstrip("/") for o in (text or "").split(",") if o.strip())
+    for origin in origins:
+        parts = urlsplit(origin)
+        if origin != "*" and (parts.scheme not in ("http", "https") or not parts.netloc or parts.path):
+            raise DFlashError(f"--allowed-origins: {origin!r} is not a web origin like http://localhost:3000 (or '*')")
+    return origins
+
+
+def banner(settings: Any, model: str, spec: str, key: APIKey | None = None) -> str:
+    """How to connect, for the log; the API key is named by where it comes from (`key`), never printed."""
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
-    url = f"http://{host}:{settings.port}"
-    key = settings.api_key or "dummy"
+    netloc = f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
+    url = f"http://{netloc}"
+    if settings.api_key and key is None:
+        key = APIKey(settings.api_key, '"<your key>"', "<your key>", "settings")
+    py_key, sh_key = (key.python, key.shell) if key else ('"dummy"', "dummy")
+    codex_key = f' env_key="{ENV_VAR}"' if key else ""
+    codex_env = f" (run it as {ENV_VAR}=\"{key.shell}\" codex)" if key and key.shell != f"${ENV_VAR}" else ""
+    curl_key = f' -H "Authorization: Bearer {sh_key}"' if key else ""
     lines = [
         f"dflash serve: {model} ({spec} decoding) listening on http://{settings.host}:{settings.port}",
-        f"  OpenAI SDK:   OpenAI(base_url=\"{url}/v1\", api_key=\"{key}\"), model=\"{model}\" (or \"any\")",
-        f"  Anthropic:    Anthropic(base_url=\"{url}\", api_key=\"{key}\")",
-        f"  Claude Code:  ANTHROPIC_BASE_URL={url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} "
+        f"  OpenAI SDK:   OpenAI(base_url=\"{url}/v1\", api_key={py_key}), model=\"{model}\" (or \"any\")",
+        f"  Anthropic:    Anthropic(base_url=\"{url}\", api_key={py_key})",
+        f"  Claude Code:  ANTHROPIC_BASE_URL={url} ANTHROPIC_AUTH_TOKEN=\"{sh_key}\" ANTHROPIC_MODEL={model} "
         f"ANTHROPIC_DEFAULT_HAIKU_MODEL={model} CLAUDE_CODE_MAX_OUTPUT_TOKENS=<fits the context> claude",
-        f"  Codex:        [model_providers.dflash] base_url=\"{url}/v1\" wire_api=\"responses\"; model=\"{model}\"",
-        f"  curl:         curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"  Codex:        [model_providers.dflash] base_url=\"{url}/v1\" wire_api=\"responses\"{codex_key}; "
+        f"model=\"{model}\"{codex_env}",
+        f"  curl:         curl {url}/v1/chat/completions -H 'Content-Type: application/json'{curl_key} "
         "-d '{\"model\":\"any\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'",
         f"  health {url}/health   metrics {url}/metrics",
     ]
+    if key is not None:
+        exposed = " (other users can read it in `ps`: prefer $DFLASH_API_KEY or --api-key-file)" \
+            if key.source == "--api-key" else ""
+        lines.append(f"  API key required on /v1/, from {key.source}{exposed}")
     stall = settings.stall.describe()
     if stall:
         lines.append(f"  stall recovery on: {', '.join(stall)}")
     if not settings.api_key and host != settings.host:
-        lines.append("  warning: listening on every interface without --api-key")
+        lines.append("  warning: listening on every interface without an API key")
     return "\n".join(lines)
 
 
@@ -95,13 +161,14 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashError(
             f"dflash serve needs the HTTP extras ({exc.name} is missing): pip install 'dflash-server[server]'"
         ) from None
-    settings = settings_from_args(args)
+    key = load_api_key(args.api_key, args.api_key_file, os.environ)
+    settings = settings_from_args(args, key)
     print("loading model...", file=sys.stderr, flush=True)
     engine = engine_from_args(args)
     engine.warm_up()  # CUDA graphs of the first shapes are captured before the first request
     app = create_app(engine, settings)
-    print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec), file=sys.stderr,
-          flush=True)
+    print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key),
+          file=sys.stderr, flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keep_alive_s)
     return 0
