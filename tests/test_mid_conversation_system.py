@@ -116,7 +116,9 @@ def test_system_message_with_non_text_blocks_is_refused_in_anthropic_words() -> 
     assert response.status_code == 400
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-    assert "messages.1.content.0" in error["error"]["message"] and "text blocks only" in error["error"]["message"]
+    message = error["error"]["message"]
+    assert "messages.1.content.0" in message and "text blocks only" in message
+    assert "role system" in message and "not supported" in message  # what Claude Code's fallback looks for
 
 
 def test_fold_keeps_order_and_roles() -> None:

@@ -15,7 +15,15 @@ import pytest
 
 from dflash.errors import GenerationError
 from dflash.server import ServerSettings, create_app
-from tests.server_helpers import FakeEngine, ServerThread, metric, sdk_clients, serving, sse_events, wait_until
+from tests.server_helpers import (
+    FakeEngine,
+    ServerThread,
+    metric,
+    sdk_clients,
+    serving,
+    sse_events,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -65,8 +65,9 @@ def _system_text(message: AnthropicMessage, where: str) -> str:
     texts = []
     for j, block in enumerate(message.content):
         if not isinstance(block, TextBlock):
-            raise APIError(400, f"{where}.content.{j}: a message with role system holds text blocks only, not "
-                           f"{block.type} blocks", param=f"{where}.content.{j}")
+            # "role system ... not supported": the words Claude Code's fallback (resend without such messages) reads
+            raise APIError(400, f"{where}.content.{j}: {block.type} blocks in a message with role system are not "
+                           "supported (text blocks only)", param=f"{where}.content.{j}")
         texts.append(block.text)
     return "\n\n".join(texts)
 
