@@ -78,6 +78,17 @@ def test_an_unreadable_key_file_stops_start_up(tmp_path: Path) -> None:
         serve_cli.settings_from_args(parse("--api-key-file", str(path)))
 
 
+def test_a_read_error_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = key_file(tmp_path, SECRET)
+
+    def refuse(self: Path, encoding: str | None = None) -> str:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(DFlashError, match=f"--api-key-file {re.escape(str(path))}: Permission denied"):
+        serve_cli.settings_from_args(parse("--api-key-file", str(path)))
+
+
 def test_key_given_twice_or_empty_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DFlashError, match="not both"):
         serve_cli.settings_from_args(parse("--api-key", "a", "--api-key-file", str(key_file(tmp_path, "b"))))
