@@ -9,6 +9,9 @@ by the `ModelConfig` field set. Files of one entry, in `<cache dir>/gguf/`:
     <key>.tokenizer.json   the tokenizer built from the GGUF metadata (absent if the file has none)
     <key>.json             config, tokenizer conventions, source; written last, marks the entry complete
 
+Each file is written as a temporary tagged with the writer's pid, then renamed. Temporaries of writers that
+died mid-write are removed the next time the cache is used.
+
 The directory is `platformdirs.user_cache_dir("dflash")`, or `$DFLASH_CACHE_DIR`; `DFLASH_NO_CACHE=1`
 turns the cache off. Failing to write the cache is never an error: the model is still returned.
 """
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.cache_paths import cache_root
+from dflash.cache_paths import cache_root, remove_stale_temporaries, temporary_name
 from dflash.config import ModelConfig
 from dflash.tokenizer import Tokenizer
 
@@ -74,6 +77,7 @@ def load_cached(path: Path) -> CachedModel | None:
     """The cached checkpoint of `path`, or None when there is none (or it is unreadable)."""
     if not cache_enabled():
         return None
+    _sweep()
     try:
         meta_file, weights_file, tok_file = _entry(path)
         if not meta_file.is_file() or not weights_file.is_file():
@@ -101,6 +105,7 @@ def store(
         meta_file, weights_file, tok_file = _entry(path)
         directory = meta_file.parent
         directory.mkdir(parents=True, exist_ok=True)
+        _sweep()  # before the free-space check: a dead writer's temporary may be what fills the disk
         needed = sum(t.numel() * 4 for t in weights.values())
         if shutil.disk_usage(directory).free < needed + _FREE_SPACE_MARGIN:
             log.warning("not caching %s: less than %d MiB free in %s", path, needed // 2**20, directory)
@@ -144,7 +149,12 @@ def _forget_older_entries(directory: Path, path: Path) -> None:
 
 
 def _tmp_name(final: Path) -> Path:
-    return final.with_name(f"{final.name}.tmp{os.getpid()}")
+    return temporary_name(final)
+
+
+def _sweep() -> None:
+    for stale in remove_stale_temporaries(cache_dir()):
+        log.info("removed %s, left by a writer that stopped mid-write", stale)
 
 
 def _remove(*files: Path) -> None:
