@@ -9,7 +9,8 @@ without a deadline (streamed answers keep listening for the client's disconnect)
 
 from __future__ import annotations
 
-import anyio
+import asyncio
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dflash.server.errors import APIError
@@ -23,7 +24,8 @@ class BodyDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        deadline = anyio.current_time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         body_complete = False
         timed_out = False
 
@@ -32,9 +34,8 @@ class BodyDeadline:
             if body_complete:
                 return await receive()
             try:
-                with anyio.fail_after(max(0.0, deadline - anyio.current_time())):
-                    message = await receive()
-            except TimeoutError:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
                 timed_out = True
                 raise APIError(
                     408, f"the request body was not received within {self.timeout_s:g} s", code="request_timeout"
