@@ -100,11 +100,12 @@ class ResidentDecoder:
         should_stop: Callable[[], bool] | None = None,
     ) -> bool:
         """Run a speculative generation's remaining rounds here, from its host loop's `state`, when they can be
-        served now: EOS no longer suppressed, every round inside the storage. Returns whether it did (the
+        served now: EOS no longer suppressed, no token constraint still active (its masks are applied on the
+        host), every round inside the storage. Returns whether it did (the
         generation is then over). Context rows beyond the block the round's graph takes (the prompt's, on the
         first round) are written into `drafter_cache` first (`DFlashDrafter.absorb_context`)."""
         produced = len(sink.token_ids)
-        if chooser.min_tokens > produced or not self.fits(state.start, max_new_tokens - produced):
+        if chooser.min_tokens > produced or chooser.constrained or not self.fits(state.start, max_new_tokens - produced):
             return False
         block = self.runner.draft_features.shape[1]
         features = state.new_features  # [1, new, n*hidden]: positions drafter_cache.length .. start-1

@@ -59,7 +59,7 @@ def decode_autoregressive(
             break
         produced = len(sink.token_ids)
         if (
-            resident is not None and chooser.min_tokens <= produced
+            resident is not None and chooser.min_tokens <= produced and not chooser.constrained
             and resident.fits(cache.length, request.max_new_tokens - produced)
         ):  # greedy steps as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
             resident.load_plain(cache.length, token)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash.generation.constraints import TokenConstraint
 from dflash.generation.sampling import SamplingParams
 
 TokenCallback = Callable[[str, list[int]], None]  # (new visible text, new token ids)
@@ -21,6 +22,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS is suppressed before this many tokens
     use_prefix_cache: bool = True  # read and fill the engine's prefix cache (when it has one)
+    constraint: TokenConstraint | None = None  # restricts the tokens chosen (`dflash.generation.constraints`)
 
 
 @dataclass

@@ -19,6 +19,7 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    strict: bool = False  # arguments must follow `parameters` exactly (OpenAI `strict: true`)
 
     def template_dict(self) -> dict[str, Any]:
         """The Hugging Face chat-template convention."""

@@ -50,6 +50,7 @@ class ResponsesTool(_Lenient):
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ResponsesRequest(_Lenient):

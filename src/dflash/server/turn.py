@@ -225,7 +225,10 @@ def _continuation(engine: EnginePort, turn: Turn, first: GenerationResult) -> tu
     if budget < 1:
         return None
     prompt_ids = [*turn.request.prompt_ids, *own_ids, *opening_ids]
-    return opening, replace(turn.request, prompt_ids=prompt_ids, max_new_tokens=budget, min_tokens=0)
+    # the opening names the tool: a constraint on how the first generation opens its call no longer applies
+    return opening, replace(
+        turn.request, prompt_ids=prompt_ids, max_new_tokens=budget, min_tokens=0, constraint=None
+    )
 
 
 def merge_stats(results: list[GenerationResult]) -> GenerationStats:

@@ -21,6 +21,9 @@ End of the generation: a round commits at most ``depth + 1`` tokens, so the tree
 still be used (``max_new_tokens - produced - 1``). This keeps every verified position below
 ``prompt + max_new_tokens`` (the engine's context check) and spares useless nodes in the last rounds.
 
+Token constraints (``GenerationRequest.constraint``): every node's row is masked with what the constraint allows
+after the node's path, so the walk commits exactly what plain decoding under the constraint could.
+
 ``min_tokens``: the target's choice at a depth-``d`` node decides output token ``produced + d``; while EOS is still
 suppressed (``produced < min_tokens``) the rows are chosen one by one with their exact output index, otherwise in
 one call (nothing to suppress), so EOS suppression matches plain decoding exactly.
@@ -57,12 +60,19 @@ def tree_choices(chooser: TokenChooser, logits: torch.Tensor, tree: DraftTree, o
 
     Row ``i`` decides output token ``output_index + depth_i``. ``TokenChooser.choose`` gives row ``i`` the index
     ``output_index + i``, which only matters while EOS is suppressed (``min_tokens``); in that case the rows are
-    chosen one at a time with their exact index.
+    chosen one at a time with their exact index. A token constraint masks each row along its node's path from
+    the root (``TokenChooser.allowed`` with the tree's parents).
     """
+    allowed = None
+    if chooser.constrained:
+        allowed = chooser.allowed(tree.token_ids.tolist(), tree.parents.tolist())  # [n+1, vocab]
     if chooser.min_tokens <= output_index or not chooser.eos.numel() or tree.num_nodes == 0:
-        return chooser.choose(logits, output_index)  # [n+1]
+        return chooser.choose(logits, output_index, allowed)  # [n+1]
     depths = [0, *tree.depths.tolist()]
-    rows = [chooser.choose(logits[i : i + 1], output_index + d) for i, d in enumerate(depths)]
+    rows = [
+        chooser.choose(logits[i : i + 1], output_index + d, None if allowed is None else allowed[i : i + 1])
+        for i, d in enumerate(depths)
+    ]
     return torch.cat(rows)  # [n+1]
 
 

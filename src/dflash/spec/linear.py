@@ -73,7 +73,9 @@ def decode_linear(
         block = torch.cat((draft_tokens.new_full((1,), state.pending), draft_tokens))[None]  # [1, k+1]
         out = target(block, cache=target_cache, capture=layer_ids)
         assert out.logits is not None and out.features is not None
-        choices = chooser.choose(out.logits[0], len(sink.token_ids))  # [k+1]
+        # row i's prefix is the committed output plus draft[:i]; a constraint masks each row along that path
+        allowed = chooser.allowed(draft_tokens.tolist()) if chooser.constrained else None
+        choices = chooser.choose(out.logits[0], len(sink.token_ids), allowed)  # [k+1]
         accepted = accepted_prefix_length(draft_tokens, choices)
         committed = [*draft_tokens[:accepted].tolist(), int(choices[accepted])]
         stats.record_round(drafts_per_round, accepted)
