@@ -154,13 +154,15 @@ class FakeEngine:
 class ServerThread:
     """uvicorn serving `app` on a free loopback port, in a background thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config: Any) -> None:
+        """`config`: further `uvicorn.Config` arguments (e.g. the `http` protocol class `dflash serve` uses)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=3)
-        self.server = uvicorn.Server(config)
+        options = {"log_level": "warning", "lifespan": "on", "timeout_graceful_shutdown": 3, **config}
+        uvicorn_config = uvicorn.Config(app, **options)
+        self.server = uvicorn.Server(uvicorn_config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property

@@ -89,3 +89,19 @@ def test_store_sweeps_and_leaves_no_temporary(cache: Path, tmp_path: Path) -> No
 def test_a_missing_directory_is_no_error(tmp_path: Path) -> None:
     assert remove_stale_temporaries(tmp_path / "absent") == []
 
+
+
+def test_assembling_the_packaged_gemma_file_sweeps_a_dead_writers_copy(cache: Path) -> None:
+    """The packaged Gemma GGUF is assembled from its parts into the cache on first use; a start killed then leaves
+    a temporary of its size beside it."""
+    from dflash.models.packaged import GEMMA3_270M_FILE, gemma3_270m_path
+
+    folder = cache.parent / "models"
+    folder.mkdir(parents=True)
+    stale = folder / f"{GEMMA3_270M_FILE}.tmp{dead_pid()}"
+    stale.write_bytes(b"\0" * 1024)
+    path = gemma3_270m_path()
+    if path is None:
+        pytest.fail("the Gemma-3-270M packages are not installed (make install installs them)")
+    assert path.parent == folder and path.is_file()
+    assert not stale.exists()

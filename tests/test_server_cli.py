@@ -13,6 +13,11 @@ from dflash.errors import DFlashError
 from tests.server_helpers import FakeEngine
 
 
+@pytest.fixture(autouse=True)
+def no_key_in_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DFLASH_API_KEY", raising=False)  # the defaults below assume a keyless server
+
+
 def parse(*argv: str) -> Any:
     return build_parser().parse_args(["serve", *argv])
 
@@ -55,6 +60,9 @@ def test_run_prints_how_to_connect(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     assert "listening on http://127.0.0.1:8123" in err
     assert 'base_url="http://127.0.0.1:8123/v1"' in err and "ANTHROPIC_BASE_URL=http://127.0.0.1:8123" in err
     assert "DFLASH_DEGENERATE_RUN_TOKENS=64" in err
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    assert issubclass(started["http"], H11Protocol)  # the protocol with the header deadline
 
 
 def test_bad_stall_environment_stops_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,8 @@ def register(commands: Any) -> None:
                        help="render OpenAI 'developer' messages as 'system' (for templates that reject it)")
     group.add_argument("--max-body-mb", type=float, default=8.0, help="request body limit in MiB (larger: 413)")
     group.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
-                       help="time to receive a whole request body (slower or stalled senders: 408)")
+                       help="time to receive a request's headers, and then its whole body (slower or stalled "
+                       "senders: 408)")
     group.add_argument("--keep-alive-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="close a client's idle connection after this")
     parser.set_defaults(run=run)
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from dflash.server import create_app
+        from dflash.server.header_deadline import header_deadline_protocol
     except ImportError as exc:
         raise DFlashError(
             f"dflash serve needs the HTTP extras ({exc.name} is missing): pip install 'dflash-server[server]'"
@@ -170,5 +172,6 @@ def run(args: argparse.Namespace) -> int:
     print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key),
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keep_alive_s)
+                timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keep_alive_s,
+                http=header_deadline_protocol(settings.body_timeout_s))
     return 0

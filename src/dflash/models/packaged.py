@@ -12,6 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+from dflash.cache_paths import remove_stale_temporaries, temporary_name
 from dflash.errors import ModelLoadError
 from dflash.models.gguf_cache import cache_dir
 
@@ -69,7 +70,8 @@ def gemma3_270m_path() -> Path | None:
     ):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    remove_stale_temporaries(target.parent)  # a writer killed mid-copy must not leave its file behind for good
+    tmp = temporary_name(target)
     try:
         with tmp.open("wb") as out:
             for chunk in chunks:

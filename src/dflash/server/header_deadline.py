@@ -1,0 +1,68 @@
+"""A deadline for request headers: connections that open and never finish sending their headers are closed.
+
+uvicorn times out idle keep-alive connections, and the body deadline (`body_deadline.py`) bounds the time to send a
+body, but nothing bounds the time from opening a connection (or starting the next request on it) to the end of
+the request's headers: a client that sends `POST /v1/messages HTTP/1.1\\r\\n` and then a byte a minute holds a
+connection open for good. This protocol, uvicorn's own h11 protocol plus one timer, answers such a client with a
+408 and closes the connection once `timeout_s` has passed without complete headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+_BODY = json.dumps({"error": {
+    "message": "the request headers were not received in time", "type": "invalid_request_error", "param": None,
+    "code": "request_timeout",
+}}).encode()
+_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY
+)
+
+
+def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with a `timeout_s` deadline on every request's headers (for `uvicorn.run(http=)`)."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:  # some bytes of the next request's headers, not all of them
+                if self._deadline is None:
+                    self._arm()
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # the connection is idle now: uvicorn's keep-alive timeout takes over
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._deadline = self.loop.call_later(timeout_s, self._expired)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(_RESPONSE)
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
