@@ -85,6 +85,8 @@ def test_stream_parser_unterminated_and_invalid_calls() -> None:
     assert isinstance(cut[-1], ToolCall) and cut[-1].arguments == {"n": 2}
     garbage = feed_chars(ToolCallStreamParser([TOOLS["f"]]), "a <tool_call>not json</tool_call> b")
     assert "".join(p for p in garbage if isinstance(p, str)) == "a <tool_call>not json</tool_call> b"  # kept, not lost
+    cut_name = feed_chars(ToolCallStreamParser([TOOLS["f"], ToolSpec("fetch")]), '<tool_call>{"name": "fet')
+    assert cut_name == ['<tool_call>{"name": "fet']  # a name cut short is no call to an offered tool
     partial = feed_chars(ToolCallStreamParser([TOOLS["f"]]), "ends with <tool_ca")
     assert "".join(p for p in partial if isinstance(p, str)) == "ends with <tool_ca"
 

@@ -37,8 +37,9 @@ class GrammarVocabulary:
         llguidance = _import_llguidance()
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GenerationError(f"invalid grammar: {'; '.join(messages)}")
+        if is_error:  # the first line says what is wrong; the rest quotes the grammar
+            first = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "rejected"
+            raise GenerationError(f"invalid grammar: {first}")
         return GrammarConstraint(self, grammar)
 
 

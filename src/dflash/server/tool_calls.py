@@ -266,7 +266,8 @@ class ToolCallStreamParser:
 
     def _call_or_text(self, body: str, *, closed: bool) -> Piece:
         call = parse_call_body(body, self.tools)
-        if call is None:  # not a call after all: keep the text rather than lose it
+        # not a call after all, or one cut short before its name was complete: keep the text rather than lose it
+        if call is None or (not closed and self.tools and call.name not in self.tools):
             return OPEN + body + (CLOSE if closed else "")
         self.calls.append(call)
         return call
