@@ -35,10 +35,11 @@ class ConstraintFactory:
         """Write exactly one of `options`, then anything."""
         return OneOfConstraint(self.table, options)
 
-    def grammar(self, lark: str) -> GrammarConstraint:
-        """Follow a Lark grammar (llguidance syntax). Raises `GenerationError` for an invalid one."""
+    def grammar(self, lark: str, *, release: bool = True) -> GrammarConstraint:
+        """Follow a Lark grammar (llguidance syntax); `release`: free once it accepts, else to the end of the
+        output. Raises `GenerationError` for an invalid one."""
         with self._lock:
             if self._grammar is None:
                 self._grammar = GrammarVocabulary(self.tokenizer.to_json(), self.vocab_size, self.eos_ids)
             vocabulary = self._grammar
-        return vocabulary.compile(lark)
+        return vocabulary.compile(lark, release=release)

@@ -4,9 +4,10 @@ llguidance computes the allowed-token bitmask of a grammar state, consumes token
 the whole of what a `ConstraintState` must do. Its tokenizer is built from the model's `tokenizer.json` text
 once per tokenizer (`GrammarVocabulary`); each generation gets its own matcher.
 
-The state is `finished` as soon as the grammar accepts: a grammar meant to release the output after its last
-part ends with a free tail (`/(.|\\n)*/`), so the tokens that finish the constrained part may also carry the
-text after it, and from then on nothing is restricted.
+A grammar for a part of the output (a tool call) is compiled with `release=True`: its state is `finished` as
+soon as the grammar accepts. Such a grammar ends with a free tail (`/(.|\\n)*/`), so the tokens that finish the
+constrained part may also carry the text after it, and from then on nothing is restricted. A grammar for the
+whole output (`release=False`, a JSON answer) stays on to the end: once complete it allows only EOS.
 
 llguidance is imported only when a grammar is built, so the engine imports and runs without it.
 """
@@ -32,35 +33,38 @@ class GrammarVocabulary:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=list(eos_ids) or None)
         self.words = int(self.tokenizer.vocab_size)  # ids the grammar knows; higher ids are never allowed
 
-    def compile(self, lark: str) -> GrammarConstraint:
-        """Raises `GenerationError` when the grammar (or a schema inside it) is not valid."""
+    def compile(self, lark: str, *, release: bool = True) -> GrammarConstraint:
+        """Raises `GenerationError` when the grammar (or a schema inside it) is not valid. `release`: the
+        constraint finishes once the grammar accepts (see the module docstring)."""
         llguidance = _import_llguidance()
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:  # the first line says what is wrong; the rest quotes the grammar
             first = messages[0].strip().splitlines()[0] if messages and messages[0].strip() else "rejected"
             raise GenerationError(f"invalid grammar: {first}")
-        return GrammarConstraint(self, grammar)
+        return GrammarConstraint(self, grammar, release)
 
 
 class GrammarConstraint:
-    def __init__(self, vocabulary: GrammarVocabulary, grammar: str) -> None:
+    def __init__(self, vocabulary: GrammarVocabulary, grammar: str, release: bool = True) -> None:
         self.vocabulary = vocabulary
         self.grammar = grammar
+        self.release = release
 
     def start(self) -> GrammarState:
         llguidance = _import_llguidance()
         matcher = llguidance.LLMatcher(self.vocabulary.tokenizer, self.grammar, log_level=0)
         if matcher.is_error():
             raise GenerationError(f"grammar matcher: {matcher.get_error()}")
-        return GrammarState(self.vocabulary, matcher)
+        return GrammarState(self.vocabulary, matcher, self.release)
 
 
 class GrammarState:
-    def __init__(self, vocabulary: GrammarVocabulary, matcher: Any) -> None:
+    def __init__(self, vocabulary: GrammarVocabulary, matcher: Any, release: bool = True) -> None:
         self.vocabulary = vocabulary
         self.matcher = matcher
-        self._finished = bool(matcher.is_accepting())
+        self.release = release
+        self._finished = release and bool(matcher.is_accepting())
         self._history: list[bool] = []
 
     @property
@@ -79,7 +83,7 @@ class GrammarState:
         if not self.matcher.consume_token(token):
             raise GenerationError(f"grammar matcher: {self.matcher.get_error()}")
         self._history.append(self._finished)
-        self._finished = bool(self.matcher.is_accepting())
+        self._finished = self.release and bool(self.matcher.is_accepting())
         return True
 
     def rollback(self, count: int) -> None:

@@ -21,6 +21,7 @@ from dflash.server.engine_port import EnginePort
 from dflash.server.errors import APIError
 from dflash.server.metrics import Metrics
 from dflash.server.prompt import Prompt, PromptBuilder
+from dflash.server.response_format import AnswerSchema, answer_constraint
 from dflash.server.runner import TurnRunner
 from dflash.server.settings import ServerSettings
 from dflash.server.tool_constraint import tool_constraint
@@ -86,13 +87,20 @@ class ServerContext:
     ) -> Prompt:
         return await run_in_threadpool(self.prompts.build, messages, tools, choice, template_kwargs)
 
-    def turn_constraint(self, prompt: Prompt, choice: ToolChoice) -> TokenConstraint | None:
-        """Only offered tool names (and strict tools' schemas) after a forced call opening; None for an engine
+    def turn_constraint(
+        self, prompt: Prompt, choice: ToolChoice, answer: AnswerSchema | None = None
+    ) -> TokenConstraint | None:
+        """Only offered tool names (and strict tools' schemas) after a forced call opening; else a JSON answer
+        when the request asks for one (`answer`: its schema and the parameter that gave it). None for an engine
         that builds no constraints (test stand-ins)."""
         source = getattr(self.engine, "constraints", None)
-        if source is None or not prompt.forced_prefix:
+        if source is None:
             return None
-        return tool_constraint(source, prompt.tools, choice, prompt.tool_format)
+        if prompt.forced_prefix:
+            return tool_constraint(source, prompt.tools, choice, prompt.tool_format)
+        if answer is None or prompt.starts_in_reasoning:
+            return None
+        return answer_constraint(source, answer.schema, calls_allowed=bool(prompt.tools), param=answer.param)
 
     def chat_turn(
         self,
@@ -104,6 +112,7 @@ class ServerContext:
         choice: ToolChoice,
         received_at: float,
         use_prefix_cache: bool = True,
+        answer: AnswerSchema | None = None,
     ) -> Turn:
         offered = prompt.tools
         stall_tool = None
@@ -116,7 +125,7 @@ class ServerContext:
             request=GenerationRequest(
                 prompt_ids=prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
                 min_tokens=self.min_tokens(bool(offered), max_new_tokens), use_prefix_cache=use_prefix_cache,
-                constraint=self.turn_constraint(prompt, choice),
+                constraint=self.turn_constraint(prompt, choice, answer),
             ),
             tools=offered,
             tool_format=prompt.tool_format,

@@ -19,6 +19,7 @@ from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, now, sampling_params, stop_list
 from dflash.server.conversation import Message, ToolCall, ToolChoice, ToolSpec, new_id, parse_arguments
 from dflash.server.errors import APIError, openai_error_body
+from dflash.server.response_format import chat_answer_schema
 from dflash.server.runner import TurnHandle, error_for
 from dflash.server.schemas_openai import ChatCompletionRequest, ChatMessage, ContentPart
 from dflash.server.sse import DONE, KEEPALIVE, EventStreamResponse, data_event
@@ -98,9 +99,6 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
                        param="n", code="unsupported_parameter")
     if body.logprobs:
         raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported_parameter")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, f"response_format {body.response_format.type!r} is not supported (only 'text')",
-                       param="response_format", code="unsupported_parameter")
 
 
 # ------------------------------------------------------------------------------------------ response
@@ -184,6 +182,7 @@ async def chat_completions(request: Request) -> Response:
     body = validate(ChatCompletionRequest, await read_json_object(request, ctx.settings.max_body_bytes))
     model = ctx.resolve_model(body.model)
     check_unsupported(body)
+    answer = chat_answer_schema(body.response_format.model_dump() if body.response_format is not None else None)
     messages = convert_messages(body.messages)
     tools, choice = convert_tools(body)
     prompt = await ctx.build_prompt(messages, tools, choice, body.chat_template_kwargs)
@@ -200,6 +199,7 @@ async def chat_completions(request: Request) -> Response:
         choice=choice,
         received_at=received_at,
         use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
+        answer=answer,
     )
     handle = ctx.runner.start(turn, "chat")
     cid, created = new_id("chatcmpl-"), now()

@@ -24,6 +24,7 @@ from dflash.server.cache_control import prefix_cache_wanted
 from dflash.server.context import ServerContext, context_of, sampling_params
 from dflash.server.conversation import Message, ToolCall, ToolChoice, ToolSpec, new_id, parse_arguments
 from dflash.server.errors import APIError, openai_error_body
+from dflash.server.response_format import responses_answer_schema
 from dflash.server.runner import TurnHandle, error_for
 from dflash.server.schemas_responses import (
     FunctionCallItem,
@@ -151,10 +152,17 @@ class ResponseShell:
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or [] if t.type == "function"],
             "temperature": body.temperature, "top_p": body.top_p, "metadata": {},
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format_of(body)},
             "usage": usage_of(outcome) if outcome is not None else None,
             **({"timings": outcome.timings()} if outcome is not None else {}),
         }
+
+
+def _format_of(body: ResponsesRequest) -> Any:
+    """The answer format the request asked for (`text.format`), echoed in the response object."""
+    text = (body.model_extra or {}).get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    return fmt if isinstance(fmt, dict) else {"type": "text"}
 
 
 class OutputItems:
@@ -312,6 +320,7 @@ async def responses(request: Request) -> Response:
     if not conversation:
         raise APIError(400, "input is empty", param="input")
     tools, choice = convert_tools(body)
+    answer = responses_answer_schema((body.model_extra or {}).get("text"))
     prompt = await ctx.build_prompt(conversation, tools, choice, body.chat_template_kwargs)
     turn = ctx.chat_turn(
         prompt,
@@ -321,6 +330,7 @@ async def responses(request: Request) -> Response:
         choice=choice,
         received_at=received_at,
         use_prefix_cache=prefix_cache_wanted(request, body.cache_prompt),
+        answer=answer,
     )
     handle = ctx.runner.start(turn, "responses")
     shell = ResponseShell(new_id("resp_"), model, body)

@@ -1,7 +1,8 @@
 """Request models of the OpenAI Responses API (`/v1/responses`, the API Codex speaks).
 
 Input items are checked one by one (`input_item`), so an error names the item (`input.3.call_id: ...`).
-Unknown top-level fields (`store`, `include`, `prompt_cache_key`, `reasoning`, `text`...) are ignored.
+Unknown top-level fields (`store`, `include`, `prompt_cache_key`, `reasoning`...) are ignored; `text` (its answer
+format) is read by `dflash.server.response_format`.
 """
 
 from __future__ import annotations
