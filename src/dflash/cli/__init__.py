@@ -1,4 +1,4 @@
-"""`dflash` command line: serve | chat | generate | bench | train | inspect."""
+"""`dflash` command line: serve | chat | generate | bench | train | inspect | connect."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dflash.errors import DFlashError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dflash.cli import bench, chat, generate, inspect, train
+    from dflash.cli import bench, chat, connect, generate, inspect, train
 
     parser = argparse.ArgumentParser(prog="dflash", description="Lossless speculative decoding (DFlash, DDTree).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events")
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(commands)
     train.register(commands)
     inspect.register(commands)
+    connect.register(commands)
     return parser
 
 
