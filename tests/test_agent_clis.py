@@ -2,7 +2,9 @@
 
 The answers come from the real default model (SmolLM2-135M-Instruct with its DFlash drafter, on the CPU).
 That model is too small to call a tool when asked, so the tool round trip runs against a scripted engine that
-writes a call in the model's format; Claude Code then really runs its Read tool and sends the result back.
+writes a call in the model's format; Claude Code then really runs its Read tool and sends the result back. A
+full (not --bare) Claude Code session, with its `system` message inside `messages`, also runs against a
+scripted engine: its prompt is larger than the default model's context.
 
 Overflow: Claude Code asks for 32k output tokens unless told otherwise; the server's Anthropic-worded
 "input length and `max_tokens` exceed context limit: A + B > C" makes it retry with a budget that fits, and a
@@ -148,3 +150,14 @@ def test_codex_exec_answers_through_the_connect_provider(codex: Path, server: Se
     assert "provider: dflash" in run.stderr and f"model: {settings['model']}" in run.stderr
     assert metric(server.url, "dflash_http_requests_total", route="/v1/responses", method="POST",
                   status="200") == ok_before + 1
+
+
+def test_claude_code_full_session_sends_mid_conversation_system(claude: Path, sandbox: Sandbox) -> None:
+    # Without --bare, Claude Code puts its environment notes in a `system` message after the user's; its
+    # prompt (about 12K tokens) outgrows the default model, so a scripted engine with a larger context answers.
+    engine = FakeEngine(max_ctx=65536, model_name="scripted-agent", default="Hi from the scripted engine.")
+    with serving(create_app(engine, ServerSettings())) as server:
+        run = run_client([str(claude), "-p", "--", SAY_HI], claude_env(server, sandbox), sandbox.work, timeout=120)
+    assert run.code == 0, run.output
+    assert "Hi from the scripted engine." in run.stdout
+    assert any("Primary working directory" in prompt for prompt in engine.prompts)
