@@ -6,7 +6,7 @@ with a mostly right drafter so constrained drafts really get accepted (and wrong
 get rejected); every output writes an offered name although the unconstrained model writes something else.
 Sampling: the empirical distribution of the first three tokens (the prefill's choice, the root row's, a drafted
 row's) matches the exact masked distribution in every mode; a control that masks speculative rows with the
-committed prefix's mask must fail.
+committed prefix's mask must fail. Device-resident rounds (which cannot mask) wait until the constraint is done.
 """
 
 from __future__ import annotations
@@ -250,3 +250,37 @@ def test_sampling_follows_the_masked_distribution_in_every_mode(monkeypatch: pyt
     monkeypatch.setattr(selection, "row_masks", committed_only)
     with pytest.raises(AssertionError):
         sampled(target, drafter, "ddtree72", samples)  # writes tokens no option allows
+
+
+# ---- device-resident rounds ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["plain", "linear", "ddtree8"])
+def test_resident_rounds_wait_for_the_constraint_to_finish(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """With a graph runner attached (its rounds run eagerly on the CPU) the host loop chooses while the name is
+    being written and the resident rounds take over after it; the tokens equal the host loop's."""
+    from dflash.fastpath.resident import ResidentDecoder
+    from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
+
+    target, drafter = tiny_pair(GREEDY_VOCAB, 1.0, block=6)
+    table = greedy_table()
+    constraint = OneOfConstraint(table, NAMES)
+    prompt = torch.randint(0, GREEDY_VOCAB - 1, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    expected, _ = decode(target, drafter, mode, prompt, 24, constraint)
+
+    took_over_at: list[int] = []
+    own_decode = ResidentDecoder.decode
+
+    def spy(self: ResidentDecoder, start: int, sink: OutputSink, *args: Any, **kwargs: Any) -> None:
+        took_over_at.append(len(sink.token_ids))
+        own_decode(self, start, sink, *args, **kwargs)
+
+    monkeypatch.setattr(ResidentDecoder, "decode", spy)
+    attach_graph_runner(target, drafter, capacity=256, capture=False)
+    try:
+        tokens, _ = decode(target, drafter, mode, prompt, 24, constraint)
+    finally:
+        detach_graph_runner(target, drafter)
+    assert tokens == expected
+    assert len(took_over_at) == 1
+    written = text_of(table, expected[: took_over_at[0]])
+    assert any(written.startswith(name) for name in NAMES), written  # not before the name was complete
