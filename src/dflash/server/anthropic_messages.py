@@ -285,7 +285,7 @@ async def messages(request: Request) -> Response:
     stops = body.stop_sequences or []
     if any(not s for s in stops):
         raise APIError(400, "stop_sequences entries must be non-empty strings", param="stop_sequences")
-    turn = ctx.chat_turn(
+    turn = await ctx.chat_turn(
         prompt,
         max_new_tokens=ctx.max_new_tokens(body.max_tokens, len(prompt.ids), api="anthropic", param="max_tokens"),
         sampling=sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),

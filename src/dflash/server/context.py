@@ -102,7 +102,7 @@ class ServerContext:
             return None
         return answer_constraint(source, answer.schema, calls_allowed=bool(prompt.tools), param=answer.param)
 
-    def chat_turn(
+    async def chat_turn(
         self,
         prompt: Prompt,
         *,
@@ -114,6 +114,9 @@ class ServerContext:
         use_prefix_cache: bool = True,
         answer: AnswerSchema | None = None,
     ) -> Turn:
+        """The turn of a chat request. Its constraint is built off the event loop: a tokenizer's first one builds
+        the vocabulary's byte table, and strict schemas compile to grammars."""
+        constraint = await run_in_threadpool(self.turn_constraint, prompt, choice, answer)
         offered = prompt.tools
         stall_tool = None
         if offered:
@@ -125,7 +128,7 @@ class ServerContext:
             request=GenerationRequest(
                 prompt_ids=prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
                 min_tokens=self.min_tokens(bool(offered), max_new_tokens), use_prefix_cache=use_prefix_cache,
-                constraint=self.turn_constraint(prompt, choice, answer),
+                constraint=constraint,
             ),
             tools=offered,
             tool_format=prompt.tool_format,

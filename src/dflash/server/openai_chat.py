@@ -188,7 +188,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = await ctx.build_prompt(messages, tools, choice, body.chat_template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    turn = ctx.chat_turn(
+    turn = await ctx.chat_turn(
         prompt,
         max_new_tokens=ctx.max_new_tokens(requested, len(prompt.ids), api="chat", param=param),
         sampling=sampling_params(

@@ -322,7 +322,7 @@ async def responses(request: Request) -> Response:
     tools, choice = convert_tools(body)
     answer = responses_answer_schema((body.model_extra or {}).get("text"))
     prompt = await ctx.build_prompt(conversation, tools, choice, body.chat_template_kwargs)
-    turn = ctx.chat_turn(
+    turn = await ctx.chat_turn(
         prompt,
         max_new_tokens=ctx.max_new_tokens(body.max_output_tokens, len(prompt.ids), api="responses", param="max_output_tokens"),
         sampling=sampling_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed),
