@@ -20,10 +20,11 @@ from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.models.registry import build_model
 from dflash.spec.draft_vocab import DraftScores
-from dflash.spec.drafter import DFlashDrafter
+from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from dflash.spec.drafter_loader import load_drafter
 from dflash.spec.linear import decode_linear
 from tests.golden import golden_dir
+from tests.tiny_models import hf_tiny, ours_from_hf
 
 
 def patch_draft_logits(
@@ -101,3 +102,21 @@ def assert_speculation_lossless(target: CausalLM, drafter: DFlashDrafter) -> Non
         plain, _ = run(target, None, prompt, 40)
         spec, stats = run(target, drafter, prompt, 40)
         assert spec == plain and stats.rounds > 0
+
+
+def tiny_random_pair(vocab: int, embed_scale: float, block: int) -> tuple[CausalLM, DFlashDrafter]:
+    """A `vocab`-token llama target (tied embeddings: `embed_scale` sets how sharp its next-token distributions are)
+    and a random one-layer drafter with blocks of `block` tokens."""
+    hf = hf_tiny("llama", seed=3)
+    hf.resize_token_embeddings(vocab)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.mul_(embed_scale)
+    hf.config.vocab_size = vocab
+    target = ours_from_hf(hf)
+    config_raw = {
+        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
+        "block_size": block, "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [1]},
+    }
+    torch.manual_seed(7)
+    return target, DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)

@@ -28,10 +28,9 @@ from dflash.generation.selection import TokenChooser
 from dflash.generation.token_table import TokenTable
 from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.linear import decode_linear
-from tests.spec_helpers import patch_draft_logits
-from tests.tiny_models import hf_tiny, ours_from_hf
+from tests.spec_helpers import patch_draft_logits, tiny_random_pair
 
 MODES = ("plain", "linear", "ddtree4", "ddtree16")
 
@@ -43,22 +42,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def tiny_pair(vocab: int, embed_scale: float, block: int) -> tuple[CausalLM, DFlashDrafter]:
-    hf = hf_tiny("llama", seed=3)
-    hf.resize_token_embeddings(vocab)
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.mul_(embed_scale)
-    hf.config.vocab_size = vocab
-    target = ours_from_hf(hf)
-    config_raw = {
-        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
-        "block_size": block, "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [1]},
-    }
-    torch.manual_seed(7)
-    return target, DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)
 
 
 def decode(
@@ -138,7 +121,7 @@ def install_mostly_right_drafter(
 def test_greedy_constrained_output_is_the_same_in_every_mode(
     monkeypatch: pytest.MonkeyPatch, prompt_seed: int
 ) -> None:
-    target, drafter = tiny_pair(GREEDY_VOCAB, 1.0, block=6)
+    target, drafter = tiny_random_pair(GREEDY_VOCAB, 1.0, block=6)
     table = greedy_table()
     constraint = OneOfConstraint(table, NAMES)
     g = torch.Generator().manual_seed(prompt_seed)
@@ -162,7 +145,7 @@ def test_greedy_constrained_output_is_the_same_in_every_mode(
 
 def test_greedy_constrained_output_with_a_random_drafter() -> None:
     """A drafter that is mostly wrong: its drafts are often forbidden by the constraint."""
-    target, drafter = tiny_pair(GREEDY_VOCAB, 1.0, block=6)
+    target, drafter = tiny_random_pair(GREEDY_VOCAB, 1.0, block=6)
     constraint = OneOfConstraint(greedy_table(), NAMES)
     for seed in range(3):
         prompt = torch.randint(0, GREEDY_VOCAB - 1, (9,), generator=torch.Generator().manual_seed(10 + seed)).tolist()
@@ -232,7 +215,7 @@ def test_sampling_follows_the_masked_distribution_in_every_mode(monkeypatch: pyt
     """n=600 per mode, tolerance TV 0.08 (sampling noise is about 0.03 here). Token 0 is the prefill's choice,
     token 1 the root row's, token 2 a drafted row's (linear row 1, a depth-1 tree node); full-tree DDTree (budget
     72) verifies tokens 1-3 in one round."""
-    target, drafter = tiny_pair(SAMPLE_VOCAB, 2.0, block=4)
+    target, drafter = tiny_random_pair(SAMPLE_VOCAB, 2.0, block=4)
     exact = exact_distributions(target)
     assert all(len(e) >= 2 and sorted(e.values())[-2] > 0.1 for e in exact)  # real choices at every position
     samples, tolerance = 600, 0.08
@@ -261,7 +244,7 @@ def test_resident_rounds_wait_for_the_constraint_to_finish(monkeypatch: pytest.M
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
 
-    target, drafter = tiny_pair(GREEDY_VOCAB, 1.0, block=6)
+    target, drafter = tiny_random_pair(GREEDY_VOCAB, 1.0, block=6)
     table = greedy_table()
     constraint = OneOfConstraint(table, NAMES)
     prompt = torch.randint(0, GREEDY_VOCAB - 1, (12,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -30,7 +30,7 @@ from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from dflash.spec.tree import DraftTree, linear_chain_tree
-from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run
+from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run, tiny_random_pair
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 LENGTHS = (3, 17, 64, 65, 130, 257)  # short, around and beyond the prefill chunk of 64
@@ -90,22 +90,8 @@ def run_plain(
 
 
 def _tiny_pair(embed_scale: float) -> tuple[CausalLM, DFlashDrafter]:
-    """An 8-token llama target (tied embeddings: the scale sets how sharp its next-token distributions are) and a
-    random block-4 drafter."""
-    hf = hf_tiny("llama", seed=3)
-    hf.resize_token_embeddings(VOCAB)
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.mul_(embed_scale)
-    hf.config.vocab_size = VOCAB
-    target = ours_from_hf(hf)
-    config_raw = {
-        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
-        "block_size": PEAKY_BLOCK, "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [1]},
-    }
-    torch.manual_seed(7)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)
-    return target, drafter
+    """An 8-token llama target and a random block-4 drafter (`tiny_random_pair`)."""
+    return tiny_random_pair(VOCAB, embed_scale, PEAKY_BLOCK)
 
 
 @cache
