@@ -89,7 +89,8 @@ def test_token_ids_outside_the_vocabulary_are_400(server: ServerThread, ids: lis
 
 @pytest.mark.parametrize(
     "sampling",
-    [{"seed": 2**64}, {"seed": 2**200}, {"seed": -(2**70)}, {"temperature": 1e-40}, {"top_p": 1e-300},
+    [{"seed": 2**64}, {"seed": 2**200}, {"seed": -(2**70)}, {"temperature": 1e-40}, {"temperature": 5e-324},
+     {"top_p": 1e-300}, {"top_p": 5e-324, "temperature": 1},
      {"temperature": 1e-40, "top_p": 1e-300, "seed": 2**64 + 1}],
 )
 def test_extreme_sampling_values_are_handled(server: ServerThread, sampling: dict[str, Any]) -> None:
@@ -108,6 +109,9 @@ def test_tiny_temperature_is_the_argmax_limit() -> None:
     # A tie at the top keeps both, as the limit of the softmax does.
     tied = filtered_probs(torch.tensor([[2.0, 2.0, 1.0]]), SamplingParams(temperature=1e-30))
     assert torch.allclose(tied, torch.tensor([[0.5, 0.5, 0.0]]))
+    # The smallest positive double: 0 in float32, where the division happens.
+    subnormal = filtered_probs(logits, SamplingParams(temperature=5e-324))
+    assert torch.equal(subnormal, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
 
 
 def test_top_p_below_float_precision_keeps_the_top_token() -> None:

@@ -58,7 +58,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     # Shifted so the best score is 0 before dividing: a tiny temperature then sends the others to -inf (the
     # argmax limit) instead of overflowing every score to inf and the softmax to NaN.
-    scores = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    # A temperature below float32's smallest normal would round to 0 (0/0 = NaN at the best score); the limit is
+    # reached well before it.
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
