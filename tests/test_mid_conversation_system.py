@@ -140,3 +140,18 @@ def test_fold_keeps_order_and_roles() -> None:
         {"role": "assistant", "content": "a2"},
         {"role": "user", "content": "last"},
     ]
+
+
+def test_mid_conversation_system_blocks_end_their_turn() -> None:
+    engine = FakeEngine()
+    body = {
+        "model": "any", "max_tokens": 5,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "q"},
+            {"type": "mid_conv_system", "content": [{"type": "text", "text": "Reply in French."}]},
+        ]}],
+    }
+    with serving(create_app(engine, ServerSettings())) as server:
+        response = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert "<|im_start|>user\nq<|im_end|>\n<|im_start|>system\nReply in French.<|im_end|>" in engine.prompts[0]

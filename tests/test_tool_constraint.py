@@ -60,8 +60,11 @@ def feed(state: ConstraintState, text: str) -> bool:
 def test_required_choice_restricts_names_in_each_format() -> None:
     plain = ToolSpec(REFUND.name, "", REFUND_SCHEMA)  # the same tool, not strict
     json_rule = tool_constraint(factory(), [LOOKUP, plain], ToolChoice("required"), "json")
-    assert isinstance(json_rule, OneOfConstraint)
-    assert set(json_rule.options) == {b'lookup_order_status"', b'issue_refund"'}
+    assert json_rule is not None
+    assert not feed(json_rule.start(), 'get_weather"')  # a name never offered
+    assert not feed(json_rule.start(), 'issue_refunds"')
+    state = json_rule.start()
+    assert feed(state, 'issue_refund", "arguments": ') and not state.finished
     xml_rule = tool_constraint(factory(), [LOOKUP, REFUND], ToolChoice("required"), "xml")
     assert isinstance(xml_rule, OneOfConstraint)  # strict arguments are not enforced in the XML format
     assert set(xml_rule.options) == {b"lookup_order_status>", b"issue_refund>"}
@@ -70,8 +73,9 @@ def test_required_choice_restricts_names_in_each_format() -> None:
 
 
 def test_no_constraint_when_nothing_is_forced() -> None:
-    for choice in (ToolChoice("auto"), ToolChoice("none"), ToolChoice("named", LOOKUP.name)):
+    for choice in (ToolChoice("auto"), ToolChoice("none")):
         assert tool_constraint(factory(), [LOOKUP, REFUND], choice, "json") is None
+    assert tool_constraint(factory(), [LOOKUP, REFUND], ToolChoice("named", LOOKUP.name), "xml") is None
     assert tool_constraint(factory(), [], ToolChoice("required"), "json") is None
 
 
@@ -90,11 +94,20 @@ def test_strict_tool_arguments_follow_the_schema() -> None:
     assert feed(state, "}}\n</tool_call>") and state.finished
 
 
-def test_a_non_strict_tool_beside_a_strict_one_is_free_after_its_name() -> None:
+def test_a_non_strict_tools_arguments_are_any_json_object() -> None:
+    """A forced call always parses: a tool without `strict` gets any JSON object as its arguments."""
     rule = tool_constraint(factory(), [LOOKUP, REFUND], ToolChoice("required"), "json")
     assert rule is not None
+    assert not feed(rule.start(), 'lookup_order_status", "arguments": [1]')  # not an object
+    assert not feed(rule.start(), 'lookup_order_status", "arguments": <function-name>')
     state = rule.start()
-    assert feed(state, 'lookup_order_status",') and state.finished
+    assert feed(state, 'lookup_order_status", "arguments": {"anything": [1, {"goes": null}]') and not state.finished
+    assert feed(state, "}}\n</tool_call>") and state.finished
+    named = tool_constraint(factory(), [LOOKUP, REFUND], ToolChoice("named", LOOKUP.name), "json")
+    assert named is not None
+    assert not feed(named.start(), '"just text"')
+    state = named.start()
+    assert feed(state, '{"order_id": 7}}') and state.finished
 
 
 def test_named_strict_tool_starts_at_its_arguments() -> None:
@@ -206,3 +219,29 @@ def test_an_unenforceable_strict_schema_is_an_openai_400(server: ServerThread) -
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "tools" and "broken" in error["message"]
+
+
+@pytest.mark.timeout(300)
+def test_anthropic_any_choice_returns_a_tool_use_block(server: ServerThread) -> None:
+    """`tool_choice: any` answers with a call to the offered tool whose input is an object: the schema's for a tool
+    with `strict`, any object for one without (which the small model may still be writing when max_tokens ends the
+    turn: then the call so far comes back as text, an object under way)."""
+    claude = sdk_clients(server, timeout=240)[1]
+    for strict in (True, False):
+        tool: dict[str, Any] = {"name": REFUND.name, "description": REFUND.description, "input_schema": REFUND_SCHEMA}
+        if strict:
+            tool["strict"] = True
+        message = claude.messages.create(
+            model="any", max_tokens=80, messages=QUESTION, tools=[tool],  # type: ignore[list-item]
+            tool_choice={"type": "any"},
+        )
+        uses = [block for block in message.content if block.type == "tool_use"]
+        if not strict and not uses and message.stop_reason == "max_tokens":
+            text = "".join(block.text for block in message.content if block.type == "text")
+            assert text.startswith('<tool_call>\n{"name": "issue_refund", "arguments": {'), text
+            continue
+        assert uses, message.content
+        assert uses[0].name == REFUND.name and isinstance(uses[0].input, dict)
+        if strict:
+            assert set(uses[0].input) == {"amount", "reason"}
+            assert uses[0].input["reason"] in ("damaged", "late")

@@ -28,6 +28,7 @@ from dflash.server.schemas_anthropic import (
     AnthropicMessage,
     CountTokensRequest,
     MessagesRequest,
+    MidConversationSystemBlock,
     TextBlock,
     ThinkingBlock,
     ToolResultBlock,
@@ -59,11 +60,11 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def _system_text(message: AnthropicMessage, where: str) -> str:
-    if isinstance(message.content, str):
-        return message.content
+def _system_text(content: str | list[Any], where: str) -> str:
+    if isinstance(content, str):
+        return content
     texts = []
-    for j, block in enumerate(message.content):
+    for j, block in enumerate(content):
         if not isinstance(block, TextBlock):
             # "role system ... not supported": the words Claude Code's fallback (resend without such messages) reads
             raise APIError(400, f"{where}.content.{j}: {block.type} blocks in a message with role system are not "
@@ -72,12 +73,25 @@ def _system_text(message: AnthropicMessage, where: str) -> str:
     return "\n\n".join(texts)
 
 
+def _add_system(out: list[Message], leading: list[str], text: str) -> None:
+    """System text at the current end of the conversation: before any turn it joins the top-level `system`, after
+    another system message it joins that one."""
+    if not text:
+        return
+    if not out:
+        leading.append(text)
+    elif out[-1].role == "system":
+        out[-1].content = f"{out[-1].content}\n\n{text}"
+    else:
+        out.append(Message("system", text))
+
+
 def convert_messages(system: str | list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[Message]:
     """Anthropic conversation -> API-neutral messages.
 
-    `role: "system"` entries of `messages` (mid-conversation system instructions, which Claude Code sends on every
-    request) are kept where they stand, so the prompt builder renders them at that point; ones before the first
-    user message join the top-level `system`, and consecutive ones are joined, as the API expects them to be.
+    Mid-conversation system instructions (`role: "system"` entries of `messages`, which Claude Code sends on every
+    request, and `mid_conv_system` blocks that end a turn) are kept where they stand, so the prompt builder renders
+    them at that point; ones before the first turn join the top-level `system`, and consecutive ones are joined.
     """
     out: list[Message] = []
     leading: list[str] = []
@@ -87,15 +101,7 @@ def convert_messages(system: str | list[TextBlock] | None, messages: list[Anthro
             leading.append(text)
     for i, m in enumerate(messages):
         if m.role == "system":
-            text = _system_text(m, f"messages.{i}")
-            if not text:
-                continue
-            if not out:
-                leading.append(text)
-            elif out[-1].role == "system":
-                out[-1].content = f"{out[-1].content}\n\n{text}"
-            else:
-                out.append(Message("system", text))
+            _add_system(out, leading, _system_text(m.content, f"messages.{i}"))
             continue
         if isinstance(m.content, str):
             out.append(Message(m.role, m.content))
@@ -103,6 +109,7 @@ def convert_messages(system: str | list[TextBlock] | None, messages: list[Anthro
         texts: list[str] = []
         thinking: list[str] = []
         calls: list[ToolCall] = []
+        instructions: list[str] = []  # mid_conv_system blocks: after the turn's own content
         for j, block in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if isinstance(block, TextBlock):
@@ -117,12 +124,16 @@ def convert_messages(system: str | list[TextBlock] | None, messages: list[Anthro
                 if m.role != "user":
                     raise APIError(400, f"{where}: tool_result blocks belong in user messages", param=where)
                 out.append(Message("tool", _result_text(block, where), tool_call_id=block.tool_use_id))
+            elif isinstance(block, MidConversationSystemBlock):
+                instructions.append(_system_text(block.content, where))
             elif block.type == "redacted_thinking":
                 continue
             else:
                 raise _unsupported(block.type, where)
         if texts or calls or thinking:
             out.append(Message(m.role, "".join(texts), reasoning="".join(thinking) or None, tool_calls=calls))
+        for text in instructions:
+            _add_system(out, leading, text)
     if leading:
         out.insert(0, Message("system", "\n\n".join(leading)))
     return out
@@ -134,7 +145,7 @@ def convert_tools(body: CountTokensRequest | MessagesRequest) -> tuple[list[Tool
         if t.input_schema is None:
             raise APIError(400, f"tools.{i}: tool {t.name!r} has no input_schema (server tools are not supported)",
                            param=f"tools.{i}.input_schema")
-        tools.append(ToolSpec(t.name, t.description or "", t.input_schema))
+        tools.append(ToolSpec(t.name, t.description or "", t.input_schema, strict=bool(t.strict)))
     choice = body.tool_choice
     if choice is None or choice.type == "auto":
         return tools, ToolChoice("auto")

@@ -54,8 +54,16 @@ class RedactedThinkingBlock(_Block):
     type: Literal["redacted_thinking"]
 
 
+class MidConversationSystemBlock(_Block):
+    """System instructions at this point of the conversation, as the trailing block(s) of a turn."""
+
+    type: Literal["mid_conv_system"]
+    content: str | list[TextBlock]
+
+
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+    | MidConversationSystemBlock,
     Field(discriminator="type"),
 ]
 
@@ -70,6 +78,7 @@ class AnthropicTool(_Block):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    strict: bool | None = None  # the input must follow input_schema (enforced when a call is forced)
 
 
 class AnthropicToolChoice(_Block):

@@ -5,11 +5,11 @@
 never offered, so the name is restricted to the offered ones, followed by the character that ends a name in the
 format (JSON `"`, XML `>`). A named choice already puts the name in the prompt.
 
-OpenAI function tools with `strict: true` must get arguments that follow their JSON schema. In the JSON call
-format the name and the arguments are then one llguidance grammar: per tool, its name, and for a strict tool
-`", "arguments": ` + the schema's JSON + the `}` that closes the call; after that the output is free again.
-Strict arguments in the XML format (text parameters) and calls the model opens on its own (`auto`) are not
-constrained.
+In the JSON call format the name and the arguments are one llguidance grammar: per tool, its name,
+`", "arguments": `, the arguments and the `}` that closes the call; after that the output is free again. The
+arguments of a tool with `strict: true` follow its JSON schema; those of any other tool are at least a JSON object,
+so a forced call always parses as a call. The XML format (text parameters) constrains the name only, and calls the
+model opens on its own (`auto`) are not constrained.
 """
 
 from __future__ import annotations
@@ -49,21 +49,17 @@ def tool_constraint(
     """The constraint a turn needs, or None. Raises `APIError` (400) for a strict schema that cannot be used."""
     if not tools or choice.mode not in ("required", "named"):
         return None
-    strict = tool_format == "json" and any(t.strict for t in tools)
+    if tool_format == "xml":
+        if choice.mode == "named":
+            return None  # the name is in the prompt already
+        return source.one_of([written_name(t.name, tool_format).encode() for t in tools])
     if choice.mode == "named":
         tool = next((t for t in tools if t.name == choice.name), None)
-        if tool is None or not tool.strict or tool_format != "json":
+        if tool is None:
             return None
         return _grammar(source, ['start: args0 "}" TAIL', _arguments_rule(0, tool)], tools)
-    if not strict:
-        return source.one_of([written_name(t.name, tool_format).encode() for t in tools])
-    options, rules = [], []
-    for i, tool in enumerate(tools):
-        if tool.strict:
-            options.append(f'{_literal(written_name(tool.name, "json") + ARGUMENTS_KEY)} args{i} "}}"')
-            rules.append(_arguments_rule(i, tool))
-        else:
-            options.append(_literal(written_name(tool.name, "json")))
+    options = [f'{_literal(written_name(t.name, "json") + ARGUMENTS_KEY)} args{i} "}}"' for i, t in enumerate(tools)]
+    rules = [_arguments_rule(i, t) for i, t in enumerate(tools)]
     return _grammar(source, ["start: call TAIL", f"call: {' | '.join(options)}", *rules], tools)
 
 
@@ -72,15 +68,18 @@ def _literal(text: str) -> str:
 
 
 def _arguments_rule(index: int, tool: ToolSpec) -> str:
-    schema = tool.parameters or {"type": "object"}
+    schema = (tool.parameters or _ANY_OBJECT) if tool.strict else _ANY_OBJECT
     return f"args{index}: %json {json.dumps(schema)}"
+
+
+_ANY_OBJECT = {"type": "object"}  # the arguments of a tool without `strict`: any JSON object
 
 
 def _grammar(source: ConstraintSource, rules: list[str], tools: Sequence[ToolSpec]) -> TokenConstraint:
     try:
         return source.grammar("\n".join([*rules, f"TAIL: {FREE_TAIL}", ""]))
     except GenerationError as exc:
-        names = ", ".join(t.name for t in tools if t.strict)
+        names = ", ".join(t.name for t in tools if t.strict) or ", ".join(t.name for t in tools)
         raise APIError(
             400, f"the parameters schema of a strict tool ({names}) cannot be enforced: {exc}", param="tools",
         ) from None
