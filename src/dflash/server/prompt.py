@@ -43,6 +43,7 @@ class PromptBuilder:
         self.template = template or engine.tokenizer.chat_template
         self.remap_developer_role = remap_developer_role
         self.native_tools = self._renders_tools()
+        self._guard()  # the tokenizer's special-token tables are built now, not during the first request
         self.tool_format: ToolFormat = (
             "xml" if self.template and "<function=" in self.template and "<parameter=" in self.template else "json"
         )
