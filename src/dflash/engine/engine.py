@@ -22,7 +22,7 @@ from dflash.generation.cached_prefill import cached_prefix_length
 from dflash.generation.constraint_factory import ConstraintFactory
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
-from dflash.generation.selection import TokenChooser
+from dflash.generation.selection import TokenAgreement, TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
@@ -77,12 +77,16 @@ class Engine:
             self.options.spec = "none"
         self.model_name = model_name
         self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader
+        # Under tensor parallelism: how the ranks agree on each token choice (`dflash.parallel.spmd`).
+        self.agreement: TokenAgreement | None = None
         if self.options.ddtree_budget is None:
             self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
         if self.options.num_drafts is None:
             self.options.num_drafts = DEFAULT_NUM_DRAFTS.get(self.device.type)
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
+        if getattr(target, "tensor_parallel", None) is not None:
+            self.options.cuda_graphs = False  # the graphed paths do not run the collectives: eager forwards
         if self.options.cuda_graphs and self.device.type == "cuda":
             from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
 
@@ -208,6 +212,7 @@ class Engine:
             request.sampling, eos_ids=eos, min_tokens=request.min_tokens,
             vocab_size=self.target.config.vocab_size, device=self.device,
             constraint=request.constraint.start() if request.constraint is not None else None,
+            agreement=self.agreement,
         )
         stats = self._decode(mode, request, sink, chooser, should_stop)
         assert sink.finish_reason is not None

@@ -17,7 +17,8 @@ from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint, resolve_model_path
-from dflash.models.weight_choice import choose_weights
+from dflash.models.weight_choice import WeightChoice, choose_weights
+from dflash.parallel.group import TensorParallel
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.drafter_loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter, resolve_drafter_path
 
@@ -43,6 +44,7 @@ def load_engine(
     draft_weights: str = "auto",
     draft_vocab: str = "auto",
     cpu_matmul: str = "auto",
+    tensor_parallel: TensorParallel | None = None,
 ) -> Engine:
     """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
@@ -52,16 +54,29 @@ def load_engine(
     auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
     LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`). `cpu_matmul` is the
     kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
-    (`dflash.models.cpu_matmul`)."""
+    (`dflash.models.cpu_matmul`).
+
+    With `tensor_parallel` this process loads one rank's share of the target (`dflash.parallel`) on the rank's
+    device, in dense weights, and a whole drafter beside it; forwards run eagerly (no CUDA graphs)."""
     options = options or EngineOptions()
     if draft_vocab not in ("auto", "off") and not Path(draft_vocab).expanduser().is_file():
         raise ModelLoadError(f"--draft-vocab {draft_vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
-    torch_device = pick_device(device)
+    torch_device = pick_device(device) if tensor_parallel is None else tensor_parallel.device
     torch_dtype = pick_dtype(dtype, torch_device)
     started = time.perf_counter()
-    choice = choose_weights(weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
+    shard = None
+    if tensor_parallel is None:
+        choice = choose_weights(weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
+    else:
+        if weights == "quantized":
+            raise DFlashError("--tensor-parallel runs dense weights (give --weights auto or dense)")
+        choice = WeightChoice("dense", f"tensor parallel, rank {tensor_parallel.rank} of {tensor_parallel.world}")
+        shard = (tensor_parallel.rank, tensor_parallel.world)
+        options.cuda_graphs = False
     draft_format = _drafter_weight_format(draft_weights, choice.kind, torch_device, torch_dtype)
-    checkpoint = load_checkpoint(model or "default", weights=choice.kind)
+    # a rank's share is read straight in the run's dtype (half the host memory of float32 in bf16)
+    load_dtype = torch.float32 if shard is None else torch_dtype
+    checkpoint = load_checkpoint(model or "default", load_dtype, weights=choice.kind, shard=shard)
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
     products = None
@@ -74,7 +89,7 @@ def load_engine(
     else:
         target = build_model(
             checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype,
-            source=str(checkpoint.source),
+            source=str(checkpoint.source), tensor_parallel=tensor_parallel,
         )
     del checkpoint.weights
     if draft is None and is_default_model(model) and default_drafter_available():

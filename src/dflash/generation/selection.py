@@ -3,16 +3,26 @@
 Wraps the sampling rule with what depends on the output so far: EOS suppression before `min_tokens`,
 presence/frequency penalties, and a token constraint (`dflash.generation.constraints`) whose disallowed tokens
 are masked to -inf before the rule. Plain and speculative decoding both choose through `TokenChooser`.
+
+Under tensor parallelism every rank runs the same loop, and a `TokenAgreement` makes the first rank's choice every
+rank's (`dflash.parallel.spmd`): sampled tokens and constraints then need to exist on that rank alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from dflash.generation.constraints import ConstraintState, row_masks
 from dflash.generation.sampling import SamplingParams, apply_penalties, choose_tokens
+
+
+class TokenAgreement(Protocol):
+    def agree(self, choose: Callable[[], torch.Tensor], rows: int, device: torch.device) -> torch.Tensor:
+        """The tokens [rows] every rank commits (the first rank's `choose()`)."""
+        ...
 
 
 class TokenChooser:
@@ -25,8 +35,10 @@ class TokenChooser:
         vocab_size: int,
         device: torch.device | str,
         constraint: ConstraintState | None = None,
+        agreement: TokenAgreement | None = None,
     ) -> None:
         self.params = params
+        self.agreement = agreement
         self.generator = params.make_generator(device)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         self.min_tokens = min_tokens
@@ -53,6 +65,13 @@ class TokenChooser:
 
         `allowed` [rows, vocab] (from `allowed`) restricts each row; with a constraint and no `allowed`, the one
         row follows the committed output."""
+        if self.agreement is not None:
+            return self.agreement.agree(
+                lambda: self._choose(logits, output_index, allowed), logits.shape[0], logits.device
+            )
+        return self._choose(logits, output_index, allowed)
+
+    def _choose(self, logits: torch.Tensor, output_index: int, allowed: torch.Tensor | None) -> torch.Tensor:
         if allowed is None and self.constraint is not None:
             assert logits.shape[0] == 1, "rows past the committed output need their masks (TokenChooser.allowed)"
             allowed = self.allowed()

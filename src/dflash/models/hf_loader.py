@@ -1,6 +1,7 @@
 """Loading a Hugging Face model directory (config.json + safetensors + tokenizer) into a `Checkpoint`.
 
-Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`.
+Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`. A tensor-parallel
+rank reads only its part of each split tensor (`dflash.parallel.sharding`), so no process holds the whole model.
 EOS ids are merged from `config.json`, `generation_config.json` and the tokenizer's EOS token, so a
 chat model stops on its end-of-turn token whichever file declares it.
 """
@@ -13,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from dflash.config import ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import Checkpoint, expected_shapes, validate_weights
+from dflash.parallel.sharding import shard_config, shard_span
 from dflash.tokenizer import Tokenizer
 
 __all__ = ["load_hf_dir", "safetensors_files"]
@@ -27,8 +28,10 @@ _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load a transformers-style checkpoint directory; weights are returned in `dtype`."""
+def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32, *, shard: tuple[int, int] | None = None) -> Checkpoint:
+    """Load a transformers-style checkpoint directory; weights are returned in `dtype`. `shard` = (rank, world)
+    reads only that tensor-parallel rank's part of the split tensors (the config still describes the whole
+    model)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory")
@@ -49,18 +52,32 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     if tokenizer is not None:
         tokenizer = tokenizer.with_eos_token_ids(config.eos_token_ids)
 
-    wanted = expected_shapes(config)
+    rank, world = shard or (0, 1)
+    local = shard_config(config, world)
+    wanted = expected_shapes(local)
     weights: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         try:
-            tensors = load_file(str(file))
+            with safe_open(str(file), framework="pt") as tensors:
+                names = tensors.keys()  # a safetensors handle is not iterable
+                for name in names:
+                    if name in wanted:  # drops rotary buffers, a tied lm_head written anyway, etc.
+                        weights[name] = _read_part(tensors, name, shard_span(name, config, rank, world)).to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot be read as safetensors: {exc}") from None
-        for name, tensor in tensors.items():
-            if name in wanted:  # drops rotary buffers, a tied lm_head written anyway, etc.
-                weights[name] = tensor.to(dtype)
-    validate_weights(config, weights, path)
+    validate_weights(local, weights, path)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def _read_part(tensors: Any, name: str, span: tuple[int, int, int] | None) -> torch.Tensor:
+    """The tensor `name` of an open safetensors file, or only rows / columns [start, start + length) of it."""
+    if span is None:
+        return tensors.get_tensor(name)
+    dim, start, length = span
+    part = tensors.get_slice(name)
+    if len(part.get_shape()) <= dim or part.get_shape()[dim] < start + length:
+        raise ModelLoadError(f"{name} has shape {part.get_shape()}, too small for tensor-parallel rank parts")
+    return part[start : start + length] if dim == 0 else part[:, start : start + length]
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -19,9 +19,12 @@ from dflash.errors import ModelLoadError
 from dflash.kv.cache import CacheWriter, KVCache
 from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm
 from dflash.models.rope import Rotary
+from dflash.parallel.layers import split_layers
+from dflash.parallel.sharding import shard_config
 
 if TYPE_CHECKING:
     from dflash.fastpath.runner import GraphRunner
+    from dflash.parallel.group import TensorParallel
 
 LogitsMode = Literal["all", "last", "none"]
 
@@ -43,15 +46,24 @@ class ForwardOutput:
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head; subclasses pick the layer type."""
+    """Embedding, decoder layers, final norm and LM head; subclasses pick the layer type.
+
+    With `tensor_parallel` this process holds one rank's share of the decoder layers (`dflash.parallel`): a
+    world-th of the heads and MLP width (`layer_config`), with row-parallel output projections; embeddings, norms
+    and LM head stay whole, so the residual stream, the captured features and the logits are the same on every
+    rank. `config` always describes the whole model."""
 
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tensor_parallel = tensor_parallel
+        self.layer_config = config if tensor_parallel is None else shard_config(config, tensor_parallel.world)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(self.layer_config, i) for i in range(config.num_layers))
+        if tensor_parallel is not None and tensor_parallel.world > 1:
+            split_layers(self.layers, tensor_parallel)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -83,7 +95,7 @@ class CausalLM(nn.Module):
             leased = self.graph_runner.lease_target_cache(capacity)
             if leased is not None:
                 return leased
-        return KVCache.matching(self.config, capacity, self.embed_tokens.weight, batch)
+        return KVCache.matching(self.layer_config, capacity, self.embed_tokens.weight, batch)  # this rank's heads
 
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(

@@ -10,6 +10,7 @@ from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
 from dflash.models.rope import Rotary
+from dflash.parallel.group import TensorParallel
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -25,10 +26,12 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     source: str = "checkpoint",
+    tensor_parallel: TensorParallel | None = None,
 ) -> CausalLM:
-    """Instantiate the family's model on `device` without random init, load `weights`, set eval mode."""
+    """Instantiate the family's model on `device` without random init, load `weights`, set eval mode. With
+    `tensor_parallel`, `weights` are this rank's shard (`dflash.parallel.sharding.shard_weights`)."""
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.architecture](config)
+        model = MODEL_CLASSES[config.architecture](config, tensor_parallel)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
         if isinstance(module, Rotary):  # buffers are not in checkpoints: compute them on the real device

@@ -60,11 +60,29 @@ def resolve_model_path(name: str | Path | None) -> Path:
 
 
 def load_checkpoint(
-    name_or_path: str | Path | None, dtype: torch.dtype = torch.float32, *, weights: WeightKind = "dense"
+    name_or_path: str | Path | None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    weights: WeightKind = "dense",
+    shard: tuple[int, int] | None = None,
 ) -> Checkpoint:
     """Load the model `name_or_path` refers to (see `resolve_model_path`). `weights="quantized"` keeps a
-    GGUF's matrices as raw blocks (a `QuantizedCheckpoint`, float32 for the rest) for the CPU kernel."""
+    GGUF's matrices as raw blocks (a `QuantizedCheckpoint`, float32 for the rest) for the CPU kernel.
+    `shard` = (rank, world) keeps only that tensor-parallel rank's part of the split tensors (dense weights only;
+    a Hugging Face folder is read in parts, a GGUF file whole and then cut)."""
     path = resolve_model_path(name_or_path)
+    if shard is not None:
+        if weights == "quantized":
+            raise ModelLoadError(f"{path}: tensor parallelism runs dense weights, not quantized blocks")
+        if path.is_dir():
+            from dflash.models.hf_loader import load_hf_dir
+
+            return load_hf_dir(path, dtype, shard=shard)
+        from dflash.parallel.sharding import shard_weights
+
+        whole = load_checkpoint(path, dtype)
+        whole.weights = shard_weights(whole.weights, whole.config, *shard)
+        return whole
     if weights == "quantized":
         if path.is_dir() or path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: quantized weights need a GGUF file")

@@ -1,0 +1,250 @@
+"""Rank programs of the tensor-parallel tests (spawned by `dflash.parallel.launch`, so they live in a module) and
+the single-process references they are compared with.
+
+The parent test builds tiny random models, saves their weights under Hugging Face names, and launches two ranks
+that each load their shard, run scripted forwards and generations, and save what they saw (`rank0.pt`,
+`rank1.pt`). The same scripts run in the parent on the whole model give the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+
+from dflash.config import ModelConfig
+from dflash.engine.engine import Engine, EngineOptions
+from dflash.errors import DFlashError, GenerationError
+from dflash.generation.request import GenerationRequest, GenerationResult
+from dflash.generation.sampling import SamplingParams
+from dflash.models.model import CausalLM
+from dflash.models.registry import build_model
+from dflash.parallel.group import TensorParallel
+from dflash.parallel.sharding import shard_weights
+from dflash.parallel.spmd import LeaderEngine, follow, join_engine
+from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+from dflash.tokenizer import Tokenizer
+
+FAMILIES = ("llama", "qwen3", "gemma3")
+ENGINE_VOCAB = 48
+DRAFTER_RAW: dict[str, Any] = {
+    "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": ENGINE_VOCAB,
+    "block_size": 5, "dflash_config": {"mask_token_id": ENGINE_VOCAB - 1, "target_layer_ids": [1, 2]},
+}
+
+
+# ---- weights under Hugging Face names ------------------------------------------------------------------------
+def hf_named(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names (q/k/v and gate/up split again), as loaders produce them."""
+    config = model.config
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        full = name if name.startswith("lm_head.") else f"model.{name}"
+        if ".qkv_proj." in name:
+            for part, piece in zip("qkv", tensor.split((q, kv, kv)), strict=True):
+                out[full.replace("qkv_proj", f"{part}_proj")] = piece.clone()
+        elif ".gate_up_proj." in name:
+            for part, piece in zip(("gate", "up"), tensor.chunk(2), strict=True):
+                out[full.replace("gate_up_proj", f"{part}_proj")] = piece.clone()
+        else:
+            out[full] = tensor.clone()
+    return out
+
+
+def word_tokenizer(vocab: int) -> Tokenizer:
+    """Token i is the word `w<i>`; decoding joins words with spaces (every generation has visible text)."""
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    return Tokenizer(backend)
+
+
+def engine_options() -> EngineOptions:
+    return EngineOptions(spec="ddtree", prefill_chunk=8, ddtree_budget=6, num_drafts=3)
+
+
+# ---- scripted forwards ----------------------------------------------------------------------------------------
+@torch.inference_mode()
+def scripted_forwards(model: CausalLM, device: torch.device) -> dict[str, Any]:
+    """Prefill (two chunks, with captured features), one decoding step, a causal 5-row verification, and a 4-node
+    tree verification after cropping the verified rows away."""
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, 22), generator=g).to(device)
+    cache = model.new_cache(48)
+    out: dict[str, Any] = {}
+    first = model(ids[:, :8], cache=cache, capture=(1, 2), logits="none")
+    rest = model(ids[:, 8:12], cache=cache, capture=(1, 2))
+    out["features"] = torch.cat((first.features, rest.features), dim=1).cpu()
+    out["prefill"] = rest.logits.cpu()
+    out["step"] = model(ids[:, 12:13], cache=cache).logits.cpu()
+    out["verify"] = model(ids[:, 13:18], cache=cache, capture=(2,)).logits.cpu()
+    cache.crop(13)
+    positions = torch.tensor([[13, 14, 14, 15]], device=device)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool, device=device)
+    out["tree"] = model(ids[:, 18:22], positions, cache, tree_mask=tree).logits.cpu()
+    out["kv_heads"] = int(cache.keys.shape[2])
+    return out
+
+
+# ---- scripted generations -------------------------------------------------------------------------------------
+class OddTokens:
+    """A constraint (on the leader only): the first `count` output tokens are odd ids."""
+
+    def __init__(self, vocab: int, count: int) -> None:
+        self.vocab, self.count = vocab, count
+
+    def start(self) -> OddState:
+        return OddState(self)
+
+
+class OddState:
+    def __init__(self, rule: OddTokens) -> None:
+        self.rule, self.written = rule, 0
+
+    @property
+    def finished(self) -> bool:
+        return self.written >= self.rule.count
+
+    def allowed(self) -> torch.Tensor:
+        return torch.arange(self.rule.vocab) % 2 == 1
+
+    def advance(self, token: int) -> bool:
+        if token % 2 == 0:
+            return False
+        self.written += 1
+        return True
+
+    def rollback(self, count: int) -> None:
+        self.written -= count
+
+
+def stop_after(polls: int) -> Callable[[], bool]:
+    """A `should_stop` that asks to stop from its `polls`-th call on."""
+    calls = [0]
+
+    def should_stop() -> bool:
+        calls[0] += 1
+        return calls[0] >= polls
+
+    return should_stop
+
+
+def generation_cases() -> list[dict[str, Any]]:
+    """What the leader is asked, in order (the same list gives the single-process reference)."""
+    g = torch.Generator().manual_seed(4)
+
+    def prompt(length: int) -> list[int]:
+        return torch.randint(0, ENGINE_VOCAB - 1, (length,), generator=g).tolist()
+
+    return [
+        {"name": "plain", "prompt": prompt(19), "max": 20, "spec": "none"},
+        {"name": "linear", "prompt": prompt(11), "max": 20, "spec": "linear"},
+        {"name": "ddtree", "prompt": prompt(23), "max": 24, "spec": None},
+        {"name": "sampled", "prompt": prompt(9), "max": 16, "spec": None, "temperature": 0.8, "seed": 11},
+        {"name": "sampled_linear", "prompt": prompt(12), "max": 16, "spec": "linear", "temperature": 1.0, "seed": 3},
+        {"name": "constrained", "prompt": (constrained := prompt(10)), "max": 12, "spec": None, "odd": 5},
+        {"name": "unconstrained", "prompt": constrained, "max": 12, "spec": None},
+        {"name": "cancelled", "prompt": prompt(30), "max": 40, "spec": None, "stop_after": 6},
+        {"name": "refused", "prompt": [ENGINE_VOCAB + 3, 1], "max": 4, "spec": None},
+        {"name": "callback_fails", "prompt": prompt(8), "max": 30, "spec": "linear", "fail_text": 2},
+        {"name": "after", "prompt": prompt(14), "max": 18, "spec": None},
+    ]
+
+
+def case_request(case: dict[str, Any]) -> GenerationRequest:
+    sampling = SamplingParams(temperature=case.get("temperature", 0.0), seed=case.get("seed"))
+    constraint = OddTokens(ENGINE_VOCAB, case["odd"]) if "odd" in case else None
+    return GenerationRequest(
+        prompt_ids=list(case["prompt"]), max_new_tokens=case["max"], sampling=sampling, constraint=constraint,
+        use_prefix_cache=False,
+    )
+
+
+def summary(outcome: GenerationResult | BaseException) -> dict[str, Any]:
+    if isinstance(outcome, BaseException):
+        return {"error": type(outcome).__name__, "message": str(outcome)}
+    return {
+        "tokens": outcome.token_ids, "finish": outcome.finish_reason, "rounds": outcome.stats.rounds,
+        "accepted": outcome.stats.accepted_tokens,
+    }
+
+
+def run_cases(engine: Engine | LeaderEngine) -> dict[str, dict[str, Any]]:
+    """Every case through `engine.generate`; a failure is recorded, not raised."""
+    results: dict[str, dict[str, Any]] = {}
+    for case in generation_cases():
+        seen = [0]
+
+        def on_text(text: str, ids: list[int], case: dict[str, Any] = case, seen: list[int] = seen) -> None:
+            seen[0] += 1
+            if "fail_text" in case and seen[0] >= case["fail_text"]:
+                raise RuntimeError("client went away")
+
+        stop = stop_after(case["stop_after"]) if "stop_after" in case else None
+        try:
+            outcome: GenerationResult | BaseException = engine.generate(
+                case_request(case), on_text=on_text, should_stop=stop, spec=case["spec"]
+            )
+        except (DFlashError, RuntimeError) as exc:
+            outcome = exc
+        results[case["name"]] = summary(outcome)
+    return results
+
+
+# ---- models of the runs ---------------------------------------------------------------------------------------
+def load_drafter(saved: dict[str, Any], device: torch.device) -> DFlashDrafter:
+    drafter = DFlashDrafter(DrafterConfig.from_dict(DRAFTER_RAW))
+    drafter.load_state_dict(saved)
+    return drafter.to(device).eval().requires_grad_(False)
+
+
+def whole_target(saved: dict[str, Any], device: torch.device) -> CausalLM:
+    return build_model(saved["config"], saved["weights"], device=device)
+
+
+# ---- the rank program -----------------------------------------------------------------------------------------
+def rank_program(tp: TensorParallel, payload: dict[str, Any]) -> int:
+    """payload["part"] "forwards": scripted forwards of each family's shard; "engine": the scripted generations
+    (leader) or the follower loop. Saves what this rank saw to `<part>_rank<r>.pt`."""
+    folder = Path(payload["folder"])
+    saved = torch.load(folder / "models.pt", weights_only=False)
+    record: dict[str, Any] = {}
+    if payload["part"] == "forwards":
+        for family in FAMILIES:
+            config: ModelConfig = saved[family]["config"]
+            shard = shard_weights(saved[family]["weights"], config, tp.rank, tp.world)
+            model = build_model(config, shard, device=tp.device, tensor_parallel=tp)
+            record[family] = scripted_forwards(model, tp.device)
+    else:
+        record = engine_program(tp, saved["engine"])
+    torch.save(record, folder / f"{payload['part']}_rank{tp.rank}.pt")
+    return 0
+
+
+def engine_program(tp: TensorParallel, pair: dict[str, Any]) -> dict[str, Any]:
+    config = pair["config"]
+    target = build_model(
+        config, shard_weights(pair["weights"], config, tp.rank, tp.world), device=tp.device, tensor_parallel=tp
+    )
+    engine = Engine(target, word_tokenizer(ENGINE_VOCAB), load_drafter(pair["drafter"], tp.device), engine_options())
+    agreement = join_engine(engine, tp)
+    record: dict[str, Any] = {}
+    if tp.leader:
+        leader = LeaderEngine(engine, agreement)
+        record["generations"] = run_cases(leader)
+        leader.close()
+        try:
+            leader.generate(case_request(generation_cases()[0]))
+        except GenerationError as exc:
+            record["after_close"] = str(exc)
+    else:
+        followed: list[dict[str, Any]] = []
+        record["handed_out"] = follow(engine, agreement, on_result=lambda outcome: followed.append(summary(outcome)))
+        record["generations"] = followed
+    return record
