@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.generation.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dflash.parallel.group import TensorParallel
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +88,8 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def engine_from_args(args: argparse.Namespace) -> Engine:
+def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel | None = None) -> Engine:
+    """The engine the flags describe; with `tensor_parallel`, this rank's share of it (`dflash.cli.ranks`)."""
     from dflash.engine.loading import load_engine
 
     options = EngineOptions(
@@ -95,4 +100,5 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
     return load_engine(
         args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights,
         draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
+        tensor_parallel=tensor_parallel,
     )

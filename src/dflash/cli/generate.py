@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from dflash.cli.common import add_model_options, add_sampling_options, engine_from_args, sampling_from_args
+from dflash.cli.ranks import add_tensor_parallel_option, run_ranks, tensor_parallel_size
 from dflash.errors import DFlashError
 from dflash.generation.request import GenerationRequest
 
@@ -21,6 +22,7 @@ def register(commands: Any) -> None:
     parser.add_argument("--system", default=None, help="system message for the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object with text, ids and stats")
     add_model_options(parser)
+    add_tensor_parallel_option(parser)
     add_sampling_options(parser)
     parser.set_defaults(run=run)
 
@@ -40,7 +42,13 @@ def prompt_ids_from_args(engine: Any, args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = engine_from_args(args)
+    if tensor_parallel_size(args) > 1:
+        return run_ranks(args, generate_with)
+    return generate_with(engine_from_args(args), args)
+
+
+def generate_with(engine: Any, args: argparse.Namespace) -> int:
+    """Generate the flags' completion with `engine` (the first rank's, under --tensor-parallel)."""
     request = GenerationRequest(
         prompt_ids=prompt_ids_from_args(engine, args),
         max_new_tokens=args.max_tokens,

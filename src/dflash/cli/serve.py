@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from dflash.cli.api_key import ENV_VAR, APIKey, load_api_key
 from dflash.cli.common import add_model_options, add_prefix_cache_option, engine_from_args
+from dflash.cli.ranks import add_tensor_parallel_option, run_ranks, tensor_parallel_size
 from dflash.errors import DFlashError
 
 
@@ -34,6 +35,7 @@ def register(commands: Any) -> None:
     )
     add_model_options(parser)
     add_prefix_cache_option(parser)
+    add_tensor_parallel_option(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=int, default=8000)
@@ -154,6 +156,23 @@ def banner(settings: Any, model: str, spec: str, key: APIKey | None = None) -> s
 
 
 def run(args: argparse.Namespace) -> int:
+    _http_stack()  # a missing HTTP extra is reported before the model loads
+    key = load_api_key(args.api_key, args.api_key_file, os.environ)
+    settings = settings_from_args(args, key)
+    print("loading model...", file=sys.stderr, flush=True)
+    if tensor_parallel_size(args) > 1:  # the first rank serves, the others follow it (`dflash.cli.ranks`)
+        return run_ranks(args, serve_with)
+    return _serve(engine_from_args(args), args, settings, key)
+
+
+def serve_with(engine: Any, args: argparse.Namespace) -> int:
+    """Serve `engine` (the first rank's, under --tensor-parallel) as the flags say."""
+    key = load_api_key(args.api_key, args.api_key_file, os.environ)
+    return _serve(engine, args, settings_from_args(args, key), key)
+
+
+def _http_stack() -> tuple[Any, Any, Any]:
+    """uvicorn.run, the app factory and the header-deadline protocol (a DFlashError names a missing extra)."""
     try:
         import uvicorn
 
@@ -163,15 +182,16 @@ def run(args: argparse.Namespace) -> int:
         raise DFlashError(
             f"dflash serve needs the HTTP extras ({exc.name} is missing): pip install 'dflash-server[server]'"
         ) from None
-    key = load_api_key(args.api_key, args.api_key_file, os.environ)
-    settings = settings_from_args(args, key)
-    print("loading model...", file=sys.stderr, flush=True)
-    engine = engine_from_args(args)
+    return uvicorn.run, create_app, header_deadline_protocol
+
+
+def _serve(engine: Any, args: argparse.Namespace, settings: Any, key: APIKey | None) -> int:
+    run_server, create_app, header_deadline_protocol = _http_stack()
     engine.warm_up()  # CUDA graphs of the first shapes are captured before the first request
     app = create_app(engine, settings)
     print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key),
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keep_alive_s,
-                http=header_deadline_protocol(settings.body_timeout_s))
+    run_server(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning",
+               timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keep_alive_s,
+               http=header_deadline_protocol(settings.body_timeout_s))
     return 0

@@ -3,7 +3,8 @@
 `launch(world, entry, payload)` picks a free rendezvous port, keeps NVLink multicast off, spawns `world` processes
 (torch.multiprocessing, start method spawn) and runs `entry(tensor_parallel, payload)` in each once its process
 groups exist. The calling process only waits: the first rank serves, the others follow it. Ctrl-C reaches the first
-rank alone (the others ignore it and end when the first releases them), and the parent keeps waiting for them.
+rank alone (the others ignore it and end when the first releases them), and the parent keeps waiting for them;
+SIGTERM to the parent is passed to the first rank as Ctrl-C.
 If a rank fails, torch ends the others and the launch returns that rank's exit status.
 """
 
@@ -53,11 +54,15 @@ def launch(
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the ranks; the first restores it
+    previous_term = signal.getsignal(signal.SIGTERM)
     try:
         context = mp.start_processes(
             _rank_main, args=(world, device_type, entry, payload, log_level, timeout), nprocs=world, join=False,
             start_method="spawn",
         )
+        first = context.processes[0].pid
+        # a termination request (a service manager's stop) ends the run as Ctrl-C does: through the first rank
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: os.kill(first, signal.SIGINT) if first else None)
         try:
             while not context.join():
                 pass
@@ -70,6 +75,7 @@ def launch(
         return 0
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 def _rank_main(
