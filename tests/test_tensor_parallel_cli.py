@@ -96,3 +96,18 @@ def test_serve_on_two_ranks_answers_and_stops_on_ctrl_c(model_dir: Path) -> None
             os.killpg(server.pid, signal.SIGKILL)
             raise
     assert server.returncode == 0, output
+
+
+def test_the_gpu_benchmark_runs_its_toy_shape_on_cpu_ranks(tmp_path: Path) -> None:
+    """benchmarks/gpu_tensor_parallel.py --tiny --device cpu: both phases run and report every figure."""
+    out = tmp_path / "tp.json"
+    command = [sys.executable, "benchmarks/gpu_tensor_parallel.py", "--tiny", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    for world in ("tp1", "tp2"):
+        for shape in ("step", "verify16", "tree32"):
+            assert report[f"{world}_{shape}_ms"] > 0
+    assert report["tp2_kv_heads_per_rank"] == 1  # the toy shape's 2 key/value heads, one per rank
+    assert report["ratios"]["tp2_over_tp1_step"] > 0
+    assert not (tmp_path / "tp.json.tp2.json").exists()
