@@ -65,8 +65,11 @@ def word_tokenizer(vocab: int) -> Tokenizer:
 
 
 def engine_options() -> EngineOptions:
-    """Small chunks and trees; eager forwards on a GPU too, so that one GPU runs what each rank runs."""
-    return EngineOptions(spec="ddtree", prefill_chunk=8, ddtree_budget=6, num_drafts=3, cuda_graphs=False)
+    """Small chunks and trees, a prefix cache (each rank keeps its own, of its key/value heads); eager forwards on a
+    GPU too, so that one GPU runs what each rank runs."""
+    return EngineOptions(
+        spec="ddtree", prefill_chunk=8, ddtree_budget=6, num_drafts=3, cuda_graphs=False, prefix_cache_mb=4.0
+    )
 
 
 # ---- scripted forwards ----------------------------------------------------------------------------------------
@@ -149,12 +152,14 @@ def generation_cases() -> list[dict[str, Any]]:
         {"name": "ddtree", "prompt": prompt(23), "max": 24, "spec": None},
         {"name": "sampled", "prompt": prompt(9), "max": 16, "spec": None, "temperature": 0.8, "seed": 11},
         {"name": "sampled_linear", "prompt": prompt(12), "max": 16, "spec": "linear", "temperature": 1.0, "seed": 3},
-        {"name": "constrained", "prompt": (constrained := prompt(10)), "max": 12, "spec": None, "odd": 5},
-        {"name": "unconstrained", "prompt": constrained, "max": 12, "spec": None},
+        {"name": "constrained", "prompt": (constrained := prompt(10)), "max": 12, "spec": None, "odd": 5,
+         "cache": True},
+        {"name": "unconstrained", "prompt": constrained, "max": 12, "spec": None, "cache": True},
         {"name": "cancelled", "prompt": prompt(30), "max": 40, "spec": None, "stop_after": 6},
         {"name": "refused", "prompt": [ENGINE_VOCAB + 3, 1], "max": 4, "spec": None},
         {"name": "callback_fails", "prompt": prompt(8), "max": 30, "spec": "linear", "fail_text": 2},
         {"name": "after", "prompt": prompt(14), "max": 18, "spec": None},
+        {"name": "cached", "prompt": [*constrained, *prompt(9)], "max": 10, "spec": None, "cache": True},
     ]
 
 
@@ -163,7 +168,7 @@ def case_request(case: dict[str, Any]) -> GenerationRequest:
     constraint = OddTokens(ENGINE_VOCAB, case["odd"]) if "odd" in case else None
     return GenerationRequest(
         prompt_ids=list(case["prompt"]), max_new_tokens=case["max"], sampling=sampling, constraint=constraint,
-        use_prefix_cache=False,
+        use_prefix_cache=case.get("cache", False),
     )
 
 
@@ -172,7 +177,7 @@ def summary(outcome: GenerationResult | BaseException) -> dict[str, Any]:
         return {"error": type(outcome).__name__, "message": str(outcome)}
     return {
         "tokens": outcome.token_ids, "finish": outcome.finish_reason, "rounds": outcome.stats.rounds,
-        "accepted": outcome.stats.accepted_tokens,
+        "accepted": outcome.stats.accepted_tokens, "cached": outcome.stats.cached_tokens,
     }
 
 

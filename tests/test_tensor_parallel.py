@@ -124,7 +124,7 @@ def test_sharded_forwards_equal_the_whole_model(models: dict[str, Any], forwards
 def test_greedy_generations_equal_one_process(generations: dict[str, Any]) -> None:
     whole = generations["whole"]
     leader = generations["ranks"][0]["generations"]
-    for name in ("plain", "linear", "ddtree", "constrained", "unconstrained", "after"):
+    for name in ("plain", "linear", "ddtree", "constrained", "unconstrained", "after", "cached"):
         assert leader[name] == whole[name], name
         assert len(leader[name]["tokens"]) > 0
     assert leader["ddtree"]["rounds"] > 0 and leader["linear"]["rounds"] > 0
@@ -133,6 +133,8 @@ def test_greedy_generations_equal_one_process(generations: dict[str, Any]) -> No
     # write even ones there)
     assert all(t % 2 == 1 for t in leader["constrained"]["tokens"][:5])
     assert leader["unconstrained"]["tokens"][0] % 2 == 0
+    # prompts that share a prefix restore it from each rank's prefix cache (its own key/value heads)
+    assert leader["unconstrained"]["cached"] == 8 and leader["cached"]["cached"] == 8
 
 
 def test_sampling_and_cancellation_follow_the_leader(generations: dict[str, Any]) -> None:
