@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import platform
 import statistics
@@ -233,8 +234,10 @@ def run_tp1(config: ModelConfig, device: torch.device, dtype: torch.dtype, conte
     if device.type == "cuda":
         out["tp1_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     del model, cache
+    gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # GPU 0 must hold a rank's half next
+        out["tp1_left_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
     return out
 
 
