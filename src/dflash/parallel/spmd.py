@@ -146,6 +146,11 @@ class LeaderEngine:
     def encode(self, text: str, guard: SpecialTextGuard | None = None) -> list[int]:
         return self.engine.encode(text, guard)
 
+    def warm_up(self) -> int:
+        """Nothing to capture: tensor-parallel forwards run eagerly (a warm-up generation would also have to be
+        handed out)."""
+        return 0
+
     def generate(
         self,
         request: GenerationRequest,
