@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
 
@@ -120,3 +120,13 @@ def tiny_random_pair(vocab: int, embed_scale: float, block: int) -> tuple[Causal
     }
     torch.manual_seed(7)
     return target, DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """For modules of tiny models (assign it to a module-level name): intra-op threads only add overhead there, and
+    spin badly on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,7 +12,7 @@ committed prefix's mask must fail. Device-resident rounds (which cannot mask) wa
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -30,18 +30,12 @@ from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.linear import decode_linear
-from tests.spec_helpers import patch_draft_logits, tiny_random_pair
+from tests.spec_helpers import one_torch_thread, patch_draft_logits, tiny_random_pair
 
 MODES = ("plain", "linear", "ddtree4", "ddtree16")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The models are tiny: intra-op threads only add overhead on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = one_torch_thread  # autouse, module scope
 
 
 def decode(

@@ -12,7 +12,7 @@ target with a random block-4 drafter, small enough to verify the full tree of ev
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -30,7 +30,14 @@ from dflash.models.model import CausalLM
 from dflash.spec.ddtree import decode_ddtree
 from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from dflash.spec.tree import DraftTree, linear_chain_tree
-from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run, tiny_random_pair
+from tests.spec_helpers import (
+    golden_pair,
+    one_torch_thread,
+    patch_draft_logits,
+    random_prompts,
+    run,
+    tiny_random_pair,
+)
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 LENGTHS = (3, 17, 64, 65, 130, 257)  # short, around and beyond the prefill chunk of 64
@@ -39,13 +46,7 @@ PEAKY_BLOCK = 4  # the peaky drafter's block: trees up to depth 3
 FULL_TREE = VOCAB + VOCAB**2 + VOCAB**3  # every prefix of depth <= 3: the walk always reaches depth 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """The models are tiny: intra-op threads only add overhead (and spin badly on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = one_torch_thread  # autouse, module scope
 
 
 def run_ddtree(
