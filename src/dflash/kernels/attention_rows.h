@@ -10,13 +10,38 @@
 //  * the weighted values and the weights' total must not depend on where the masked keys sit (a verified tree row
 //    sees its ancestors at scattered slots, the same row decoded alone sees them side by side): they are one
 //    sequential sum over the keys in order, to which a masked key (weight exactly zero) adds exactly nothing.
+//
+// Keys and values are read through an addressing functor, row l -> pointer to its head_dim floats: a cache's
+// positions side by side (StridedRows) or a request's positions scattered over a paged pool (SlotRows). Only the
+// addresses differ, never the arithmetic, so a request read through its slots is bitwise the same request read
+// from a gathered copy. The functors also serve the portable path, hence outside the AVX-512 block.
 #pragma once
+
+#include <cstdint>
+
+namespace attention_rows {
+
+// Row l at base + l * stride.
+struct StridedRows {
+  const float* base;
+  int64_t stride;
+  const float* operator()(int64_t l) const { return base + l * stride; }
+};
+
+// Row l at base + slots[l] * stride (slots checked in range by the caller).
+struct SlotRows {
+  const float* base;
+  int64_t stride;
+  const int64_t* slots;
+  const float* operator()(int64_t l) const { return base + slots[l] * stride; }
+};
+
+}  // namespace attention_rows
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <limits>
 
 namespace attention_rows {
@@ -56,14 +81,14 @@ inline __m512 dot16(const __m512* query, const float* const* key) {
 
 // scores[i][l] = dot(query i, key l) * factor for n queries and l < count, sixteen keys at a time so that each
 // group of keys is read once for all the queries (the last group repeats the last key, unstored).
-template <int kChunks>
-inline void scores(const float* const* queries, int n, const float* keys, int64_t key_stride, int64_t count,
-                   float factor, float* const* out) {
+template <int kChunks, class Rows>
+inline void scores(const float* const* queries, int n, const Rows& keys, int64_t count, float factor,
+                   float* const* out) {
   const __m512 scale = _mm512_set1_ps(factor);
   const float* key[16];
   for (int64_t l = 0; l < count; l += 16) {
     const int64_t valid_keys = std::min<int64_t>(16, count - l);
-    for (int i = 0; i < 16; ++i) key[i] = keys + (l + std::min<int64_t>(i, valid_keys - 1)) * key_stride;
+    for (int i = 0; i < 16; ++i) key[i] = keys(l + std::min<int64_t>(i, valid_keys - 1));
     const __mmask16 valid = static_cast<__mmask16>((1u << valid_keys) - 1u);
     for (int i = 0; i < n; ++i) {
       __m512 q[kChunks];
@@ -131,9 +156,8 @@ inline void softmax_numerators(float* weights, int64_t count) {
 // kQueries rows at once: out[q][0:16 * kChunks] = sum over keys l in order of weights[q][l] * value l, divided by
 // the sum of weights[q]. Every key is added, a masked one with weight zero adding exactly nothing, so a row's sums
 // are the same whatever masked keys lie between its visible ones. Each value row is loaded once for the kQueries.
-template <int kChunks, int kQueries>
-inline void weighted_values(const float* const* weights, const float* values, int64_t value_stride, int64_t count,
-                            float* const* out) {
+template <int kChunks, int kQueries, class Rows>
+inline void weighted_values(const float* const* weights, const Rows& values, int64_t count, float* const* out) {
   __m512 sums[kQueries][kChunks];
   float totals[kQueries];
   for (int q = 0; q < kQueries; ++q) {
@@ -141,8 +165,9 @@ inline void weighted_values(const float* const* weights, const float* values, in
     for (int c = 0; c < kChunks; ++c) sums[q][c] = _mm512_setzero_ps();
   }
   for (int64_t l = 0; l < count; ++l) {
+    const float* row = values(l);
     __m512 value[kChunks];
-    for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(values + l * value_stride + 16 * c);
+    for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(row + 16 * c);
 #pragma GCC unroll 4
     for (int q = 0; q < kQueries; ++q) {
       const float w = weights[q][l];
@@ -158,22 +183,22 @@ inline void weighted_values(const float* const* weights, const float* values, in
   }
 }
 
-// n query rows of one key head: out[i][0:16 * kChunks] = softmax(q_i k^T * factor) v over `count` keys; masks[i]
-// (stride mask_stride, null: all visible) hides keys. weights: n scratch rows of `count` floats. Each group of
-// keys, each value row, is read once for several query rows.
-template <int kChunks>
-inline void attend(const float* const* queries, int n, const float* keys, int64_t key_stride, const float* values,
-                   int64_t value_stride, int64_t count, float factor, const bool* const* masks, int64_t mask_stride,
-                   float* const* weights, float* const* out) {
-  scores<kChunks>(queries, n, keys, key_stride, count, factor, weights);
+// n query rows of one key head: out[i][0:16 * kChunks] = softmax(q_i k^T * factor) v over `count` keys (row l of
+// keys/values at keys(l)/values(l)); masks[i] (stride mask_stride, null: all visible) hides keys. weights: n
+// scratch rows of `count` floats. Each group of keys, each value row, is read once for several query rows.
+template <int kChunks, class Rows>
+inline void attend(const float* const* queries, int n, const Rows& keys, const Rows& values, int64_t count,
+                   float factor, const bool* const* masks, int64_t mask_stride, float* const* weights,
+                   float* const* out) {
+  scores<kChunks>(queries, n, keys, count, factor, weights);
   for (int i = 0; i < n; ++i) {
     if (masks[i] != nullptr) hide(weights[i], count, masks[i], mask_stride);
     softmax_numerators(weights[i], count);
   }
   constexpr int kGroup = kChunks <= 4 ? 3 : 2;  // rows per pass over the values: their sums fill the registers
   int i = 0;
-  for (; i + kGroup <= n; i += kGroup) weighted_values<kChunks, kGroup>(weights + i, values, value_stride, count, out + i);
-  for (; i < n; ++i) weighted_values<kChunks, 1>(weights + i, values, value_stride, count, out + i);
+  for (; i + kGroup <= n; i += kGroup) weighted_values<kChunks, kGroup>(weights + i, values, count, out + i);
+  for (; i < n; ++i) weighted_values<kChunks, 1>(weights + i, values, count, out + i);
 }
 
 }  // namespace attention_rows

@@ -98,6 +98,20 @@ class LayerOpsKernel(Protocol):
         """q: [B, H, S, D], k/v: [B, KVH, L, D], mask: [B or 1, 1, S, L] bool or None -> [B, S, H * D]."""
         ...
 
+    def attention_slots(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [H, S, D], k_pool/v_pool: [KVH, P, D] (one layer of a paged pool), slots: int64 [L] in [0, P),
+        mask: [S, L] bool or None -> [S, H * D], bitwise `attention` over `k_pool[:, slots]`, `v_pool[:, slots]`
+        (the keys read in place through the slots, not gathered)."""
+        ...
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [..., 2I] -> silu(gate) * up [..., I]."""
         ...
@@ -128,9 +142,10 @@ def load_amx_kernel() -> AmxKernel:
     return cast(AmxKernel, _load(AMX_SOURCE, "dflash_amx", BUILD_FLAGS))
 
 
-def load_layer_ops() -> LayerOpsKernel:
-    """The compiled fused layer operations (built on first use)."""
-    return cast(LayerOpsKernel, _load(LAYER_OPS_SOURCE, "dflash_layer_ops", BUILD_FLAGS))
+def load_layer_ops(extra_flags: tuple[str, ...] = ()) -> LayerOpsKernel:
+    """The compiled fused layer operations (built on first use); `extra_flags` are appended to `BUILD_FLAGS`
+    (tests use them to build the portable paths)."""
+    return cast(LayerOpsKernel, _load(LAYER_OPS_SOURCE, "dflash_layer_ops", (*BUILD_FLAGS, *extra_flags)))
 
 
 def _load(source_name: str, prefix: str, flags: tuple[str, ...]) -> object:

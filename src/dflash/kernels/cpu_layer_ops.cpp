@@ -93,22 +93,25 @@ void exp_in_place(float* x, int64_t n) {
 #endif
 }
 
-// scores[l] = dot(query, keys + l * key_stride) * factor for l < count. Four keys at a time, each key's dot product
-// in kLanes lanes added in a fixed order (the same per key whatever the count).
-void scores_of(const float* query, const float* keys, int64_t key_stride, int64_t count, int64_t d, float factor,
-               float* scores) {
+// scores[l] = dot(query, keys(l)) * factor for l < count. Four keys at a time, each key's dot product in kLanes
+// lanes added in a fixed order (the same per key whatever the count or the key's address).
+template <class Rows>
+void scores_of(const float* query, const Rows& keys, int64_t count, int64_t d, float factor, float* scores) {
   int64_t l = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   if (d % 8 == 0) {
     for (; l + 4 <= count; l += 4) {
-      const float* k0 = keys + l * key_stride;
+      const float* k0 = keys(l);
+      const float* k1 = keys(l + 1);
+      const float* k2 = keys(l + 2);
+      const float* k3 = keys(l + 3);
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(query + i);
         a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + i)));
-        a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + key_stride + i)));
-        a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 2 * key_stride + i)));
-        a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + 3 * key_stride + i)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(qv, _mm256_loadu_ps(k1 + i)));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(qv, _mm256_loadu_ps(k2 + i)));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(qv, _mm256_loadu_ps(k3 + i)));
       }
       const __m256 partial[4] = {a0, a1, a2, a3};
       for (int j = 0; j < 4; ++j) {
@@ -121,13 +124,13 @@ void scores_of(const float* query, const float* keys, int64_t key_stride, int64_
     }
   }
 #endif
-  for (; l < count; ++l) scores[l] = dot(query, keys + l * key_stride, d) * factor;
+  for (; l < count; ++l) scores[l] = dot(query, keys(l), d) * factor;
 }
 
-// acc[0:d] = sum over keys l of weights[l] * values[l * value_stride + 0:d], keys in order, zero weights skipped.
+// acc[0:d] = sum over keys l of weights[l] * values(l)[0:d], keys in order, zero weights skipped.
 // With AVX2 and d = 64 the sums stay in registers; the operations per element are the same either way.
-void weighted_values(const float* weights, const float* values, int64_t value_stride, int64_t count, int64_t d,
-                     float* acc) {
+template <class Rows>
+void weighted_values(const float* weights, const Rows& values, int64_t count, int64_t d, float* acc) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (d == 64) {
     __m256 sums[8];
@@ -135,7 +138,7 @@ void weighted_values(const float* weights, const float* values, int64_t value_st
     for (int64_t l = 0; l < count; ++l) {
       if (weights[l] == 0.0f) continue;
       const __m256 w = _mm256_set1_ps(weights[l]);
-      const float* value = values + l * value_stride;
+      const float* value = values(l);
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) sums[j] = _mm256_add_ps(sums[j], _mm256_mul_ps(w, _mm256_loadu_ps(value + 8 * j)));
     }
@@ -147,7 +150,7 @@ void weighted_values(const float* weights, const float* values, int64_t value_st
   for (int64_t l = 0; l < count; ++l) {
     const float w = weights[l];
     if (w == 0.0f) continue;
-    const float* value = values + l * value_stride;
+    const float* value = values(l);
     for (int64_t j = 0; j < d; ++j) acc[j] += w * value[j];
   }
 }
@@ -160,6 +163,95 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 int64_t grain(int64_t units, int64_t cost_per_unit) {
   constexpr int64_t kWorkPerTask = 1 << 16;
   return std::max<int64_t>(1, std::min<int64_t>(units, kWorkPerTask / std::max<int64_t>(1, cost_per_unit)));
+}
+
+// One attention call's query rows, mask and output: rows (b, h, s) of q, masks [batch or 1, 1, seq, keys] (null:
+// every key visible), out [batch, seq, heads * d] contiguous.
+struct AttentionRows {
+  int64_t batch, heads, seq, d, kv_heads, keys;
+  const float* q;
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  const bool* visible;
+  int64_t mask_batch_stride, mask_row_stride, mask_key_stride;
+  float* out;
+  float factor;
+};
+
+// softmax(q k^T * factor) v for every row of `p`; keys_of(b, kh) and values_of(b, kh) give the addressing functor
+// (row l -> its head_dim floats) of key head kh of batch b. Query head h reads key head h / (heads / kv_heads).
+template <class KeysOf, class ValuesOf>
+void attend_rows(const AttentionRows& p, const KeysOf& keys_of, const ValuesOf& values_of) {
+  const int64_t batch = p.batch, heads = p.heads, seq = p.seq, d = p.d, kv_heads = p.kv_heads, keys = p.keys;
+  const int64_t group = heads / kv_heads;
+  const float* qs = p.q;
+  const int64_t qb = p.q_batch_stride, qh = p.q_head_stride, qs_ = p.q_row_stride;
+  const bool* visible = p.visible;
+  const int64_t mask_batch_stride = p.mask_batch_stride, mask_row_stride = p.mask_row_stride;
+  const int64_t mask_key_stride = p.mask_key_stride;
+  float* ys = p.out;
+  const float factor = p.factor;
+  if (batch * heads * seq == 0) return;  // no rows (and no slices to divide them into)
+#if defined(__AVX512F__)
+  if (d == 64 || d == 128) {
+    using Rows = decltype(keys_of(int64_t{0}, int64_t{0}));
+    // Work units: the query rows (heads of the group x sequence rows) of one key head, in `parts` slices so that
+    // every thread has work; each unit reads its key head's keys and values once for all its rows.
+    const int64_t rows_per_head = group * seq;
+    const int64_t parts = std::min<int64_t>(rows_per_head, (2 * at::get_num_threads() + batch * kv_heads - 1) /
+                                                                   (batch * kv_heads));
+    const int64_t per_part = (rows_per_head + parts - 1) / parts;
+    const int64_t units = batch * kv_heads * parts;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(static_cast<size_t>(per_part * keys));
+      std::vector<const float*> queries(per_part);
+      std::vector<const bool*> masks(per_part);
+      std::vector<float*> weights(per_part), outs(per_part);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t b = u / (kv_heads * parts), kh = (u / parts) % kv_heads, part = u % parts;
+        const int64_t first = part * per_part, n = std::min(rows_per_head, first + per_part) - first;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t h = kh * group + (first + i) / seq, s = (first + i) % seq;
+          queries[i] = qs + b * qb + h * qh + s * qs_;
+          masks[i] = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
+          weights[i] = scratch.data() + i * keys;
+          outs[i] = ys + (b * seq + s) * heads * d + h * d;
+        }
+        (d == 64 ? attention_rows::attend<4, Rows> : attention_rows::attend<8, Rows>)(
+            queries.data(), static_cast<int>(n), keys_of(b, kh), values_of(b, kh), keys, factor, masks.data(),
+            mask_key_stride, weights.data(), outs.data());
+      }
+    });
+    return;
+  }
+#endif
+  const int64_t units = batch * heads * seq;
+  at::parallel_for(0, units, grain(units, 4 * keys * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(static_cast<size_t>(keys));
+    std::vector<float> acc(static_cast<size_t>(d));
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / (heads * seq), h = (u / seq) % heads, s = u % seq;
+      const int64_t kh = h / group;
+      const float* query = qs + b * qb + h * qh + s * qs_;
+      const bool* row_mask = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
+      float* dst = ys + (b * seq + s) * heads * d + h * d;
+      scores_of(query, keys_of(b, kh), keys, d, factor, weights.data());
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t l = 0; l < keys; ++l) {
+        if (row_mask != nullptr && !row_mask[l * mask_key_stride]) {
+          weights[l] = -std::numeric_limits<float>::infinity();
+        } else {
+          best = std::max(best, weights[l]);
+        }
+      }
+      for (int64_t l = 0; l < keys; ++l) weights[l] -= best;  // masked keys stay -inf
+      exp_in_place(weights.data(), keys);
+      float total = 0.0f;
+      for (int64_t l = 0; l < keys; ++l) total += weights[l];
+      weighted_values(weights.data(), values_of(b, kh), keys, d, acc.data());
+      const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t j = 0; j < d; ++j) dst[j] = acc[j] * inverse;
+    }
+  });
 }
 
 }  // namespace
@@ -261,77 +353,64 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     mask_key_stride = mask_tensor.stride(3);
   }
   torch::Tensor out = torch::empty({batch, seq, heads * d}, q.options());
-  const float* qs = q.data_ptr<float>();
+  const AttentionRows rows{batch, heads, seq, d, kv_heads, keys, q.data_ptr<float>(), q.stride(0), q.stride(1),
+                           q.stride(2), visible, mask_batch_stride, mask_row_stride, mask_key_stride,
+                           out.data_ptr<float>(), static_cast<float>(scale)};
   const float* ks = k.data_ptr<float>();
   const float* vs = v.data_ptr<float>();
-  float* ys = out.data_ptr<float>();
-  const int64_t group = heads / kv_heads;
-  const float factor = static_cast<float>(scale);
-  const int64_t qb = q.stride(0), qh = q.stride(1), qs_ = q.stride(2);
   const int64_t kb = k.stride(0), kh_ = k.stride(1), kl = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
-#if defined(__AVX512F__)
-  if (d == 64 || d == 128) {
-    // Work units: the query rows (heads of the group x sequence rows) of one key head, in `parts` slices so that
-    // every thread has work; each unit reads its key head's keys and values once for all its rows.
-    const int64_t rows_per_head = group * seq;
-    const int64_t parts = std::min<int64_t>(rows_per_head, (2 * at::get_num_threads() + batch * kv_heads - 1) /
-                                                                   (batch * kv_heads));
-    const int64_t per_part = (rows_per_head + parts - 1) / parts;
-    const int64_t units = batch * kv_heads * parts;
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(static_cast<size_t>(per_part * keys));
-      std::vector<const float*> queries(per_part);
-      std::vector<const bool*> masks(per_part);
-      std::vector<float*> weights(per_part), outs(per_part);
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t b = u / (kv_heads * parts), kh = (u / parts) % kv_heads, part = u % parts;
-        const int64_t first = part * per_part, n = std::min(rows_per_head, first + per_part) - first;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t h = kh * group + (first + i) / seq, s = (first + i) % seq;
-          queries[i] = qs + b * qb + h * qh + s * qs_;
-          masks[i] = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
-          weights[i] = scratch.data() + i * keys;
-          outs[i] = ys + (b * seq + s) * heads * d + h * d;
-        }
-        (d == 64 ? attention_rows::attend<4> : attention_rows::attend<8>)(
-            queries.data(), static_cast<int>(n), ks + b * kb + kh * kh_, kl, vs + b * vb + kh * vh, vl, keys, factor,
-            masks.data(), mask_key_stride, weights.data(), outs.data());
-      }
-    });
-    return out;
+  attend_rows(
+      rows, [&](int64_t b, int64_t kh) { return attention_rows::StridedRows{ks + b * kb + kh * kh_, kl}; },
+      [&](int64_t b, int64_t kh) { return attention_rows::StridedRows{vs + b * vb + kh * vh, vl}; });
+  return out;
+}
+
+torch::Tensor attention_slots(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                              const torch::Tensor& slots, const c10::optional<torch::Tensor>& mask, double scale) {
+  // q: [H, S, D]; k_pool, v_pool: [KVH, P, D] (one layer of a paged pool, any strides but contiguous in D);
+  // slots: int64 [L], the request's keys in its own order, each in [0, P); mask: optional bool [S, L], true =
+  // visible -> [S, H * D] contiguous, bitwise attention(q[None], k_pool[:, slots][None], v_pool[:, slots][None],
+  // mask[None, None], scale): the same rows and arithmetic, the keys and values read in place through the slots.
+  check_float_cpu(q, "q");
+  check_float_cpu(k_pool, "k_pool");
+  check_float_cpu(v_pool, "v_pool");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-D");
+  const int64_t heads = q.size(0), seq = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_pool.size(0), pool = k_pool.size(1);
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == d,
+              "k_pool and v_pool must both be [kv_heads, slots, head_dim] matching q");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of key heads");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
+              "q, k_pool and v_pool must be contiguous in head_dim");
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1,
+              "slots must be a 1-D int64 CPU tensor");
+  const torch::Tensor order = slots.contiguous();
+  const int64_t keys = order.size(0);
+  const int64_t* slot = order.data_ptr<int64_t>();
+  for (int64_t l = 0; l < keys; ++l) {
+    TORCH_CHECK(slot[l] >= 0 && slot[l] < pool, "slot ", slot[l], " at ", l, " is outside the pool of ", pool);
   }
-#endif
-  const int64_t units = batch * heads * seq;
-  at::parallel_for(0, units, grain(units, 4 * keys * d), [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(static_cast<size_t>(keys));
-    std::vector<float> acc(static_cast<size_t>(d));
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / (heads * seq), h = (u / seq) % heads, s = u % seq;
-      const int64_t kh = h / group;
-      const float* query = qs + b * qb + h * qh + s * qs_;
-      const float* key0 = ks + b * kb + kh * kh_;
-      const float* value0 = vs + b * vb + kh * vh;
-      const bool* row_mask = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
-      float* dst = ys + (b * seq + s) * heads * d + h * d;
-      scores_of(query, key0, kl, keys, d, factor, weights.data());
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < keys; ++l) {
-        if (row_mask != nullptr && !row_mask[l * mask_key_stride]) {
-          weights[l] = -std::numeric_limits<float>::infinity();
-        } else {
-          best = std::max(best, weights[l]);
-        }
-      }
-      for (int64_t l = 0; l < keys; ++l) weights[l] -= best;  // masked keys stay -inf
-      exp_in_place(weights.data(), keys);
-      float total = 0.0f;
-      for (int64_t l = 0; l < keys; ++l) total += weights[l];
-      weighted_values(weights.data(), value0, vl, keys, d, acc.data());
-      const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-      for (int64_t j = 0; j < d; ++j) dst[j] = acc[j] * inverse;
-    }
-  });
+  const bool* visible = nullptr;
+  int64_t mask_row_stride = 0, mask_key_stride = 0;
+  if (mask.has_value()) {
+    const torch::Tensor& m = *mask;
+    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kBool, "mask must be bool on the CPU");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == seq && m.size(1) == keys, "mask must be [seq, keys]");
+    visible = m.data_ptr<bool>();
+    mask_row_stride = m.stride(0);
+    mask_key_stride = m.stride(1);
+  }
+  torch::Tensor out = torch::empty({seq, heads * d}, q.options());
+  const AttentionRows rows{1, heads, seq, d, kv_heads, keys, q.data_ptr<float>(), 0, q.stride(0), q.stride(1),
+                           visible, 0, mask_row_stride, mask_key_stride, out.data_ptr<float>(),
+                           static_cast<float>(scale)};
+  const float* ks = k_pool.data_ptr<float>();
+  const float* vs = v_pool.data_ptr<float>();
+  const int64_t kh_ = k_pool.stride(0), kl = k_pool.stride(1), vh = v_pool.stride(0), vl = v_pool.stride(1);
+  attend_rows(
+      rows, [&](int64_t, int64_t kh) { return attention_rows::SlotRows{ks + kh * kh_, kl, slot}; },
+      [&](int64_t, int64_t kh) { return attention_rows::SlotRows{vs + kh * vh, vl, slot}; });
   return out;
 }
 
@@ -422,6 +501,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   module.def("attention", &attention, "softmax(q k^T * scale) v -> [B, S, H * D]", py::arg("q"), py::arg("k"),
              py::arg("v"), py::arg("mask"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  module.def("attention_slots", &attention_slots,
+             "softmax(q k^T * scale) v with k, v read from a pool through slots -> [S, H * D]", py::arg("q"),
+             py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("mask"), py::arg("scale"),
+             py::call_guard<py::gil_scoped_release>());
   module.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   module.def("argmax_rows", &argmax_rows, "[rows, vocab] -> first index of each row's maximum", py::arg("logits"),
              py::call_guard<py::gil_scoped_release>());
