@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from dflash.engine.engine import Engine, EngineOptions
+from dflash.errors import DFlashError
 from dflash.generation.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,6 +60,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="on a GPU, run every forward eagerly instead of replaying CUDA graphs")
     group.add_argument("--ddtree-budget", type=int, default=None,
                        help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 8 with AMX products, 32 on GPU)")
+    group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                       help="requests decoded together in one batched step (`dflash serve` runs this many at once "
+                       "and queues the rest); default: the engine's")
+
+
+def max_batch_from_args(args: argparse.Namespace) -> int | None:
+    """--max-concurrency, checked (None: the engine's default)."""
+    value: int | None = getattr(args, "max_concurrency", None)
+    if value is not None and value < 1:
+        raise DFlashError(f"--max-concurrency must be at least 1, got {value}")
+    return value
 
 
 DEFAULT_PREFIX_CACHE_MB = 2048.0  # about four 8K-token conversations of the default model (55 KB per position)
@@ -92,10 +105,16 @@ def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel |
     """The engine the flags describe; with `tensor_parallel`, this rank's share of it (`dflash.cli.ranks`)."""
     from dflash.engine.loading import load_engine
 
+    batching: dict[str, Any] = {}
+    max_batch = max_batch_from_args(args)
+    if max_batch is not None:
+        if "max_batch" not in {f.name for f in fields(EngineOptions)}:
+            raise DFlashError("--max-concurrency: this engine decodes one request at a time")
+        batching["max_batch"] = max_batch
     options = EngineOptions(
         spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
-        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs,
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs, **batching,
     )
     return load_engine(
         args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights,

@@ -11,6 +11,10 @@ header, 403) unless --allowed-origins names the site, and, on a loopback address
 localhost, 127.0.0.1 and [::1] (DNS rebinding, 403) unless --allowed-hosts names them. With a non-loopback
 --host every Host name is accepted (the names the server is reached by are unknown), unless --allowed-hosts
 is given.
+
+Concurrency: --max-concurrency requests generate at once (decoded together in one batched step) and up to
+--max-queue more wait for a free slot; past that a request is refused at once, 429 on the OpenAI APIs and
+529 `overloaded_error` on the Anthropic one, with a Retry-After header the official SDKs honour.
 """
 
 from __future__ import annotations
@@ -23,9 +27,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dflash.cli.api_key import ENV_VAR, APIKey, load_api_key
-from dflash.cli.common import add_model_options, add_prefix_cache_option, engine_from_args
+from dflash.cli.common import (
+    add_model_options,
+    add_prefix_cache_option,
+    engine_from_args,
+    max_batch_from_args,
+)
 from dflash.cli.ranks import add_tensor_parallel_option, run_ranks, tensor_parallel_size
 from dflash.errors import DFlashError
+
+DEFAULT_MAX_QUEUE = 64  # ServerSettings' default too (kept here: the HTTP extras load only when serving)
 
 
 def register(commands: Any) -> None:
@@ -65,6 +76,14 @@ def register(commands: Any) -> None:
                        "senders: 408)")
     group.add_argument("--keep-alive-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="close a client's idle connection after this")
+    group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                       help="requests waiting for a generation slot beyond the --max-concurrency running ones; "
+                       f"more are refused with 429 (OpenAI APIs) or 529 (Anthropic) and Retry-After (default "
+                       f"{DEFAULT_MAX_QUEUE})")
+    group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="stop a generation this long after its request arrived (queue time included): the "
+                       "client gets the text so far with finish reason 'length' (Anthropic: stop reason "
+                       "'max_tokens'), as when the token budget runs out (default: no limit)")
     parser.set_defaults(run=run)
 
 
@@ -84,9 +103,14 @@ def settings_from_args(args: argparse.Namespace, key: APIKey | None = None) -> A
         raise DFlashError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if not 0 < args.port < 65536:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
-    for flag, seconds in (("--body-timeout", args.body_timeout), ("--keep-alive-timeout", args.keep_alive_timeout)):
+    timeouts = [("--body-timeout", args.body_timeout), ("--keep-alive-timeout", args.keep_alive_timeout)]
+    if args.request_timeout is not None:
+        timeouts.append(("--request-timeout", args.request_timeout))
+    for flag, seconds in timeouts:
         if not seconds > 0:
             raise DFlashError(f"{flag} must be a positive number of seconds, got {seconds}")
+    if args.max_queue < 0:
+        raise DFlashError(f"--max-queue must not be negative, got {args.max_queue}")
     key = key or load_api_key(args.api_key, args.api_key_file, os.environ)
     return ServerSettings(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
@@ -96,6 +120,7 @@ def settings_from_args(args: argparse.Namespace, key: APIKey | None = None) -> A
         default_max_tokens=args.default_max_tokens, clamp_max_tokens=args.clamp_max_tokens,
         remap_developer_role=args.remap_developer_role,
         chat_template=template, max_body_bytes=int(args.max_body_mb * 1024 * 1024), stall=StallSettings.from_env(),
+        max_concurrency=max_batch_from_args(args), max_queue=args.max_queue, request_timeout_s=args.request_timeout,
     )
 
 

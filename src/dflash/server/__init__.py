@@ -1,7 +1,7 @@
 """`dflash serve`: an OpenAI-, Anthropic- and Responses-compatible HTTP front door for one `Engine`.
 
-`create_app(engine, settings)` builds the FastAPI application; one worker thread runs generations in
-arrival order (see `worker`), each API module translates its wire format to a `Turn` (see `turn`) and
+`create_app(engine, settings)` builds the FastAPI application; a pool of worker threads starts generations
+in arrival order (see `worker`), each API module translates its wire format to a `Turn` (see `turn`) and
 back. The HTTP stack (fastapi, uvicorn, pydantic, prometheus-client) is the optional `server` extra.
 """
 

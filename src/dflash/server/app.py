@@ -1,7 +1,8 @@
 """`create_app(engine, settings)`: the FastAPI application behind `dflash serve`.
 
 One app owns one engine, one generation worker (started and stopped with the app's lifespan, or on first
-use), one metrics registry and the routes of every API.
+use; it runs as many requests at once as the engine batches), one metrics registry and the routes of every
+API.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ from dflash.server.worker import GenerationWorker
 def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     metrics = Metrics()
-    worker = GenerationWorker()
-    metrics.bind_worker(lambda: worker.queue_depth, lambda: worker.busy)
+    worker = GenerationWorker(concurrency=settings.concurrency_for(engine.options), max_queue=settings.max_queue)
+    metrics.bind_worker(lambda: worker.queue_depth, lambda: worker.running)
+    if hasattr(engine, "step_observer"):  # only the batching engine reports its steps
+        setattr(engine, "step_observer", metrics.observe_batch)  # noqa: B010 (not part of EnginePort)
     prefix_cache = getattr(engine, "prefix_cache", None)  # only the real engine has one
     if prefix_cache is not None:
         metrics.bind_prefix_cache(prefix_cache.stats)
@@ -49,7 +52,8 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
         settings=settings,
         prompts=PromptBuilder(engine, settings.chat_template, remap_developer_role=settings.remap_developer_role),
         worker=worker,
-        runner=TurnRunner(engine, worker, metrics, settings.stall, settings.keepalive_s),
+        runner=TurnRunner(engine, worker, metrics, settings.stall, settings.keepalive_s,
+                          request_timeout_s=settings.request_timeout_s),
         metrics=metrics,
         model_name=settings.served_model_name or engine.model_name,
         created=int(time.time()),

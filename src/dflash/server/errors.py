@@ -9,6 +9,7 @@ client that sent the request.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -19,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("dflash.server")
 
 ErrorKind = Literal[
-    "invalid_request", "authentication", "permission", "not_found", "too_large", "server", "unavailable"
+    "invalid_request", "authentication", "permission", "not_found", "too_large", "server", "unavailable",
+    "overloaded",
 ]
 
 _OPENAI_TYPE: dict[ErrorKind, str] = {
@@ -30,6 +32,7 @@ _OPENAI_TYPE: dict[ErrorKind, str] = {
     "too_large": "invalid_request_error",
     "server": "server_error",
     "unavailable": "server_error",
+    "overloaded": "server_error",  # what OpenAI sends with its 429 "currently overloaded" answers
 }
 _ANTHROPIC_TYPE: dict[ErrorKind, str] = {
     "invalid_request": "invalid_request_error",
@@ -39,6 +42,7 @@ _ANTHROPIC_TYPE: dict[ErrorKind, str] = {
     "too_large": "request_too_large",
     "server": "api_error",
     "unavailable": "overloaded_error",
+    "overloaded": "overloaded_error",
 }
 
 
@@ -51,10 +55,12 @@ class APIError(Exception):
         kind: ErrorKind = "invalid_request",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         message, param = _printable(message), _printable(param) if param is not None else None
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = dict(headers or {})  # sent with the error answer (e.g. Retry-After)
 
 
 def _printable(text: str) -> str:
@@ -79,7 +85,16 @@ def error_body(path: str, err: APIError) -> dict[str, Any]:
 
 
 def error_response(path: str, err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(path, err), status_code=err.status)
+    return JSONResponse(error_body(path, err), status_code=err.status, headers=err.headers or None)
+
+
+def overloaded(retry_after_s: int, detail: str, *, anthropic: bool) -> APIError:
+    """The server's queue is full: 529 `overloaded_error` for Anthropic clients, 429 for OpenAI ones (the
+    status both SDKs retry, honouring Retry-After)."""
+    status = 529 if anthropic else 429
+    message = f"the server is overloaded ({detail}); retry after {retry_after_s} s"
+    return APIError(status, message, kind="overloaded", code="overloaded",
+                    headers={"Retry-After": str(retry_after_s)})
 
 
 def internal_error(exc: BaseException) -> APIError:

@@ -20,6 +20,7 @@ from dflash.server.turn import Outcome
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _ACCEPTANCE_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12, 16)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
 
 class Metrics:
@@ -30,7 +31,8 @@ class Metrics:
             "dflash_http_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r
         )
         self.requests = Counter(
-            "dflash_requests", "Generation requests by API and outcome (stop, length, tool_calls, cancelled, error)",
+            "dflash_requests",
+            "Generation requests by API and outcome (stop, length, tool_calls, cancelled, invalid, error, overloaded)",
             ["api", "outcome"], registry=r,
         )
         self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
@@ -43,8 +45,8 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_wait = Histogram(
-            "dflash_queue_wait_seconds", "Time spent waiting for the generation worker", buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "dflash_queue_wait_seconds", "Time a request waited in the queue for a free generation slot",
+            buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.acceptance = Histogram(
             "dflash_acceptance_length", "Mean tokens committed per speculative round, per request",
@@ -63,12 +65,28 @@ class Metrics:
         self.stall_continuations = Counter(
             "dflash_stall_continuations", "Turns continued by DFLASH_STALL_TOOL_PREFIX", registry=r
         )
+        self.timeouts = Counter(
+            "dflash_request_timeouts", "Turns ended by --request-timeout (answered with finish reason length)",
+            registry=r,
+        )
         self.queue_depth = Gauge("dflash_queue_depth", "Requests waiting for the worker", registry=r)
         self.busy = Gauge("dflash_busy", "1 while a generation runs", registry=r)
+        self.running = Gauge("dflash_requests_running", "Requests generating now", registry=r)
+        self.waiting = Gauge("dflash_requests_waiting", "Requests queued for a free generation slot", registry=r)
+        self.batch_size = Histogram(
+            "dflash_batch_size", "Requests decoded together in one engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
 
-    def bind_worker(self, depth: Callable[[], int], busy: Callable[[], bool]) -> None:
-        self.queue_depth.set_function(lambda: float(depth()))
-        self.busy.set_function(lambda: 1.0 if busy() else 0.0)
+    def bind_worker(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        """Read the worker's queue and pool at scrape time."""
+        self.queue_depth.set_function(lambda: float(waiting()))
+        self.waiting.set_function(lambda: float(waiting()))
+        self.running.set_function(lambda: float(running()))
+        self.busy.set_function(lambda: 1.0 if running() > 0 else 0.0)
+
+    def observe_batch(self, size: int) -> None:
+        """Called by the engine after each batched step (on its own thread)."""
+        self.batch_size.observe(size)
 
     def bind_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
         self.registry.register(PrefixCacheCollector(stats))
@@ -80,7 +98,6 @@ class Metrics:
         self.prompt_tokens.labels(api).inc(outcome.prompt_tokens)
         self.completion_tokens.labels(api).inc(outcome.completion_tokens)
         self.latency.labels(api).observe(latency_s)
-        self.queue_wait.observe(max(0.0, outcome.queue_s))
         if outcome.ttft_s is not None:
             self.ttft.labels(api).observe(outcome.ttft_s)
         if outcome.stats.rounds:
@@ -97,6 +114,12 @@ class Metrics:
         if not client_error:
             self.errors.labels(api).inc()
         self.latency.labels(api).observe(latency_s)
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_wait.observe(max(0.0, seconds))
+
+    def observe_overloaded(self, api: str) -> None:
+        self.requests.labels(api, "overloaded").inc()
 
     def observe_dropped(self, api: str) -> None:
         self.requests.labels(api, "cancelled").inc()

@@ -4,6 +4,12 @@ wait for its `Outcome`, cancelling the generation when the client goes away.
 Events cross from the worker thread to the loop through `call_soon_threadsafe`, in order; the last event
 of every turn is `DoneEvent` or `ErrorEvent`. Metrics and the "last used" time are recorded here, once
 per turn, whatever way it ended.
+
+A full worker queue is refused before anything is streamed: 429 (OpenAI APIs) or 529 (Anthropic) with a
+Retry-After header. With a request timeout, a turn still running that long after its arrival is stopped
+like a degenerate run is (`dflash.server.turn`): the client gets the text so far with finish reason
+"length" (Anthropic: stop reason "max_tokens"); one whose time ran out while it waited never reaches the
+engine and ends the same way, empty.
 """
 
 from __future__ import annotations
@@ -13,17 +19,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from starlette.requests import Request
 
 from dflash.errors import GenerationError
 from dflash.generation.request import GenerationStats
 from dflash.server.engine_port import EnginePort
-from dflash.server.errors import APIError, internal_error
+from dflash.server.errors import APIError, internal_error, overloaded
 from dflash.server.metrics import Metrics
 from dflash.server.stall import StallSettings
 from dflash.server.turn import DoneEvent, ErrorEvent, Outcome, Turn, TurnEvent, execute_turn
-from dflash.server.worker import GenerationWorker, Job, JobResult
+from dflash.server.worker import GenerationWorker, Job, JobResult, WorkerOverloaded
 
 log = logging.getLogger("dflash.server")
 
@@ -105,17 +112,25 @@ def error_for(exc: Exception) -> APIError:
 
 class TurnRunner:
     def __init__(
-        self, engine: EnginePort, worker: GenerationWorker, metrics: Metrics, stall: StallSettings, keepalive_s: float
+        self,
+        engine: EnginePort,
+        worker: GenerationWorker,
+        metrics: Metrics,
+        stall: StallSettings,
+        keepalive_s: float,
+        request_timeout_s: float | None = None,
     ) -> None:
         self.engine, self.worker, self.metrics, self.stall = engine, worker, metrics, stall
         self.keepalive_s = keepalive_s
+        self.request_timeout_s = request_timeout_s
         self.last_used_ms: int | None = None
 
     def start(self, turn: Turn, api: str) -> TurnHandle:
+        """Submit `turn`; raises `APIError` when the server is shutting down or its queue is full."""
         handle = TurnHandle(asyncio.get_running_loop(), self.keepalive_s)
 
         def run(should_stop: Callable[[], bool]) -> Outcome:
-            return execute_turn(self.engine, turn, self.stall, handle.push, should_stop)
+            return self._run(turn, handle, should_stop)
 
         def done(result: JobResult[Outcome]) -> None:
             self._finished(api, turn, handle, result)
@@ -123,13 +138,37 @@ class TurnRunner:
         handle.worker = self.worker
         try:
             handle.job = self.worker.submit(run, done)
+        except WorkerOverloaded as exc:
+            self.metrics.observe_overloaded(api)
+            detail = f"{exc.running} requests running, {exc.waiting} waiting"
+            raise overloaded(exc.retry_after_s, detail, anthropic=api == "messages") from None
         except RuntimeError:
             raise shutting_down() from None
         return handle
 
+    def _run(self, turn: Turn, handle: TurnHandle, should_stop: Callable[[], bool]) -> Outcome:
+        """The turn on a worker thread, held to the request timeout when there is one."""
+        if self.request_timeout_s is None:
+            return execute_turn(self.engine, turn, self.stall, handle.push, should_stop)
+        deadline = turn.received_at + self.request_timeout_s
+
+        def expired() -> bool:
+            return time.perf_counter() >= deadline
+
+        if expired():  # its time ran out in the queue: no prefill for an answer nobody can wait for
+            self.metrics.timeouts.inc()
+            return replace(_dropped_outcome(turn), finish_reason="length", queue_s=time.perf_counter() - turn.received_at)
+        outcome = execute_turn(self.engine, turn, self.stall, handle.push, lambda: should_stop() or expired())
+        if outcome.finish_reason == "cancelled" and not should_stop():  # stopped by the deadline, not the client
+            self.metrics.timeouts.inc()
+            return replace(outcome, finish_reason="length")
+        return outcome
+
     def _finished(self, api: str, turn: Turn, handle: TurnHandle, result: JobResult[Outcome]) -> None:
         latency = time.perf_counter() - turn.received_at
         self.last_used_ms = int(time.time() * 1000)
+        if result.queue_s is not None:
+            self.metrics.observe_queue_wait(result.queue_s)
         if result.dropped and self.worker.closed:
             self.metrics.requests.labels(api, "unavailable").inc()
             handle.push(ErrorEvent(shutting_down()))
@@ -149,6 +188,7 @@ class TurnRunner:
 
 
 def _dropped_outcome(turn: Turn) -> Outcome:
+    """A turn that never reached the engine."""
     return Outcome(
         content="", reasoning="", tool_calls=[], finish_reason="cancelled", stop_sequence=None,
         prompt_tokens=len(turn.request.prompt_ids), completion_tokens=0,

@@ -8,6 +8,7 @@ from dflash.server.stall import StallSettings
 
 DEFAULT_MAX_TOKENS_CAP = 4096  # completion budget when a request names none (also capped by the context)
 DEFAULT_BODY_LIMIT = 8 * 1024 * 1024
+DEFAULT_MAX_QUEUE = 64  # requests waiting beyond the running ones before new ones get 429/529
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,15 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_BODY_LIMIT
     keepalive_s: float = 15.0  # SSE comment sent while a streamed request waits without output
     stall: StallSettings = field(default_factory=StallSettings)
+    max_concurrency: int | None = None  # requests generating at once; None: the engine's max_batch (else 1)
+    max_queue: int | None = DEFAULT_MAX_QUEUE  # requests waiting beyond those; None: unbounded
+    request_timeout_s: float | None = None  # arrival to a forced end of the turn (finish reason "length")
 
     def completion_cap(self) -> int:
         return self.default_max_tokens or DEFAULT_MAX_TOKENS_CAP
+
+    def concurrency_for(self, engine_options: object) -> int:
+        """Requests to run at once: `max_concurrency`, else as many as the engine batches (1 if it cannot say)."""
+        if self.max_concurrency is not None:
+            return self.max_concurrency
+        return max(1, int(getattr(engine_options, "max_batch", None) or 1))
