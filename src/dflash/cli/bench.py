@@ -42,6 +42,24 @@ def register(commands: Any) -> None:
     speed.add_argument("--out", type=Path, default=None)
     speed.set_defaults(run=run_speed)
 
+    # "resolve": should the shared model options gain --max-batch, this command's own (default: the top level) wins
+    concurrency = kinds.add_parser("concurrency", help="aggregate tokens/s and latency under N concurrent requests",
+                                   conflict_handler="resolve")
+    add_model_options(concurrency)
+    concurrency.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma list of concurrent clients")
+    concurrency.add_argument("--modes", default="ar,linear,ddtree", help="comma list of: ar, linear, ddtree")
+    concurrency.add_argument("--requests", type=int, default=None,
+                             help="requests per level (default: 2 x the level, at least 4)")
+    concurrency.add_argument("--max-tokens", type=int, default=128, help="tokens of every request (EOS ignored)")
+    concurrency.add_argument("--prompts-file", type=Path, action="append", default=None)
+    concurrency.add_argument("--sequential", action="store_true", help="also time the same requests one at a time")
+    concurrency.add_argument("--max-batch", type=int, default=None,
+                             help="requests decoded together (default: the highest --concurrency)")
+    concurrency.add_argument("--no-warmup", dest="warmup", action="store_false")
+    concurrency.add_argument("--json", action="store_true")
+    concurrency.add_argument("--out", type=Path, default=None)
+    concurrency.set_defaults(run=run_concurrency)
+
     register_agent_commands(kinds)
 
 
@@ -79,4 +97,28 @@ def run_speed(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, runs=args.runs, model_arg=args.model, baseline_runs=args.baseline_runs,
     )
     _emit(result, args, format_speed_table(result))
+    return 0
+
+
+def run_concurrency(args: argparse.Namespace) -> int:
+    from dflash.bench.concurrency import format_concurrency_table, measure_concurrency, with_max_batch
+    from dflash.engine.engine import EngineOptions
+    from dflash.engine.loading import load_engine
+
+    levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
+    options = EngineOptions(
+        spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
+        ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts, cuda_graphs=args.cuda_graphs,
+    )
+    engine = load_engine(
+        args.model, args.draft, options=with_max_batch(options, args.max_batch or max(levels, default=1)),
+        device=args.device, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
+        draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
+    )
+    result = measure_concurrency(
+        engine, args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
+        modes=[m.strip() for m in args.modes.split(",") if m.strip()], levels=levels, max_tokens=args.max_tokens,
+        requests=args.requests, sequential=args.sequential, warmup=args.warmup,
+    )
+    _emit(result, args, format_concurrency_table(result))
     return 0

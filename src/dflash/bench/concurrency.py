@@ -1,0 +1,288 @@
+"""Aggregate throughput and latency of one engine under N concurrent requests (`dflash bench concurrency`).
+
+Each (mode, level) runs a closed loop of `level` clients: `level` threads share the level's requests and each issues
+its next request as soon as its previous one ends, so `level` requests stay in flight until the queue drains. Every
+request is greedy with `ignore_eos=True`: it produces exactly `max_tokens` tokens whatever the model would answer,
+so every request does the same decoding work and tokens/s compare across levels and modes. Request i takes prompt
+i modulo the prompt list, which alternates between the prompt files.
+
+Per request: TTFT (from submission to the first streamed text or token ids, so it includes any wait for the engine),
+end-to-end latency and tokens. Per level: aggregate tokens/s (all tokens over the level's wall time), p50/p95 of
+TTFT and latency, the mean of each request's own tokens/s (tokens over its latency) and, optionally, the wall time
+of the same requests one after another (one client) with the concurrent run's speed-up over it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dflash.bench.provenance import provenance
+from dflash.engine.engine import Engine, EngineOptions
+from dflash.errors import DFlashError
+from dflash.generation.request import GenerationRequest, GenerationResult, TokenCallback
+from dflash.generation.sampling import SamplingParams
+from dflash.progress import progress_bar
+from dflash.training.prompts import read_prompt_file
+
+MODE_SPECS = {"ar": "none", "linear": "linear", "ddtree": "ddtree"}  # bench mode -> the engine's spec per request
+
+
+class Generator(Protocol):
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        on_text: TokenCallback | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        spec: str | None = None,
+    ) -> GenerationResult: ...
+
+
+class OneAtATime:
+    """Lets one `generate` call run at a time: for an engine that is not safe to call from several threads (one
+    without `EngineOptions.max_batch`); the waiting counts in the requests' TTFT, as it would behind a server."""
+
+    def __init__(self, inner: Generator) -> None:
+        self.inner = inner
+        self._lock = threading.Lock()
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        on_text: TokenCallback | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        spec: str | None = None,
+    ) -> GenerationResult:
+        with self._lock:
+            return self.inner.generate(request, on_text=on_text, should_stop=should_stop, spec=spec)
+
+
+def engine_takes_threads() -> bool:
+    """Whether `Engine.generate` may be called from several threads at once: engines with `max_batch` (which decode
+    up to that many requests together and queue the rest)."""
+    return any(field.name == "max_batch" for field in dataclasses.fields(EngineOptions))
+
+
+def with_max_batch(options: EngineOptions, max_batch: int) -> EngineOptions:
+    """`options` with `max_batch` rows per batched step, where the engine has that option (else unchanged)."""
+    changes: dict[str, Any] = {"max_batch": max_batch}  # by name: the field is checked at run time, not typed
+    return dataclasses.replace(options, **changes) if engine_takes_threads() else options
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    ttft_s: float
+    latency_s: float
+    tokens: int
+    acceptance_length: float  # 0.0 without speculative rounds
+
+
+@dataclass(frozen=True)
+class LoopRun:
+    wall_s: float
+    requests: list[RequestTiming]  # in submission order
+
+
+def requests_per_level(level: int, fixed: int | None) -> int:
+    """`fixed` when given, else two per client and at least 4, so every client finishes at least two requests."""
+    return fixed if fixed is not None else max(2 * level, 4)
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default): p50 of [1, 2, 3, 4] is 2.5."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def timed_request(generator: Generator, prompt_ids: list[int], *, spec: str, max_tokens: int) -> RequestTiming:
+    first_output: list[float] = []
+
+    def on_text(text: str, ids: list[int]) -> None:
+        if not first_output and (text or ids):
+            first_output.append(time.perf_counter())
+
+    request = GenerationRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True
+    )
+    submitted = time.perf_counter()
+    result = generator.generate(request, on_text=on_text, spec=spec)
+    ended = time.perf_counter()
+    return RequestTiming(
+        ttft_s=(first_output[0] if first_output else ended) - submitted,
+        latency_s=ended - submitted,
+        tokens=len(result.token_ids),
+        acceptance_length=result.stats.acceptance_length,
+    )
+
+
+def closed_loop(
+    generator: Generator, prompts: Sequence[list[int]], *, spec: str, clients: int, requests: int, max_tokens: int
+) -> LoopRun:
+    """`requests` requests (request i on prompt i mod len(prompts)) from `clients` threads, each starting its next
+    request when its previous one ends."""
+    if clients < 1 or requests < 1 or not prompts:
+        raise ValueError(f"need clients, requests and prompts (got {clients}, {requests}, {len(prompts)})")
+    # A pool of `clients` threads over a queue of all the requests is exactly `clients` closed-loop clients: a thread
+    # takes the next queued request only once its own has returned.
+    with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="bench-client") as pool:
+        started = time.perf_counter()
+        futures = [
+            pool.submit(timed_request, generator, prompts[i % len(prompts)], spec=spec, max_tokens=max_tokens)
+            for i in range(requests)
+        ]
+        try:
+            timings = [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        wall = time.perf_counter() - started
+    return LoopRun(wall_s=wall, requests=timings)
+
+
+def summarise(run: LoopRun, clients: int) -> dict[str, Any]:
+    tokens = sum(t.tokens for t in run.requests)
+    ttft = [t.ttft_s for t in run.requests]
+    latency = [t.latency_s for t in run.requests]
+    acceptance = [t.acceptance_length for t in run.requests if t.acceptance_length > 0]
+    return {
+        "concurrency": clients,
+        "requests": len(run.requests),
+        "tokens": tokens,
+        "wall_s": round(run.wall_s, 4),
+        "tokens_per_s": round(tokens / run.wall_s, 3),
+        "ttft_s": {"p50": round(percentile(ttft, 0.5), 4), "p95": round(percentile(ttft, 0.95), 4)},
+        "latency_s": {"p50": round(percentile(latency, 0.5), 4), "p95": round(percentile(latency, 0.95), 4)},
+        "request_tokens_per_s": round(statistics.fmean(t.tokens / t.latency_s for t in run.requests), 3),
+        "acceptance_length": round(statistics.fmean(acceptance), 4) if acceptance else None,
+    }
+
+
+def measure_levels(
+    generator: Generator,
+    prompts: Sequence[list[int]],
+    *,
+    modes: Sequence[str],
+    levels: Sequence[int],
+    max_tokens: int,
+    requests: int | None = None,
+    sequential: bool = False,
+    warmup: bool = True,
+    advance: Callable[[int], None] = lambda n: None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Per mode, one summary per level. Levels run in the outer loop, so the modes of one level are measured close
+    together in time. Warm-up (untimed): one request per client at every level, per mode, so that the batch shapes
+    of each level are seen (captured graphs, allocator) before any is timed. `advance` is told of every request."""
+    unknown = [m for m in modes if m not in MODE_SPECS]
+    if unknown:
+        raise DFlashError(f"unknown concurrency mode(s) {', '.join(unknown)}; choose from {', '.join(MODE_SPECS)}")
+    if not levels or min(levels) < 1:
+        raise DFlashError(f"concurrency levels must be at least 1, got {list(levels)}")
+    if requests is not None and requests < max(levels):
+        raise DFlashError(f"--requests {requests} leaves concurrency {max(levels)} without enough requests")
+    if warmup:
+        for mode, level in itertools.product(modes, levels):
+            closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=level, max_tokens=max_tokens)
+            advance(level)
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for level, mode in itertools.product(levels, modes):
+        count = requests_per_level(level, requests)
+        run = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens)
+        advance(count)
+        row = summarise(run, level)
+        if sequential:
+            alone = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=1, requests=count, max_tokens=max_tokens)
+            advance(count)
+            row["sequential_wall_s"] = round(alone.wall_s, 4)
+            row["sequential_tokens_per_s"] = round(row["tokens"] / alone.wall_s, 3)
+            row["speedup_over_sequential"] = round(alone.wall_s / run.wall_s, 3)
+        results[mode].append(row)
+    return results
+
+
+def interleaved_prompts(engine: Engine, prompt_files: Sequence[Path]) -> list[list[int]]:
+    """Every prompt of every file, alternating between the files, so the first requests of a level mix the sets."""
+    per_file = [[engine.chat_prompt_ids(chat) for chat in read_prompt_file(path)] for path in prompt_files]
+    return [ids for group in itertools.zip_longest(*per_file) for ids in group if ids is not None]
+
+
+def measure_concurrency(
+    engine: Engine,
+    prompt_files: Sequence[Path],
+    *,
+    modes: Sequence[str],
+    levels: Sequence[int],
+    max_tokens: int,
+    requests: int | None = None,
+    sequential: bool = False,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """The levels on `engine` (serialised with `OneAtATime` where it cannot batch), with provenance."""
+    if engine.drafter is None and any(MODE_SPECS.get(m, "none") != "none" for m in modes):
+        raise DFlashError("modes linear and ddtree need a drafter (--draft); measure ar alone without one")
+    prompts = interleaved_prompts(engine, prompt_files)
+    if not prompts:
+        raise DFlashError("no prompts in " + ", ".join(str(p) for p in prompt_files))
+    generator: Generator = engine if engine_takes_threads() else OneAtATime(engine)
+    max_batch = getattr(engine.options, "max_batch", None)
+    timed = sum(requests_per_level(level, requests) for level in levels) * (2 if sequential else 1)
+    total = len(modes) * (timed + (sum(levels) if warmup else 0))
+    with progress_bar("concurrency", total) as bar:
+        results = measure_levels(
+            generator, prompts, modes=modes, levels=levels, max_tokens=max_tokens, requests=requests,
+            sequential=sequential, warmup=warmup, advance=bar.advance,
+        )
+    return {
+        **provenance(engine.device),
+        "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "model": engine.model_name,
+        "drafter": engine.drafter is not None,
+        "ddtree_budget": engine.options.ddtree_budget,
+        "num_drafts": engine.options.num_drafts,
+        "cuda_graphs": engine.target.graph_runner is not None,
+        "batched": (max_batch or 1) > 1,  # False: the engine ran one request at a time, the others waited
+        "max_batch": max_batch,
+        "sampling": "greedy, ignore_eos (every request produces exactly max_tokens)",
+        "max_tokens": max_tokens,
+        "prompts": len(prompts),
+        "prompt_files": [str(p) for p in prompt_files],
+        "levels": list(levels),
+        "warmup": warmup,
+        "modes": results,
+    }
+
+
+def format_concurrency_table(result: dict[str, Any]) -> str:
+    batching = f"max_batch {result['max_batch']}" if result["batched"] else "no batching: one request at a time"
+    lines = [f"{result['model']} on {result['device']}, {result['max_tokens']} tokens per request, {batching}"]
+    header = f"{'mode':<8}{'clients':>8}{'reqs':>6}{'tok/s':>10}{'req tok/s':>11}{'TTFT p50/p95 s':>18}"
+    header += f"{'latency p50/p95 s':>20}"
+    sequential = any("speedup_over_sequential" in row for rows in result["modes"].values() for row in rows)
+    if sequential:
+        header += f"{'seq tok/s':>11}{'speed-up':>10}"
+    lines.append(header)
+    for mode, rows in result["modes"].items():
+        for row in rows:
+            ttft = f"{row['ttft_s']['p50']:.3f}/{row['ttft_s']['p95']:.3f}"
+            latency = f"{row['latency_s']['p50']:.3f}/{row['latency_s']['p95']:.3f}"
+            line = f"{mode:<8}{row['concurrency']:>8}{row['requests']:>6}{row['tokens_per_s']:>10.1f}"
+            line += f"{row['request_tokens_per_s']:>11.1f}{ttft:>18}{latency:>20}"
+            if "speedup_over_sequential" in row:
+                line += f"{row['sequential_tokens_per_s']:>11.1f}{row['speedup_over_sequential']:>9.2f}x"
+            lines.append(line)
+    return "\n".join(lines)
