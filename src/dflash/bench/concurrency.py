@@ -9,7 +9,9 @@ i modulo the prompt list, which alternates between the prompt files.
 Per request: TTFT (from submission to the first streamed text or token ids, so it includes any wait for the engine),
 end-to-end latency and tokens. Per level: aggregate tokens/s (all tokens over the level's wall time), p50/p95 of
 TTFT and latency, the mean of each request's own tokens/s (tokens over its latency) and, optionally, the wall time
-of the same requests one after another (one client) with the concurrent run's speed-up over it.
+of the same requests one after another (one client) with the concurrent run's speed-up over it. That baseline runs
+on the same engine, at the same `max_batch`; the single-request path (`max_batch` 1, CUDA graphs on a GPU) is a
+separate run with `--max-batch 1`.
 """
 
 from __future__ import annotations
