@@ -1,6 +1,8 @@
-"""`Engine`: one target model, its tokenizer and optionally a DFlash drafter, generating one request at a time.
+"""`Engine`: one target model, its tokenizer and optionally a DFlash drafter, serving requests from any thread.
 
-It chooses the decoding strategy per request (plain, or speculative when a drafter is loaded and the request
+With `max_batch` > 1 concurrent `generate` calls decode together: the engine loop (`dflash.batch`) runs one batched
+step over every active request. With `max_batch` 1 they run one at a time through the single-request loops (the
+path of the GPU's CUDA graphs and device-resident rounds). It chooses the decoding strategy per request (plain, or speculative when a drafter is loaded and the request
 allows it), checks the context budget, and keeps the safety net: a speculative generation that ends with no
 visible text is retried once with plain decoding, logged and counted. With `prefix_cache_mb` > 0 it owns a
 prefix cache (`dflash.kv.prefix_cache`) that every strategy reads and fills, unless a request opts out.
@@ -9,6 +11,7 @@ prefix cache (`dflash.kv.prefix_cache`) that every strategy reads and fills, unl
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -16,6 +19,10 @@ from typing import Any
 
 import torch
 
+from dflash.batch.core import BatchCore, CoreSettings
+from dflash.batch.loop import BatchLoop
+from dflash.batch.policy import DEFAULT_MAX_STEP_ROWS
+from dflash.batch.sequence import Sequence
 from dflash.errors import DFlashError, GenerationError
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.cached_prefill import cached_prefix_length
@@ -45,6 +52,9 @@ AMX_DDTREE_BUDGET = 8
 # about a tenth of a plain step, so short rounds win: results/cpu_num_drafts_drafter_v5.json (2-4 drafts 0.95x
 # plain decoding, 6 0.90x, 15 0.57x).
 DEFAULT_NUM_DRAFTS = {"cpu": 4}
+# Requests decoding together per device class. The GPU keeps one at a time until the batched step is captured in
+# CUDA graphs: its single-request path replays graphs, which the eager batched step cannot match for one stream.
+DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 1}
 
 
 @dataclass
@@ -57,6 +67,9 @@ class EngineOptions:
     num_drafts: int | None = None  # drafts verified per linear round (None: DEFAULT_NUM_DRAFTS, else block size - 1)
     prefix_cache_mb: float = 0.0  # memory budget of the prefix cache in MiB; 0 disables it
     cuda_graphs: bool = True  # on a CUDA device, replay decode steps, verifications and drafter rounds as graphs
+    max_batch: int | None = None  # requests decoding together (None: DEFAULT_MAX_BATCH of the device class)
+    kv_pool_tokens: int | None = None  # positions of the batched K/V pool (None: max_batch contexts, within 4x max_ctx)
+    max_step_rows: int | None = None  # verified rows per batched step (None: the policy's device default)
 
 
 class Engine:
@@ -87,6 +100,15 @@ class Engine:
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
         if getattr(target, "tensor_parallel", None) is not None:
             self.options.cuda_graphs = False  # the graphed paths do not run the collectives: eager forwards
+            self.options.max_batch = 1  # every rank mirrors one request's decisions
+        if self.options.max_batch is None:
+            self.options.max_batch = DEFAULT_MAX_BATCH.get(self.device.type, 1)
+        if self.options.max_batch < 1:
+            raise DFlashError(f"max batch must be at least 1, got {self.options.max_batch}")
+        self.step_observer: Callable[[int], None] | None = None  # called after each batched step with its size
+        self._serial = threading.Lock()  # max_batch 1: one generation at a time
+        self._loop: BatchLoop | None = None
+        self._loop_lock = threading.Lock()
         if self.options.cuda_graphs and self.device.type == "cuda":
             from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
 
@@ -196,6 +218,45 @@ class Engine:
             return retry
         return result
 
+    @property
+    def batched(self) -> bool:
+        """Whether concurrent generations decode together (the engine loop) rather than one at a time."""
+        return (self.options.max_batch or 1) > 1
+
+    @property
+    def loop(self) -> BatchLoop:
+        """The engine loop, started on first use."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = BatchLoop(self._new_core(), on_step=self._observe_step)
+            return self._loop
+
+    def _observe_step(self, size: int) -> None:
+        if self.step_observer is not None:
+            self.step_observer(size)
+
+    def _new_core(self) -> BatchCore:
+        max_batch = self.options.max_batch or 1
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        default_pool = min(max_batch, 4) * self.max_ctx + max_batch * 2 * (block + (self.options.ddtree_budget or 0))
+        settings = CoreSettings(
+            max_batch=max_batch,
+            prefill_chunk=self.options.prefill_chunk,
+            pool_tokens=self.options.kv_pool_tokens or default_pool,
+            ddtree_budget=self.options.ddtree_budget or 0,
+            linear_drafts=self.options.num_drafts or block - 1,
+            max_step_rows=self.options.max_step_rows or DEFAULT_MAX_STEP_ROWS.get(self.device.type, 64),
+            draft_window=self.options.draft_window,
+        )
+        return BatchCore(self.target, self.drafter, self.eos_ids, settings, self.prefix_cache)
+
+    def close(self) -> None:
+        """Stop the engine loop (generations still running end with an error)."""
+        with self._loop_lock:
+            if self._loop is not None:
+                self._loop.stop()
+                self._loop = None
+
     def _run(
         self,
         request: GenerationRequest,
@@ -214,7 +275,10 @@ class Engine:
             constraint=request.constraint.start() if request.constraint is not None else None,
             agreement=self.agreement,
         )
-        stats = self._decode(mode, request, sink, chooser, should_stop)
+        if self.batched:
+            return self.loop.run(Sequence(request, mode, sink, chooser, should_stop))
+        with self._serial:
+            stats = self._decode(mode, request, sink, chooser, should_stop)
         assert sink.finish_reason is not None
         return GenerationResult(
             text=sink.text, token_ids=sink.token_ids, finish_reason=sink.finish_reason, stats=stats,

@@ -8,7 +8,7 @@ All rows of a batch share one `length` (the number of valid slots).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,6 +30,16 @@ class CacheWriter(Protocol):
     """What an attention layer needs of a cache: store its new K/V, get back every slot a query may read."""
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Takes over a layer's attention entirely: stores the new K/V where it keeps them and attends each query row
+    to the keys it may see (the batched engine core, `dflash.batch.attention`, over its paged pool).
+
+    q: [1, heads, rows, head_dim]; k, v: [1, kv_heads, rows, head_dim] (rotated) -> [1, rows, heads * head_dim]."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
 class KVCache:

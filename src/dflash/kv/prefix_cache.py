@@ -123,17 +123,25 @@ class PrefixCache:
         n*hidden] captured at `feature_layers` (None when there are none)."""
         if cache.batch != 1:
             raise ValueError("the prefix cache stores batch-1 caches only")
+        length = cache.length
+        return self.store_rows(token_ids, cache.keys[:, 0, :, :length], cache.values[:, 0, :, :length], features)
+
+    def store_rows(
+        self, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor | None
+    ) -> int:
+        """`store` from the K/V of the first positions of `token_ids`: keys/values [layers, kv_heads, length,
+        head_dim] (any storage: the blocks are copied), features [1, length or more, n*hidden] or None."""
         if bool(self.feature_layers) != (features is not None):
             raise ValueError("features must be given exactly when the cache stores feature layers")
-        count = min(len(token_ids), cache.length) // self.block_tokens
-        keys = block_keys(token_ids, self.block_tokens, count)
+        count = min(len(token_ids), keys.shape[2]) // self.block_tokens
+        digests = block_keys(token_ids, self.block_tokens, count)
         with self._lock:
             chain: list[CachedBlock] = []
             added = 0
-            for index, key in enumerate(keys):
+            for index, key in enumerate(digests):
                 block = self._blocks.get(key)
                 if block is None:
-                    block = self._copy_block(key, token_ids, cache, features, index)
+                    block = self._copy_block(key, token_ids, keys, values, features, index)
                     self._blocks[key] = block
                     self._bytes += block.nbytes
                     added += 1
@@ -149,14 +157,15 @@ class PrefixCache:
 
     # ---- internals ---------------------------------------------------------------------------------------
     def _copy_block(
-        self, key: bytes, token_ids: Sequence[int], cache: KVCache, features: torch.Tensor | None, index: int
+        self, key: bytes, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor,
+        features: torch.Tensor | None, index: int,
     ) -> CachedBlock:
         lo, hi = index * self.block_tokens, (index + 1) * self.block_tokens
         return CachedBlock(
             key=key,
             tokens=tuple(token_ids[lo:hi]),
-            keys=cache.keys[:, 0, :, lo:hi].clone(),  # [layers, kv_heads, block, head_dim]
-            values=cache.values[:, 0, :, lo:hi].clone(),
+            keys=keys[:, :, lo:hi].clone(),  # [layers, kv_heads, block, head_dim]
+            values=values[:, :, lo:hi].clone(),
             features=features[0, lo:hi].clone() if features is not None else None,  # [block, n*hidden]
         )
 

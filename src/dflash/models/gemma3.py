@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dflash.config import ModelConfig
-from dflash.kv.cache import CacheWriter
+from dflash.kv.cache import AttentionBackend, CacheWriter
 from dflash.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM
 
@@ -28,7 +28,12 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(dim, eps, adds_one=True)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask, cache: CacheWriter | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: CacheWriter | AttentionBackend | None,
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, cache))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -8,7 +8,7 @@ from torch import nn
 
 from dflash.config import ModelConfig
 from dflash.kernels.fused_cpu import layer_ops
-from dflash.kv.cache import CacheWriter
+from dflash.kv.cache import AttentionBackend, CacheWriter
 from dflash.models.rope import apply_rotary
 
 
@@ -109,10 +109,10 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: AttentionMask,
-        cache: CacheWriter | None,
+        cache: CacheWriter | AttentionBackend | None,
     ) -> torch.Tensor:
         """x: [batch, seq, hidden]; mask: [batch, 1, seq, keys] bool (True = visible), None (all visible) or
-        CAUSAL."""
+        CAUSAL; an `AttentionBackend` cache brings its own masks."""
         batch, seq, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(batch, seq, self.num_heads, self.head_dim)
@@ -122,6 +122,8 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, head_dim]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [batch, kv_heads, seq, head_dim]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if isinstance(cache, AttentionBackend):
+            return self.o_proj(cache.attend(self.layer_index, q, k, v, self.scale))
         if cache is not None:
             k, v = cache.write(self.layer_index, k, v)
         gqa = self.num_heads != self.num_kv_heads
@@ -148,7 +150,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask, cache: CacheWriter | None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: CacheWriter | AttentionBackend | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

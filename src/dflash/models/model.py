@@ -16,7 +16,7 @@ from torch import nn
 
 from dflash.config import SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
-from dflash.kv.cache import CacheWriter, KVCache
+from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm
 from dflash.models.rope import Rotary
 from dflash.parallel.layers import split_layers
@@ -147,7 +147,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         full_mask: AttentionMask,
         sliding_mask: torch.Tensor | None,
-        cache: CacheWriter | None,
+        cache: CacheWriter | AttentionBackend | None,
         capture: Sequence[int],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding and every decoder layer. input_ids, positions: [batch, seq]; masks: [batch or 1, 1, seq, keys]

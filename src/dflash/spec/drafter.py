@@ -174,6 +174,26 @@ class DrafterAttention(nn.Module):
         batch, rows, _ = v.shape
         return v.view(batch, rows, self.num_kv_heads, self.head_dim).transpose(1, 2)
 
+    def block_qkv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, queries: slice | torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed block rows h [batch, block, hidden] -> rotated queries [batch, heads, queries, head_dim] of the
+        `queries` rows (None: all), keys and values [batch, kv_heads, block, head_dim] of every row."""
+        if self.qkv_proj is None:
+            block_k, block_v = self.keys_values(h, cos, sin)
+            projected_q = self.q_proj(h if queries is None else h[:, queries])
+        else:
+            size = self.num_kv_heads * self.head_dim
+            projected_q, k_rows, v_rows = self.qkv_proj(h).split((self.num_heads * self.head_dim, size, size), -1)
+            block_k, block_v = self._keys(k_rows, cos, sin), self._values(v_rows)
+            if queries is not None:
+                projected_q = projected_q[:, queries]
+        if queries is not None:
+            cos, sin = cos[:, :, queries], sin[:, :, queries]
+        batch, rows, _ = projected_q.shape
+        q = self.q_norm(projected_q.view(batch, rows, self.num_heads, self.head_dim))
+        return apply_rotary(q.transpose(1, 2), cos, sin), block_k, block_v
+
     def forward(
         self,
         h: torch.Tensor,
@@ -189,21 +209,10 @@ class DrafterAttention(nn.Module):
         `queries` picks the block rows whose output is wanted (every row still serves as a key and value).
         `context_rows`: context_k/v are views of a cache with free slots after their first `context_rows`
         (the context); the block's keys and values are written there instead of joined to copies."""
-        if self.qkv_proj is None:
-            block_k, block_v = self.keys_values(h, cos, sin)
-            projected_q = self.q_proj(h if queries is None else h[:, queries])
-        else:
-            size = self.num_kv_heads * self.head_dim
-            projected_q, k_rows, v_rows = self.qkv_proj(h).split((self.num_heads * self.head_dim, size, size), -1)
-            block_k, block_v = self._keys(k_rows, cos, sin), self._values(v_rows)
-            if queries is not None:
-                projected_q = projected_q[:, queries]
+        q, block_k, block_v = self.block_qkv(h, cos, sin, queries)
         if queries is not None:
-            cos, sin = cos[:, :, queries], sin[:, :, queries]
             mask = None if mask is None else mask[:, :, queries]
-        batch, rows, _ = projected_q.shape
-        q = self.q_norm(projected_q.view(batch, rows, self.num_heads, self.head_dim))
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        batch, _, rows, _ = q.shape
         if context_rows is None:
             k = torch.cat((context_k, block_k), dim=2)
             v = torch.cat((context_v, block_v), dim=2)

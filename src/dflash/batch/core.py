@@ -1,0 +1,393 @@
+"""The batched engine core: admits requests, prefills them in chunks between decoding steps, and runs one batched
+step at a time over every active request.
+
+A step: (1) sequences whose client went away end; (2) waiting sequences are admitted while fewer than `max_batch`
+are active and the pools can hold them (all the memory a sequence may need is reserved on admission, so a running
+sequence never waits for memory or loses work); (3) prefill chunks are taken, up to one chunk of tokens; (4) one
+drafter round for every speculating sequence; (5) DDTree trees and linear blocks are built; (6) one packed target
+pass over the prefill chunks, plain steps, verification blocks and trees of all sequences; (7) each sequence
+chooses, accepts, commits or rolls back on its own, exactly as a single-request generation would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from dflash.batch.draft_pass import DraftRows, run_drafter
+from dflash.batch.policy import RoundPlan, SpeculationPolicy
+from dflash.batch.pool import BlockPool, SlotTable
+from dflash.batch.sequence import Sequence
+from dflash.batch.target_pass import TargetRows, run_target
+from dflash.errors import GenerationError
+from dflash.generation.cached_prefill import prefix_cache_usable
+from dflash.kv.prefix_cache import PrefixCache
+from dflash.models.model import CausalLM
+from dflash.spec.acceptance import accepted_prefix_length
+from dflash.spec.ddtree import tree_choices
+from dflash.spec.drafter import DFlashDrafter
+from dflash.spec.tree import (
+    DraftTree,
+    accepted_tokens,
+    build_tree,
+    follow_tree,
+    linear_chain_tree,
+    tree_verify_inputs,
+)
+
+log = logging.getLogger("dflash.batch")
+
+POOL_BLOCK_TOKENS = 16
+
+
+@dataclass
+class _Round:
+    """One decoding sequence's part of a step."""
+
+    seq: Sequence
+    kind: str  # "plain" | "linear" | "tree"
+    outputs: int = 0  # draft rows asked of the drafter (0: the drafter does not run for it)
+    budget: int = 0  # tree nodes (tree rounds)
+    drafts: list[int] | None = None  # linear
+    tree: DraftTree | None = None  # tree (plain rounds use a root-only tree)
+    rows: TargetRows | None = None
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    max_batch: int
+    prefill_chunk: int
+    pool_tokens: int  # target (and drafter) positions the pools hold, over every request
+    ddtree_budget: int
+    linear_drafts: int
+    max_step_rows: int
+    draft_window: int | None = None
+
+
+class BatchCore:
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: DFlashDrafter | None,
+        eos_ids: tuple[int, ...],
+        settings: CoreSettings,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.target, self.drafter, self.settings, self.prefix_cache = target, drafter, settings, prefix_cache
+        self.eos_ids = eos_ids
+        weight = target.embed_tokens.weight
+        blocks = -(-settings.pool_tokens // POOL_BLOCK_TOKENS)
+        config = target.layer_config
+        self.target_pool = BlockPool(
+            config.num_layers, config.num_kv_heads, config.head_dim, blocks, POOL_BLOCK_TOKENS,
+            dtype=weight.dtype, device=weight.device,
+        )
+        self.drafter_pool: BlockPool | None = None
+        if drafter is not None:
+            d = drafter.config
+            self.drafter_pool = BlockPool(
+                d.num_layers, d.num_kv_heads, d.head_dim, blocks, POOL_BLOCK_TOKENS,
+                dtype=drafter.fc.weight.dtype, device=drafter.fc.weight.device,
+            )
+        block = drafter.config.block_size if drafter is not None else 1
+        self.policy = SpeculationPolicy(
+            settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
+        )
+        self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.waiting: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.last_batch = 0
+
+    # ---- admission ---------------------------------------------------------------------------------------
+    def positions_needed(self, seq: Sequence) -> int:
+        """Target positions a sequence may write: its prompt and output plus the rows of one round past them."""
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        rows = max(self.settings.ddtree_budget, block) + 1 if seq.speculative else 1
+        return seq.prompt_length + seq.request.max_new_tokens + rows + 1
+
+    def add_check(self, seq: Sequence) -> None:
+        """Refuse a sequence that could never be admitted (it needs more memory than the whole pool)."""
+        needed = self.target_pool.blocks_for(self.positions_needed(seq))
+        if needed > self.target_pool.num_blocks:
+            raise GenerationError(
+                f"the request needs {self.positions_needed(seq)} positions of K/V memory, more than the "
+                f"{self.target_pool.num_blocks * self.target_pool.block_size} the engine holds"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.add_check(seq)
+        self.waiting.append(seq)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.active) < self.settings.max_batch:
+            seq = self.waiting[0]
+            if seq.stop_requested():
+                self.waiting.popleft()
+                seq.sink.finish_cancelled()
+                seq.finish()
+                continue
+            positions = self.positions_needed(seq)
+            pools = [self.target_pool] + ([self.drafter_pool] if seq.speculative and self.drafter_pool else [])
+            if any(pool.blocks_for(positions) > pool.free_blocks for pool in pools):
+                return  # the oldest waiting request goes first: later ones wait behind it
+            self.waiting.popleft()
+            seq.target = SlotTable(self.target_pool)
+            seq.target.reserve(positions)
+            if seq.speculative and self.drafter_pool is not None:
+                seq.drafter = SlotTable(self.drafter_pool)
+                seq.drafter.reserve(positions)
+            seq.phase = "prefill"
+            seq.prefill_started = time.perf_counter()
+            seq.stats.prompt_tokens = seq.prompt_length
+            self._restore_prefix(seq)
+            self.active.append(seq)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> int:
+        """Run one batched step; returns the number of sequences it served (0: nothing to do)."""
+        for seq in list(self.active):
+            if seq.stop_requested():
+                self._cancel(seq)
+        for seq in [s for s in self.waiting if s.stop_requested()]:
+            self.waiting.remove(seq)
+            seq.sink.finish_cancelled()
+            seq.finish()
+        self._admit()
+        if not self.active:
+            return 0
+        prefills = self._prefill_work()
+        decoders = [s for s in self.active if s.phase == "decode"]
+        served = [seq for seq, _, _ in prefills] + decoders
+        try:
+            rounds = self._plan_rounds(decoders)
+            self._draft(rounds)
+            items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
+            items += [self._round_rows(r) for r in rounds]
+            out = run_target(self.target, self.target_pool, items, self.capture)
+        except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
+            log.exception("batched step failed")
+            for seq in served:
+                self._end(seq, exc)
+            return len(served)
+        features = out.features or [None] * len(items)  # type: ignore[list-item]
+        for index, (seq, lo, hi) in enumerate(prefills):
+            self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index], features[index])
+        for offset, r in enumerate(rounds, start=len(prefills)):
+            self._guarded(r.seq, self._after_round, r, out.logits[offset], features[offset])
+        self.last_batch = len(served)
+        return len(served)
+
+    def _guarded(self, seq: Sequence, fn: object, *args: object) -> None:
+        try:
+            fn(*args)  # type: ignore[operator]
+        except Exception as exc:  # one sequence's failure (its output callback, say) ends that sequence alone
+            log.exception("sequence failed")
+            self._end(seq, exc)
+
+    # ---- prefill -----------------------------------------------------------------------------------------
+    def _prefill_work(self) -> list[tuple[Sequence, int, int]]:
+        """Chunks to prefill this step: up to one chunk of tokens, oldest sequences first, each chunk on its
+        prompt's chunk grid (so the prefix cache's blocks stay exact)."""
+        chunk = max(1, self.settings.prefill_chunk)
+        budget = chunk
+        work: list[tuple[Sequence, int, int]] = []
+        for seq in self.active:
+            if seq.phase != "prefill":
+                continue
+            lo = seq.prefilled
+            hi = min(seq.prompt_length, (lo // chunk + 1) * chunk)
+            if work and hi - lo > budget:
+                break
+            work.append((seq, lo, hi))
+            budget -= hi - lo
+            if budget <= 0:
+                break
+        return work
+
+    def _prefill_rows(self, seq: Sequence, lo: int, hi: int) -> TargetRows:
+        device = self.target_pool.device
+        assert seq.target is not None
+        last = slice(hi - lo - 1, hi - lo) if hi == seq.prompt_length else slice(0, 0)
+        return TargetRows(
+            seq.target, torch.tensor(seq.request.prompt_ids[lo:hi], dtype=torch.long, device=device),
+            torch.arange(lo, hi, device=device), logit_rows=last,
+        )
+
+    def _keeps_features(self, seq: Sequence) -> bool:
+        return bool(self.capture) and (seq.speculative or self._cache_for(seq) is not None)
+
+    def _cache_for(self, seq: Sequence) -> PrefixCache | None:
+        cache = self.prefix_cache if seq.request.use_prefix_cache else None
+        capture = self.capture if seq.speculative else ()
+        return cache if prefix_cache_usable(cache, self.settings.prefill_chunk, capture) else None
+
+    def _restore_prefix(self, seq: Sequence) -> None:
+        cache = self._cache_for(seq)
+        if cache is None:
+            return
+        blocks = cache.lookup(seq.request.prompt_ids, limit=seq.prompt_length - 1)
+        assert seq.target is not None
+        start = 0
+        for block in blocks:
+            end = start + len(block.tokens)
+            slots = seq.target.slots(start, end)
+            self.target_pool.keys[:, :, slots] = block.keys.to(self.target_pool.keys.dtype)
+            self.target_pool.values[:, :, slots] = block.values.to(self.target_pool.values.dtype)
+            if self._keeps_features(seq) and block.features is not None:
+                seq.prompt_features.append(block.features)
+            start = end
+        seq.target.crop(start)
+        seq.prefilled = start
+        seq.stats.cached_tokens = start
+
+    def _after_prefill(
+        self, seq: Sequence, lo: int, hi: int, logits: torch.Tensor, features: torch.Tensor | None
+    ) -> None:
+        assert seq.target is not None
+        seq.target.crop(hi)
+        seq.prefilled = hi
+        if features is not None and self._keeps_features(seq):
+            seq.prompt_features.append(features)
+        if hi < seq.prompt_length:
+            return
+        self._store_prefix(seq)
+        seq.stats.prefill_s = time.perf_counter() - seq.prefill_started
+        seq.decode_started = time.perf_counter()
+        first = int(seq.chooser.choose(logits, 0)[0])
+        seq.chooser.observe([first])
+        seq.start, seq.pending = seq.prompt_length, first
+        seq.new_features = torch.cat(seq.prompt_features) if seq.speculative and seq.prompt_features else None
+        seq.prompt_features = []
+        seq.phase = "decode"
+        if seq.sink.push(first):
+            self._end(seq)
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """Keep the full blocks of the prompt positions prefilled so far (whole prompt, or a cancelled part)."""
+        cache = self._cache_for(seq)
+        assert seq.target is not None
+        length = seq.prefilled
+        if cache is None or length < cache.block_tokens:
+            return
+        slots = seq.target.slots(0, length)
+        keys = self.target_pool.keys[:, :, slots]  # [layers, kv_heads, length, head_dim]
+        values = self.target_pool.values[:, :, slots]
+        features = torch.cat(seq.prompt_features)[None] if cache.feature_layers and seq.prompt_features else None
+        cache.store_rows(seq.request.prompt_ids, keys, values, features)
+
+    # ---- decoding rounds ---------------------------------------------------------------------------------
+    def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:
+        speculating = sum(1 for s in decoders if s.speculative)
+        plan = self.policy.plan(speculating, plain_rows=len(decoders) - speculating)
+        return [self._round_for(seq, plan) for seq in decoders]
+
+    def _round_for(self, seq: Sequence, plan: RoundPlan) -> _Round:
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        if seq.mode == "linear" and plan.linear_drafts > 0:
+            return _Round(seq, "linear", outputs=plan.linear_drafts)
+        if seq.mode == "ddtree" and plan.ddtree_budget > 0 and block > 1:
+            max_depth = min(block - 1, seq.request.max_new_tokens - seq.produced - 1)
+            if max_depth > 0:
+                return _Round(seq, "tree", outputs=min(block - 1, plan.ddtree_budget), budget=plan.ddtree_budget)
+        return _Round(seq, "plain")
+
+    def _draft(self, rounds: list[_Round]) -> None:
+        drafting = [r for r in rounds if r.outputs]
+        if not drafting:
+            return
+        assert self.drafter is not None and self.drafter_pool is not None
+        items = []
+        for r in drafting:
+            seq = r.seq
+            assert seq.drafter is not None and seq.new_features is not None
+            items.append(DraftRows(seq.drafter, seq.new_features, seq.pending, seq.start, r.outputs,
+                                   self.settings.draft_window))
+        scores = run_drafter(self.drafter, self.target, self.drafter_pool, items)
+        block = self.drafter.config.block_size
+        for r, score in zip(drafting, scores, strict=True):
+            r.seq.new_features = r.seq.new_features[:0] if r.seq.new_features is not None else None  # absorbed
+            if r.kind == "linear":
+                r.drafts = score.greedy().tolist()
+            else:
+                max_depth = min(block - 1, r.seq.request.max_new_tokens - r.seq.produced - 1)
+                r.tree = build_tree(score.logits[:max_depth], r.budget, token_ids=score.ids)
+
+    def _round_rows(self, r: _Round) -> TargetRows:
+        seq, device = r.seq, self.target_pool.device
+        assert seq.target is not None
+        if r.kind == "linear":
+            assert r.drafts is not None
+            tokens = torch.tensor([seq.pending, *r.drafts], dtype=torch.long, device=device)
+            positions = torch.arange(seq.start, seq.start + len(tokens), device=device)
+            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, len(tokens)))
+            return r.rows
+        tree = r.tree if r.tree is not None else linear_chain_tree([])
+        r.tree = tree
+        tokens, positions, visibility = tree_verify_inputs(tree, seq.pending, seq.start, 0, device=device)
+        chain = tree.max_depth == tree.num_nodes  # the ancestor mask is the causal one
+        r.rows = TargetRows(seq.target, tokens, positions, None if chain else visibility,
+                            logit_rows=slice(0, tree.num_nodes + 1))
+        return r.rows
+
+    def _after_round(self, r: _Round, logits: torch.Tensor, features: torch.Tensor | None) -> None:
+        seq = r.seq
+        assert seq.target is not None
+        produced = seq.produced
+        if r.kind == "linear":
+            assert r.drafts is not None
+            drafts = torch.tensor(r.drafts, dtype=torch.long, device=logits.device)
+            allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
+            choices = seq.chooser.choose(logits, produced, allowed)  # [k+1]
+            accepted = accepted_prefix_length(drafts, choices)
+            committed = [*r.drafts[:accepted], int(choices[accepted])]
+            seq.stats.record_round(len(r.drafts), accepted)
+            seq.target.crop(seq.start + accepted + 1)
+            kept_features = features[: accepted + 1] if features is not None else None
+            kept = accepted + 1
+        else:
+            assert r.tree is not None
+            choices = tree_choices(seq.chooser, logits, r.tree, produced)  # [n+1]
+            visited, bonus = follow_tree(r.tree, choices)
+            committed = [*accepted_tokens(r.tree, visited), bonus]
+            if seq.speculative:
+                seq.stats.record_round(r.tree.num_nodes, len(visited) - 1)
+            kept = len(visited)
+            if visited == list(range(kept)):
+                seq.target.crop(seq.start + kept)
+                kept_features = features[:kept] if features is not None else None
+            else:
+                rows = torch.tensor(visited, dtype=torch.long, device=self.target_pool.device)
+                seq.target.compact(seq.start, rows + seq.start)
+                kept_features = features[rows] if features is not None else None
+        if seq.speculative and kept_features is not None:
+            carried = seq.new_features
+            seq.new_features = kept_features if carried is None else torch.cat((carried, kept_features))
+        seq.start += kept
+        seq.pending = committed[-1]
+        seq.chooser.observe(committed)
+        if seq.sink.push_many(committed):
+            self._end(seq)
+
+    # ---- ending ------------------------------------------------------------------------------------------
+    def _cancel(self, seq: Sequence) -> None:
+        if seq.phase == "prefill":
+            self._store_prefix(seq)  # the completed chunks serve a resend of the same prompt
+        seq.sink.finish_cancelled()
+        self._end(seq)
+
+    def _end(self, seq: Sequence, error: BaseException | None = None) -> None:
+        if seq in self.active:
+            self.active.remove(seq)
+        seq.finish(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every sequence, waiting or active, with `error` (the loop is going down)."""
+        for seq in [*self.active, *self.waiting]:
+            seq.finish(error)
+        self.active.clear()
+        self.waiting.clear()

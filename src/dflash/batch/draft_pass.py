@@ -1,0 +1,91 @@
+"""One packed drafter round for every speculating request of a step.
+
+Per request: absorb the features of its newly committed positions as drafter context (their keys and values in
+every drafter layer, written to the drafter pool), then run its block [pending, MASK x (B-1)] at positions
+start .. start+B-1, non-causal inside the block (sliding layers causal within their window). All requests' context
+rows and block rows go through each projection together; attention is per request over its own pool rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.batch.attention import PackedAttention, segment
+from dflash.batch.pool import BlockPool, SlotTable
+from dflash.models.model import CausalLM
+from dflash.spec.draft_vocab import DraftScores
+from dflash.spec.drafter import DFlashDrafter
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """One request's part of a drafter round."""
+
+    table: SlotTable  # its drafter context; committed positions 0 .. table.length-1
+    new_features: torch.Tensor  # [new, n*target_hidden]: the features of positions table.length ..
+    pending: int  # the committed token at `start`, block slot 0
+    start: int
+    outputs: int  # draft rows wanted: positions start+1 .. start+outputs
+    window: int | None = None  # read only the last `window` context positions
+
+
+def run_drafter(drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, items: Sequence[DraftRows]) -> list[DraftScores]:
+    """Draft scores per request: [outputs, shortlist or vocab]. Advances each table over its new context rows."""
+    block = drafter.config.block_size
+    device = pool.device
+    for item in items:
+        item.table.reserve(item.table.length + item.new_features.shape[0] + block)
+    _absorb(drafter, pool, items)
+    segments = []
+    for index, item in enumerate(items):
+        positions = torch.arange(item.start, item.start + block, device=device)
+        first = max(0, item.table.length - item.window) if item.window else 0
+        rows = slice(index * block, (index + 1) * block)
+        segments.append(segment(item.table, rows, positions, first=first, causal=False,
+                                window=drafter.config.sliding_window if any(drafter.sliding) else None))
+    tokens = torch.full((len(items), block), drafter.config.mask_token_id, dtype=torch.long, device=device)
+    tokens[:, 0] = torch.tensor([item.pending for item in items], device=device)
+    positions = torch.stack([torch.arange(i.start, i.start + block, device=device) for i in items]).view(1, -1)
+    picked = torch.cat([torch.arange(n * block + 1, n * block + 1 + i.outputs) for n, i in enumerate(items)]).to(device)
+    backend = PackedAttention(pool, segments, drafter.sliding)
+    cos, sin = drafter.rotary.cos_sin(positions, drafter.fc.weight.dtype)  # [1, 1, rows, head_dim]
+    x = target.embed(tokens.view(1, -1)).to(drafter.fc.weight.dtype)  # [1, rows, hidden]
+    layer: Any
+    last = len(drafter.layers) - 1
+    for index, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        q, k, v = attn.block_qkv(layer.input_layernorm(x), cos, sin)
+        attended = backend.attend(index, q, k, v, attn.head_dim**-0.5)  # [1, rows, heads * head_dim]
+        if index == last:  # only the draft rows go on (every row gave its keys and values)
+            x, attended = x[:, picked], attended[:, picked]
+        x = x + attn.o_proj(attended)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    scores = drafter.project_scores(target, drafter.norm(x)[0])  # [sum outputs, columns]
+    parts = scores.logits.split([item.outputs for item in items])
+    return [DraftScores(part, scores.ids, scores.vocab_size) for part in parts]
+
+
+def _absorb(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:
+    """Write the context keys/values of every request's new features and commit them in its table."""
+    live = [item for item in items if item.new_features.shape[0]]
+    if not live:
+        return
+    device = pool.device
+    features = torch.cat([item.new_features for item in live])[None]  # [1, new, n*target_hidden]
+    positions = torch.cat([
+        torch.arange(i.table.length, i.table.length + i.new_features.shape[0], device=device) for i in live
+    ])[None]
+    slots = torch.cat([i.table.slots(i.table.length, i.table.length + i.new_features.shape[0]) for i in live])
+    ctx = drafter.context(features)  # [1, new, hidden]
+    cos, sin = drafter.rotary.cos_sin(positions, drafter.fc.weight.dtype)
+    layer: Any
+    for index, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.keys_values(ctx, cos, sin)  # [1, kv_heads, new, head_dim]
+        pool.keys[index].index_copy_(1, slots, k[0].to(pool.keys.dtype))
+        pool.values[index].index_copy_(1, slots, v[0].to(pool.values.dtype))
+    for item in live:
+        item.table.crop(item.table.length + item.new_features.shape[0])

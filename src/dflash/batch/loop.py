@@ -1,0 +1,98 @@
+"""The engine loop: one thread that runs batched steps while any request is active, fed by callers' threads.
+
+`run(seq)` is called from any thread (the server's request threads, a benchmark's clients): it hands the sequence
+to the loop and blocks until the sequence is done, its output streamed meanwhile from the loop thread through
+its sink's callback. The loop admits newly submitted sequences at the start of every step, so a request that
+arrives mid-generation joins the next step instead of waiting for the others to finish. Cancellation is per
+request (its `should_stop`), checked at every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from dflash.batch.core import BatchCore
+from dflash.batch.sequence import Sequence
+from dflash.generation.request import GenerationResult
+
+log = logging.getLogger("dflash.batch")
+
+
+class LoopStopped(RuntimeError):
+    """The engine loop has shut down."""
+
+
+class BatchLoop:
+    def __init__(self, core: BatchCore, on_step: Callable[[int], None] | None = None, name: str = "dflash-engine") -> None:
+        self.core = core
+        self.on_step = on_step
+        self._inbox: deque[Sequence] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, seq: Sequence) -> GenerationResult:
+        """Generate `seq` among the others; returns when it is done (raises its error, if it failed)."""
+        self.core.add_check(seq)
+        with self._cond:
+            if self._closed:
+                raise LoopStopped("the engine loop has shut down")
+            self._inbox.append(seq)
+            self._cond.notify()
+        seq.done.wait()
+        return seq.result()
+
+    @property
+    def running(self) -> int:
+        return len(self.core.active)
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._inbox) + len(self.core.waiting)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._inbox and not self.core.active and not self.core.waiting and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    while self._inbox:
+                        self.core.waiting.append(self._inbox.popleft())
+                served = self.core.step()
+                if served and self.on_step is not None:
+                    try:
+                        self.on_step(served)
+                    except Exception:  # an observer must not stop generation
+                        log.exception("step observer failed")
+                if not served and self.core.waiting and not self.core.active:
+                    # waiting sequences that cannot be admitted with nothing running: only memory held elsewhere
+                    # could block them, which cannot happen (admission checks the whole pool); guard the spin
+                    with self._cond:
+                        self._cond.wait(0.01)
+        except BaseException as exc:
+            log.exception("engine loop stopped")
+            error = exc if isinstance(exc, Exception) else LoopStopped(f"the engine loop stopped: {exc!r}")
+            self.core.fail_all(error)
+            raise
+        finally:
+            with self._cond:
+                self._closed = True
+                pending = list(self._inbox)
+                self._inbox.clear()
+            self.core.fail_all(LoopStopped("the engine loop has shut down"))
+            for seq in pending:
+                seq.finish(LoopStopped("the engine loop has shut down"))

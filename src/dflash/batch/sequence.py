@@ -1,0 +1,90 @@
+"""One record per request in the batched core: what it asked for, where it stands, where its output goes.
+
+A sequence moves through three phases: `waiting` (queued, owns no memory), `prefill` (its prompt goes through the
+target chunk by chunk, interleaved with other requests' decoding), `decode` (one round per step: a plain step, a
+linear verification or a DDTree tree) and ends `done`. The speculative state is the same as a single-request
+generation's (`dflash.spec.session.SpecState`): `start` is the position of `pending`, the committed token without
+target K/V yet, and `new_features` are the features of the positions the drafter has not read.
+
+A recurrent layer (a later model family) adds its own per-request state beside the tables, with the same commit
+points: the tables' `crop`/`compact` after each round is where such a state keeps the accepted row's value.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash.batch.pool import SlotTable
+from dflash.generation.output import OutputSink
+from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats
+from dflash.generation.selection import TokenChooser
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    mode: str  # "none" | "linear" | "ddtree"
+    sink: OutputSink
+    chooser: TokenChooser
+    should_stop: Callable[[], bool] | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    phase: str = "waiting"
+    submitted_at: float = field(default_factory=time.perf_counter)
+    target: SlotTable | None = None
+    drafter: SlotTable | None = None
+    prefilled: int = 0  # prompt positions with committed target K/V
+    prompt_features: list[torch.Tensor] = field(default_factory=list)  # each [rows, n*hidden], in order
+    start: int = 0
+    pending: int = 0
+    new_features: torch.Tensor | None = None  # [rows, n*hidden]
+    prefill_started: float = 0.0
+    decode_started: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def produced(self) -> int:
+        return len(self.sink.token_ids)
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != "none"
+
+    def stop_requested(self) -> bool:
+        return self.should_stop is not None and bool(self.should_stop())
+
+    def release(self) -> None:
+        """Give the pool blocks back (idempotent)."""
+        for table in (self.target, self.drafter):
+            if table is not None:
+                table.release()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """End the sequence: record the timings, free its memory, wake the caller."""
+        if self.done.is_set():
+            return
+        self.release()
+        self.error = error
+        if self.decode_started:
+            self.stats.decode_s = time.perf_counter() - self.decode_started
+        self.stats.completion_tokens = self.produced
+        self.phase = "done"
+        self.done.set()
+
+    def result(self) -> GenerationResult:
+        if self.error is not None:
+            raise self.error
+        assert self.sink.finish_reason is not None
+        return GenerationResult(
+            text=self.sink.text, token_ids=self.sink.token_ids, finish_reason=self.sink.finish_reason,
+            stats=self.stats, stop_reason=self.sink.stop_reason,
+        )

@@ -1,0 +1,64 @@
+"""One packed target forward over the new rows of every request in a step.
+
+Each request contributes a run of rows written after its committed positions: a prefill chunk, a plain decoding
+step, a linear verification block or a DDTree tree (with its ancestor mask). The projections and the LM head run
+once over all rows; attention runs per request over the paged pool (`dflash.batch.attention`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash.batch.attention import PackedAttention, segment
+from dflash.batch.pool import BlockPool, SlotTable
+from dflash.models.model import CausalLM
+
+
+@dataclass(frozen=True)
+class TargetRows:
+    """One request's part of a target pass."""
+
+    table: SlotTable  # its target positions; the rows go after table.length
+    tokens: torch.Tensor  # int64 [n]
+    positions: torch.Tensor  # int64 [n]
+    visibility: torch.Tensor | None = None  # bool [n, n] among the rows (a tree); None: causal
+    logit_rows: slice = field(default_factory=lambda: slice(0, 0))  # its rows (relative) whose logits are wanted
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: list[torch.Tensor]  # per request: [len(logit_rows), vocab]
+    features: list[torch.Tensor] | None  # per request: [n, len(capture) * hidden]
+
+
+def run_target(model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], capture: Sequence[int]) -> TargetOutput:
+    """Write every request's rows into `pool` (tables are not advanced: the caller commits) and compute them."""
+    bounds: list[slice] = []
+    row = 0
+    for item in items:
+        n = int(item.tokens.numel())
+        item.table.reserve(item.table.length + n)
+        bounds.append(slice(row, row + n))
+        row += n
+    window = model.sliding_window
+    segments = [
+        segment(item.table, rows, item.positions, visibility=item.visibility, window=window)
+        for item, rows in zip(items, bounds, strict=True)
+    ]
+    tokens = torch.cat([item.tokens for item in items])[None]  # [1, rows]
+    positions = torch.cat([item.positions for item in items])[None]  # [1, rows]
+    backend = PackedAttention(pool, segments, model.sliding)
+    hidden, features = model.run_layers(tokens, positions, None, None, backend, capture)  # [1, rows, hidden]
+    picks = [torch.arange(b.start + i.logit_rows.start, b.start + i.logit_rows.stop) for i, b in zip(items, bounds, strict=True)]
+    picked = torch.cat(picks).to(hidden.device)  # [wanted]
+    logits = model.finish(hidden[:, picked], None, "all").logits
+    assert logits is not None
+    counts = [int(p.numel()) for p in picks]
+    per_request = list(logits[0].split(counts))
+    split_features = None
+    if features is not None:
+        split_features = [features[0, b] for b in bounds]
+    return TargetOutput(per_request, split_features)
