@@ -21,9 +21,7 @@ from dflash.bench.concurrency import (
     percentile,
     requests_per_level,
     summarise,
-    with_max_batch,
 )
-from dflash.engine.engine import EngineOptions
 from dflash.errors import DFlashError
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
 from dflash.training.prompts import write_prompt_file
@@ -161,12 +159,15 @@ def test_a_failed_request_fails_the_level() -> None:
                     requests=6, max_tokens=2)
 
 
-def test_max_batch_is_set_only_where_the_engine_has_it() -> None:
-    options = with_max_batch(EngineOptions(spec="linear"), 7)
-    assert options.spec == "linear"
-    assert engine_takes_threads() == hasattr(options, "max_batch")
-    if engine_takes_threads():
-        assert getattr(options, "max_batch") == 7  # noqa: B009 - the field is not typed before it exists
+def test_max_batch_is_one_option_with_the_shared_max_concurrency() -> None:
+    from dflash.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["bench", "concurrency", "--max-batch", "3"]).max_concurrency == 3
+    assert parse(["bench", "concurrency", "--max-concurrency", "5"]).max_concurrency == 5
+    defaults = parse(["bench", "concurrency"])
+    assert defaults.max_concurrency is None and defaults.concurrency == "1,2,4,8,16,32" and defaults.warmup
+    assert defaults.modes == "ar,linear,ddtree" and defaults.max_tokens == 128 and defaults.requests is None
 
 
 @pytest.mark.slow

@@ -75,12 +75,6 @@ def engine_takes_threads() -> bool:
     return any(field.name == "max_batch" for field in dataclasses.fields(EngineOptions))
 
 
-def with_max_batch(options: EngineOptions, max_batch: int) -> EngineOptions:
-    """`options` with `max_batch` rows per batched step, where the engine has that option (else unchanged)."""
-    changes: dict[str, Any] = {"max_batch": max_batch}  # by name: the field is checked at run time, not typed
-    return dataclasses.replace(options, **changes) if engine_takes_threads() else options
-
-
 @dataclass(frozen=True)
 class RequestTiming:
     ttft_s: float

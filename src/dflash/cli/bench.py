@@ -42,7 +42,7 @@ def register(commands: Any) -> None:
     speed.add_argument("--out", type=Path, default=None)
     speed.set_defaults(run=run_speed)
 
-    # "resolve": should the shared model options gain --max-batch, this command's own (default: the top level) wins
+    # "resolve": this command's --max-concurrency (alias --max-batch, default: the top level) replaces the shared one
     concurrency = kinds.add_parser("concurrency", help="aggregate tokens/s and latency under N concurrent requests",
                                    conflict_handler="resolve")
     add_model_options(concurrency)
@@ -53,8 +53,8 @@ def register(commands: Any) -> None:
     concurrency.add_argument("--max-tokens", type=int, default=128, help="tokens of every request (EOS ignored)")
     concurrency.add_argument("--prompts-file", type=Path, action="append", default=None)
     concurrency.add_argument("--sequential", action="store_true", help="also time the same requests one at a time")
-    concurrency.add_argument("--max-batch", type=int, default=None,
-                             help="requests decoded together (default: the highest --concurrency)")
+    concurrency.add_argument("--max-concurrency", "--max-batch", dest="max_concurrency", type=int, default=None,
+                             metavar="N", help="requests decoded together (default: the highest --concurrency)")
     concurrency.add_argument("--no-warmup", dest="warmup", action="store_false")
     concurrency.add_argument("--json", action="store_true")
     concurrency.add_argument("--out", type=Path, default=None)
@@ -101,22 +101,14 @@ def run_speed(args: argparse.Namespace) -> int:
 
 
 def run_concurrency(args: argparse.Namespace) -> int:
-    from dflash.bench.concurrency import format_concurrency_table, measure_concurrency, with_max_batch
-    from dflash.engine.engine import EngineOptions
-    from dflash.engine.loading import load_engine
+    from dflash.bench.concurrency import engine_takes_threads, format_concurrency_table, measure_concurrency
 
     levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
-    options = EngineOptions(
-        spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
-        ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts, cuda_graphs=args.cuda_graphs,
-    )
-    engine = load_engine(
-        args.model, args.draft, options=with_max_batch(options, args.max_batch or max(levels, default=1)),
-        device=args.device, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
-        draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
-    )
+    if args.max_concurrency is None and engine_takes_threads():
+        args.max_concurrency = max(levels, default=1)  # below the top level, the top levels would only queue
     result = measure_concurrency(
-        engine, args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
+        engine_from_args(args),
+        args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], levels=levels, max_tokens=args.max_tokens,
         requests=args.requests, sequential=args.sequential, warmup=args.warmup,
     )
