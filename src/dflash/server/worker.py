@@ -161,16 +161,18 @@ class GenerationWorker:
     def _retry_after_locked(self) -> int:
         """Seconds until the jobs waiting now have started, rounded up and clamped to 1..60.
 
-        The recent mean job duration times the jobs ahead (the waiting ones, plus a running one to make room)
-        over the threads that work them off. Erring long, so that refused clients come back spread over the
-        time the queue needs rather than all at the first free slot. Without a finished job yet, the oldest
-        running job's age stands in for the mean (a lower bound of it)."""
+        The recent mean job duration times the jobs that must end first (those waiting, plus one running to
+        make room) over the threads working them off. Erring long, so that refused clients come back spread
+        over the time the queue needs rather than all at the first free slot. Without a finished job yet, the
+        oldest running job's age stands in for the mean (a lower bound of it)."""
         now = time.perf_counter()
         if self._durations:
             mean = sum(self._durations) / len(self._durations)
         else:
             mean = max((now - (j.started_at or now) for j in self._running), default=0.0)
-        estimate = mean * (len(self._queue) + 1) / self.concurrency
+        # counted over running + queued: a job handed to a thread that has not picked it up yet counts the same
+        ahead = max(1, len(self._queue) + len(self._running) - self.concurrency + 1)
+        estimate = mean * ahead / self.concurrency
         return int(min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, math.ceil(estimate))))
 
     @property
