@@ -96,21 +96,21 @@ def test_a_full_queue_is_refused_in_each_apis_words(gated: GatedEngine) -> None:
             with pytest.raises(openai.RateLimitError) as refused:
                 call()
             assert refused.value.status_code == 429
-            assert refused.value.response.headers["retry-after"] == "1"
+            delay = refused.value.response.headers["retry-after"]
+            assert 1 <= int(delay) <= 60  # whole seconds; 1 unless this machine is slow
             body = refused.value.body
             assert isinstance(body, dict)
             assert (body["type"], body["code"]) == ("server_error", "overloaded")
-            message = str(body["message"])
-            assert "overloaded" in message and "1 requests running, 0 waiting" in message
+            assert body["message"] == f"the server is overloaded (generating 1, 0 waiting); retry after {delay} s"
         for stream in (False, True):
             with pytest.raises(anthropic.OverloadedError) as overloaded:
                 claude.messages.create(model="any", max_tokens=16, messages=[{"role": "user", "content": "x"}],
                                        stream=stream)
             assert overloaded.value.status_code == 529
-            assert overloaded.value.response.headers["retry-after"] == "1"
-            assert overloaded.value.body == {
-                "type": "error", "error": {"type": "overloaded_error", "message": message},
-            }
+            delay = overloaded.value.response.headers["retry-after"]
+            assert 1 <= int(delay) <= 60
+            message = f"the server is overloaded (generating 1, 0 waiting); retry after {delay} s"
+            assert overloaded.value.body == {"type": "error", "error": {"type": "overloaded_error", "message": message}}
         assert metric(running.url, "dflash_requests_total", api="chat", outcome="overloaded") == 2
         assert metric(running.url, "dflash_requests_total", api="messages", outcome="overloaded") == 2
         gated.gate.set()

@@ -140,7 +140,7 @@ class TurnRunner:
             handle.job = self.worker.submit(run, done)
         except WorkerOverloaded as exc:
             self.metrics.observe_overloaded(api)
-            detail = f"{exc.running} requests running, {exc.waiting} waiting"
+            detail = f"generating {exc.running}, {exc.waiting} waiting"
             raise overloaded(exc.retry_after_s, detail, anthropic=api == "messages") from None
         except RuntimeError:
             raise shutting_down() from None
@@ -155,7 +155,7 @@ class TurnRunner:
         def expired() -> bool:
             return time.perf_counter() >= deadline
 
-        if expired():  # its time ran out in the queue: no prefill for an answer nobody can wait for
+        if expired():  # its time ran out while queued: answered at once, without a prefill
             self.metrics.timeouts.inc()
             return replace(_dropped_outcome(turn), finish_reason="length", queue_s=time.perf_counter() - turn.received_at)
         outcome = execute_turn(self.engine, turn, self.stall, handle.push, lambda: should_stop() or expired())

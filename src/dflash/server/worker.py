@@ -35,7 +35,7 @@ class WorkerOverloaded(Exception):
     """The wait queue is full; the client should come back after `retry_after_s` seconds."""
 
     def __init__(self, retry_after_s: int, waiting: int, running: int) -> None:
-        super().__init__(f"{running} requests running and {waiting} waiting; retry in {retry_after_s} s")
+        super().__init__(f"generating {running}, {waiting} waiting; retry in {retry_after_s} s")
         self.retry_after_s, self.waiting, self.running = retry_after_s, waiting, running
 
 
