@@ -91,11 +91,11 @@ def attend_rows(
 ) -> torch.Tensor:
     """q: [1, heads, n, head_dim] over the pool rows `slots` of keys/values [kv_heads, slots, head_dim], mask
     [1, 1, n, len(slots)] or None -> [1, n, heads * head_dim]."""
+    ops = layer_ops(q)
+    if ops is not None and fits_attention_kernel(q, mask):  # reads the pool in place through the slots
+        return ops.attention_slots(q[0], keys, values, slots, None if mask is None else mask[0, 0], scale)[None]
     k = keys.index_select(1, slots)[None]  # [1, kv_heads, keys, head_dim]
     v = values.index_select(1, slots)[None]
-    ops = layer_ops(q)
-    if ops is not None and fits_attention_kernel(q, mask):
-        return ops.attention(q.contiguous(), k, v, mask, scale)
     heads, kv_heads = q.shape[1], k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
     return out.transpose(1, 2).reshape(1, q.shape[2], -1)

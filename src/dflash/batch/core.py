@@ -163,6 +163,7 @@ class BatchCore:
         prefills = self._prefill_work()
         decoders = [s for s in self.active if s.phase == "decode"]
         served = [seq for seq, _, _ in prefills] + decoders
+        started = time.perf_counter()
         try:
             rounds = self._plan_rounds(decoders)
             self._draft(rounds)
@@ -179,6 +180,8 @@ class BatchCore:
             self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index], features[index])
         for offset, r in enumerate(rounds, start=len(prefills)):
             self._guarded(r.seq, self._after_round, r, out.logits[offset], features[offset])
+        rows = sum(int(item.tokens.numel()) for item in items)
+        self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
         return len(served)
 
@@ -283,8 +286,15 @@ class BatchCore:
     # ---- decoding rounds ---------------------------------------------------------------------------------
     def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:
         speculating = sum(1 for s in decoders if s.speculative)
-        plan = self.policy.plan(speculating, plain_rows=len(decoders) - speculating)
-        return [self._round_for(seq, plan) for seq in decoders]
+        plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
+        rounds = [self._round_for(seq, plan) for seq in decoders]
+        drafting = [r for r in rounds if r.outputs]
+        if drafting and not self.policy.plan(
+            [r.seq.expected_tokens for r in drafting], [r.budget or r.outputs for r in drafting],
+            plain_rows=len(rounds) - len(drafting),
+        ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
+            rounds = [_Round(r.seq, "plain") for r in rounds]
+        return rounds
 
     def _round_for(self, seq: Sequence, plan: RoundPlan) -> _Round:
         block = self.drafter.config.block_size if self.drafter is not None else 1
@@ -354,7 +364,7 @@ class BatchCore:
             choices = tree_choices(seq.chooser, logits, r.tree, produced)  # [n+1]
             visited, bonus = follow_tree(r.tree, choices)
             committed = [*accepted_tokens(r.tree, visited), bonus]
-            if seq.speculative:
+            if r.tree.num_nodes:
                 seq.stats.record_round(r.tree.num_nodes, len(visited) - 1)
             kept = len(visited)
             if visited == list(range(kept)):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash.batch.policy import PRIOR_ACCEPTANCE
 from dflash.batch.pool import SlotTable
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats
@@ -58,6 +59,14 @@ class Sequence:
     @property
     def speculative(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens a speculative round of this request commits, as measured so far (a prior before a few rounds)."""
+        rounds = self.stats.rounds
+        if rounds < 3:
+            return PRIOR_ACCEPTANCE
+        return self.stats.acceptance_length
 
     def stop_requested(self) -> bool:
         return self.should_stop is not None and bool(self.should_stop())

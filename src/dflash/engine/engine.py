@@ -114,13 +114,24 @@ class Engine:
 
             block = drafter.config.block_size if drafter is not None else 1
             attach_graph_runner(target, drafter, capacity=self.max_ctx + 2 * MAX_GRAPH_ROWS + block)
-        self.prefix_cache: PrefixCache | None = None
+        self._prefix_cache: PrefixCache | None = None
         if self.options.prefix_cache_mb > 0:
-            self.prefix_cache = PrefixCache(
+            self._prefix_cache = PrefixCache(
                 int(self.options.prefix_cache_mb * 2**20),
                 block_tokens=max(1, self.options.prefill_chunk),  # blocks end on the cold prefill's chunk grid
                 feature_layers=drafter.config.target_layer_ids if drafter is not None else (),
             )
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Replace the prefix cache (every strategy, and the engine loop, read the new one from the next request)."""
+        self._prefix_cache = cache
+        if self._loop is not None:
+            self._loop.core.prefix_cache = cache
 
     @property
     def vocab_size(self) -> int:
