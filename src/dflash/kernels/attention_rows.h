@@ -46,6 +46,10 @@ struct SlotRows {
 
 namespace attention_rows {
 
+// How far ahead the next rows are asked for: keys or values may sit anywhere (a paged pool's blocks), where the
+// hardware's stream prefetch stops at each jump. Only loads are added; the arithmetic is untouched.
+constexpr int64_t kKeyAhead = 16, kValueAhead = 8;
+
 // Sixteen keys' dot products with one query of 16 * kChunks floats -> [16] in key order. Key i's lane j sums
 // q[j + 16c] * k_i[j + 16c] over c in order; the 16 lanes are then added pairwise (j with j + 8, then + 4, + 2,
 // + 1), the same tree for every key.
@@ -89,6 +93,10 @@ inline void scores(const float* const* queries, int n, const Rows& keys, int64_t
   for (int64_t l = 0; l < count; l += 16) {
     const int64_t valid_keys = std::min<int64_t>(16, count - l);
     for (int i = 0; i < 16; ++i) key[i] = keys(l + std::min<int64_t>(i, valid_keys - 1));
+    for (int64_t next = l + kKeyAhead; next < std::min<int64_t>(l + kKeyAhead + 16, count); ++next) {
+      const char* row = reinterpret_cast<const char*>(keys(next));
+      for (int c = 0; c < kChunks; ++c) _mm_prefetch(row + 64 * c, _MM_HINT_T0);
+    }
     const __mmask16 valid = static_cast<__mmask16>((1u << valid_keys) - 1u);
     for (int i = 0; i < n; ++i) {
       __m512 q[kChunks];
@@ -166,6 +174,10 @@ inline void weighted_values(const float* const* weights, const Rows& values, int
   }
   for (int64_t l = 0; l < count; ++l) {
     const float* row = values(l);
+    if (l + kValueAhead < count) {
+      const char* ahead = reinterpret_cast<const char*>(values(l + kValueAhead));
+      for (int c = 0; c < kChunks; ++c) _mm_prefetch(ahead + 64 * c, _MM_HINT_T0);
+    }
     __m512 value[kChunks];
     for (int c = 0; c < kChunks; ++c) value[c] = _mm512_loadu_ps(row + 16 * c);
 #pragma GCC unroll 4
