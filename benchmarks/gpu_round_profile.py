@@ -40,6 +40,7 @@ from dflash.config import ModelConfig
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
 from dflash.generation.autoregressive import decode_autoregressive
+from dflash.generation.forwards import forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.sampling import SamplingParams
@@ -241,18 +242,19 @@ def main() -> None:
         }
         print(mode, loops[mode], flush=True)
 
+    forwards = forwards_for(target)  # the loops' forwards: through the runner
     with torch.inference_mode():
-        cache = target.new_cache(4096)
+        cache = forwards.new_target_cache(target, 4096)
     cache.length = args.prompt_tokens  # the storage holds the last run's rows; timings do not read their values
     block = torch.zeros((1, 16), dtype=torch.long, device=device)
 
     def step() -> object:
         cache.length = args.prompt_tokens
-        return target(block[:, :1], cache=cache)
+        return forwards.forward(target, block[:, :1], cache=cache)
 
     def verify() -> object:
         cache.length = args.prompt_tokens
-        return target(block, cache=cache, capture=drafter.config.target_layer_ids)
+        return forwards.forward(target, block, cache=cache, capture=drafter.config.target_layer_ids)
 
     with torch.inference_mode():  # host-driven forwards, one sync each (captures their graphs too)
         calls = {"step_call_ms": timed_call_ms(step), "verify16_call_ms": timed_call_ms(verify)}

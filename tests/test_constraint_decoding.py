@@ -256,7 +256,7 @@ def test_resident_rounds_wait_for_the_constraint_to_finish(monkeypatch: pytest.M
     try:
         tokens, _ = decode(target, drafter, mode, prompt, 24, constraint)
     finally:
-        detach_graph_runner(target, drafter)
+        detach_graph_runner(target)
     assert tokens == expected
     assert len(took_over_at) == 1
     written = text_of(table, expected[: took_over_at[0]])

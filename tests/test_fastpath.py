@@ -54,7 +54,7 @@ def eager_then_static(
     try:
         static = [generate(target, drafter, mode, p, max_new) for p in prompts]
     finally:
-        detach_graph_runner(target, drafter)
+        detach_graph_runner(target)
     return eager, static, runner
 
 
@@ -178,7 +178,7 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
         assert graphed == eager
         assert runner.captured > 0 and runner.served > 100
     finally:
-        detach_graph_runner(target, drafter)
+        detach_graph_runner(target)
         target.to("cpu"), drafter.to("cpu")
 
 
@@ -201,7 +201,7 @@ def test_cuda_graph_speculation_equals_plain_greedy(draft_weights: str) -> None:
         # plain, linear and tree rounds all ran as device-resident graphs (`dflash.fastpath.resident`)
         assert len(runner.residents) == 3 and all(decoder.launched > 0 for decoder in runner.residents.values())
     finally:
-        detach_graph_runner(target, drafter)
+        detach_graph_runner(target)
         target.to("cpu"), drafter.to("cpu")
 
 
@@ -310,7 +310,7 @@ def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, mo
         assert static == eager
         assert runner.fused and runner.served > 10
     finally:
-        detach_graph_runner(target, drafter)
+        detach_graph_runner(target)
         target.to("cpu"), drafter.to("cpu")
 
 
@@ -366,4 +366,4 @@ def test_engine_warm_up_runs_through_the_runner() -> None:
         assert engine.warm_up() > 0
         assert runner.served > 0
     finally:
-        detach_graph_runner(engine.target, engine.drafter)
+        detach_graph_runner(engine.target)

@@ -12,9 +12,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.resident import ResidentDecoder
 from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
 from dflash.generation.autoregressive import decode_autoregressive
+from dflash.generation.forwards import forwards_for, register_forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.sampling import SamplingParams
@@ -54,17 +56,17 @@ def pair_with_runner():
     try:
         yield target, drafter, runner
     finally:
-        detach_graph_runner(target, drafter)
+        detach_graph_runner(target)
 
 
 def host_loop(target: CausalLM, drafter: DFlashDrafter, *args, **kwargs) -> tuple[OutputSink, GenerationStats]:
     """The same generation with no runner attached: the host-driven loops."""
-    runner = target.graph_runner
-    detach_graph_runner(target, drafter)
+    forwards = forwards_for(target)
+    detach_graph_runner(target)
     try:
         return generate(target, drafter, *args, **kwargs)
     finally:
-        target.graph_runner = drafter.graph_runner = runner
+        register_forwards(target, forwards)
 
 
 @pytest.mark.parametrize(
@@ -245,7 +247,7 @@ def test_long_prompts_go_straight_to_resident_rounds(pair_with_runner, monkeypat
     def no_host_round(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("a host-driven drafter round ran")
 
-    monkeypatch.setattr(drafter, "draft_scores", no_host_round)
+    monkeypatch.setattr(GraphForwards, "draft_scores", no_host_round)  # graphed or eager
     sink, stats = generate(target, drafter, mode, prompt, 50)
     assert sink.token_ids == reference.token_ids
     assert stats.rounds > 0

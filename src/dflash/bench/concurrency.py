@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from dflash.bench.provenance import provenance
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import DFlashError
+from dflash.fastpath.dispatch import graph_runner_of
 from dflash.generation.request import GenerationRequest, GenerationResult, TokenCallback
 from dflash.generation.sampling import SamplingParams
 from dflash.progress import progress_bar
@@ -250,7 +251,7 @@ def measure_concurrency(
         "drafter": engine.drafter is not None,
         "ddtree_budget": engine.options.ddtree_budget,
         "num_drafts": engine.options.num_drafts,
-        "cuda_graphs": engine.target.graph_runner is not None,
+        "cuda_graphs": graph_runner_of(engine.target) is not None,
         "batched": (max_batch or 1) > 1,  # False: the engine ran one request at a time, the others waited
         "max_batch": max_batch,
         "sampling": "greedy, ignore_eos (every request produces exactly max_tokens)",

@@ -21,6 +21,8 @@ import torch
 
 from dflash.bench.provenance import provenance
 from dflash.engine.engine import Engine
+from dflash.fastpath.dispatch import graph_runner_of
+from dflash.generation.forwards import forwards_for, register_forwards
 from dflash.generation.request import GenerationRequest
 from dflash.models.int8_linear import uses_int8_weights
 from dflash.models.quantized_layers import uses_quantized_weights
@@ -60,21 +62,16 @@ def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Runne
 def _variant(engine: Engine, budget: int | None, *, eager: bool) -> Iterator[None]:
     """Run with another tree budget and/or without the CUDA graph runner, then restore the engine."""
     saved_budget = engine.options.ddtree_budget
-    target_runner = engine.target.graph_runner
-    drafter_runner = engine.drafter.graph_runner if engine.drafter is not None else None
+    saved_forwards = forwards_for(engine.target)
     if budget is not None:
         engine.options.ddtree_budget = budget
     if eager:
-        engine.target.graph_runner = None
-        if engine.drafter is not None:
-            engine.drafter.graph_runner = None
+        register_forwards(engine.target, None)
     try:
         yield
     finally:
         engine.options.ddtree_budget = saved_budget
-        engine.target.graph_runner = target_runner
-        if engine.drafter is not None:
-            engine.drafter.graph_runner = drafter_runner
+        register_forwards(engine.target, saved_forwards)
 
 
 def interleaved_runs(
@@ -165,7 +162,7 @@ def measure_speed(
             else "dense"
         ),
         "ddtree_budget": engine.options.ddtree_budget,
-        "cuda_graphs": engine.target.graph_runner is not None,
+        "cuda_graphs": graph_runner_of(engine.target) is not None,
         "num_drafts": engine.options.num_drafts,
         "prompts": len(prompts),
         "prompt_files": [str(p) for p in prompt_files],

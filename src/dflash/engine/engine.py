@@ -149,7 +149,9 @@ class Engine:
     def warm_up(self) -> int:
         """Capture the CUDA graphs of the first decode shapes now rather than during the first request: one short
         generation with the engine's strategy. Returns the forwards served by the graph runner (0 without one)."""
-        runner = self.target.graph_runner
+        from dflash.fastpath.dispatch import graph_runner_of
+
+        runner = graph_runner_of(self.target)
         if runner is None:
             return 0
         rows = self.drafter.config.block_size if self.drafter is not None else 1

@@ -38,7 +38,6 @@ from dflash.generation.selection import TokenChooser
 from dflash.kernels.triton_argmax import fast_argmax
 from dflash.kernels.triton_kv_move import move_path_rows, move_usable
 from dflash.kv.cache import KVCache
-from dflash.models.model import CausalLM
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.session import SpecState
 
@@ -271,7 +270,7 @@ class ResidentDecoder:
 
 
 def resident_decoder(
-    target: CausalLM,
+    runner: GraphRunner,
     chooser: TokenChooser,
     target_cache: KVCache,
     *,
@@ -281,11 +280,10 @@ def resident_decoder(
     capture: tuple[int, ...] = (),
     budget: int | None = None,
 ) -> ResidentDecoder | None:
-    """The runner's resident decoder for this generation, or None when its rounds cannot serve it: no runner,
-    sampling or penalties (the host loop applies them), or caches that are not the runner's. The caller also
-    checks `fits` and that EOS is no longer suppressed (`chooser.min_tokens`)."""
-    runner = target.graph_runner
-    if runner is None or not chooser.params.greedy or chooser.counts is not None:
+    """`runner`'s resident decoder for this generation, or None when its rounds cannot serve it: sampling or
+    penalties (the host loop applies them), or caches that are not the runner's. The caller also checks `fits`
+    and that EOS is no longer suppressed (`chooser.min_tokens`)."""
+    if not chooser.params.greedy or chooser.counts is not None:
         return None
     if not target_cache.shares_memory_with(runner.target_storage):
         return None

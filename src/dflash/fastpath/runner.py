@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
+from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
+from dflash.generation.forwards import register_forwards
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
 from dflash.spec.drafter import DFlashDrafter
@@ -82,7 +84,10 @@ class GraphRunner:
         from dflash.fastpath.fused_drafter import fuse_drafter_weights, supports_fused_drafter
         from dflash.fastpath.fused_layers import supports_fused_layers
 
-        self.target, self.drafter = target, drafter
+        # held weakly: the runner is registered under its target (`dflash.generation.forwards`), whose entry goes
+        # when the target does, which a strong reference from here would prevent
+        self._target = weakref.ref(target)
+        self.drafter = drafter
         self.device = target.embed_tokens.weight.device
         self.capture = capture and self.device.type == "cuda"
         if fused is None:
@@ -117,6 +122,13 @@ class GraphRunner:
             self.draft_features = torch.zeros(
                 (1, block, drafter.config.feature_size), dtype=target.embed_tokens.weight.dtype, device=self.device
             )
+
+    @property
+    def target(self) -> CausalLM:
+        target = self._target()
+        if target is None:
+            raise RuntimeError("the graph runner's target model was freed")
+        return target
 
     # ---- caches ------------------------------------------------------------------------------------------
     def lease_target_cache(self, capacity: int) -> KVCache | None:
@@ -284,15 +296,12 @@ def attach_graph_runner(
     target: CausalLM, drafter: DFlashDrafter | None, capacity: int, *, capture: bool = True,
     fused: bool | None = None,
 ) -> GraphRunner:
-    """Route `target`'s and `drafter`'s decode-time forwards through a new `GraphRunner`."""
+    """Route the decoding loops' forwards of `target` and `drafter` through a new `GraphRunner`."""
     runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused)
-    target.graph_runner = runner
-    if drafter is not None:
-        drafter.graph_runner = runner
+    register_forwards(target, GraphForwards(runner))
     return runner
 
 
-def detach_graph_runner(target: CausalLM, drafter: DFlashDrafter | None) -> None:
-    target.graph_runner = None
-    if drafter is not None:
-        drafter.graph_runner = None
+def detach_graph_runner(target: CausalLM) -> None:
+    """The decoding loops run `target` and its drafter eagerly again."""
+    register_forwards(target, None)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from dflash.generation.cached_prefill import prefill_prompt
+from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
@@ -25,16 +26,19 @@ def decode_autoregressive(
     prefill_chunk: int,
     should_stop: Callable[[], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    forwards: Forwards | None = None,
 ) -> GenerationStats:
     """Prefill the prompt (through `prefix_cache` when given), then one target step per token until the sink
-    finishes."""
+    finishes. `forwards` runs the model (default: the ones registered for it)."""
+    forwards = forwards_for(model) if forwards is None else forwards
     device = model.embed_tokens.weight.device
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     stats = GenerationStats(prompt_tokens=prompt.shape[1])
-    cache = model.new_cache(prompt.shape[1] + request.max_new_tokens + 1)
+    cache = forwards.new_target_cache(model, prompt.shape[1] + request.max_new_tokens + 1)
     started = time.perf_counter()
     prefilled = prefill_prompt(
-        model, cache, prompt, chunk=prefill_chunk, should_stop=should_stop, prefix_cache=prefix_cache
+        model, cache, prompt, chunk=prefill_chunk, should_stop=should_stop, prefix_cache=prefix_cache,
+        forwards=forwards,
     )
     if prefilled is None:
         sink.finish_cancelled()
@@ -44,11 +48,7 @@ def decode_autoregressive(
     stats.prefill_s = time.perf_counter() - started
     started = time.perf_counter()
     step_input = torch.empty((1, 1), dtype=torch.long, device=device)
-    resident = None
-    if model.graph_runner is not None:
-        from dflash.fastpath.resident import resident_decoder
-
-        resident = resident_decoder(model, chooser, cache)
+    resident = forwards.resident(model, chooser, cache)
     while True:
         token = int(chooser.choose(logits, len(sink.token_ids))[0])
         chooser.observe([token])
@@ -66,7 +66,7 @@ def decode_autoregressive(
             resident.decode(cache.length, sink, stats, should_stop)
             break
         step_input[0, 0] = token
-        out = model(step_input, cache=cache)
+        out = forwards.forward(model, step_input, cache=cache)
         assert out.logits is not None
         logits = out.logits[:, -1]
     stats.decode_s = time.perf_counter() - started

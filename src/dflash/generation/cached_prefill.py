@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.generation.forwards import Forwards
 from dflash.generation.prefill import chunked_prefill
 from dflash.kv.cache import KVCache
 from dflash.kv.prefix_cache import PrefixCache, restore_prefix
@@ -64,11 +65,14 @@ def prefill_prompt(
     capture: Sequence[int] = (),
     should_stop: Callable[[], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    forwards: Forwards | None = None,
 ) -> PromptPrefill | None:
     """prompt: [1, length] into an empty `cache`. Returns None when `should_stop` abandoned the prefill (after
-    storing the full blocks of the chunks it completed)."""
+    storing the full blocks of the chunks it completed). `forwards` runs the model (`chunked_prefill`)."""
     if not prefix_cache_usable(prefix_cache, chunk, capture):
-        logits, captured = chunked_prefill(model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop)
+        logits, captured = chunked_prefill(
+            model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop, forwards=forwards
+        )
         return None if logits is None else PromptPrefill(logits, captured, 0)
     assert prefix_cache is not None
     token_ids = prompt[0].tolist()
@@ -76,7 +80,7 @@ def prefill_prompt(
     reused = restore_prefix(cache, blocks)
     layers = prefix_cache.feature_layers
     logits, suffix_features = chunked_prefill(
-        model, cache, prompt[:, reused:], chunk=chunk, capture=layers, should_stop=should_stop
+        model, cache, prompt[:, reused:], chunk=chunk, capture=layers, should_stop=should_stop, forwards=forwards
     )  # [1, vocab] or None when cancelled; [1, positions prefilled, n*hidden] or None without layers
     features: torch.Tensor | None = None
     if layers:

@@ -23,7 +23,6 @@ from dflash.parallel.layers import split_layers
 from dflash.parallel.sharding import shard_config
 
 if TYPE_CHECKING:
-    from dflash.fastpath.runner import GraphRunner
     from dflash.parallel.group import TensorParallel
 
 LogitsMode = Literal["all", "last", "none"]
@@ -72,7 +71,6 @@ class CausalLM(nn.Module):
         local_theta = config.rope_local_theta
         self.rotary_local = Rotary(config.head_dim, local_theta) if local_theta is not None else self.rotary
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types]
-        self.graph_runner: GraphRunner | None = None  # CUDA graphs for decode shapes (`dflash.fastpath`)
 
     # ---- the small interface a drafter uses -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -91,10 +89,6 @@ class CausalLM(nn.Module):
         return logits
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        if self.graph_runner is not None and batch == 1:
-            leased = self.graph_runner.lease_target_cache(capacity)
-            if leased is not None:
-                return leased
         return KVCache.matching(self.layer_config, capacity, self.embed_tokens.weight, batch)  # this rank's heads
 
     # ---- forward -----------------------------------------------------------------------------------------
@@ -113,10 +107,6 @@ class CausalLM(nn.Module):
         where keys = cache.length + seq (the committed slots then the new tokens); tree_mask: optional [seq, seq]
         bool, the visibility among the new tokens when each sees every committed slot (tree verification).
         Without a mask attention is causal by position. The cache length advances by seq."""
-        if self.graph_runner is not None and cache is not None and attn_mask is None:
-            graphed = self.graph_runner.target_forward(input_ids, positions, cache, tree_mask, capture, logits)
-            if graphed is not None:
-                return graphed
         batch, seq = input_ids.shape
         past = cache.length if cache is not None else 0
         if tree_mask is not None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from dflash.errors import GenerationError
+from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
@@ -90,10 +91,13 @@ def decode_ddtree(
     should_stop: Callable[[], bool] | None = None,
     seed_top1_chain: bool = False,
     prefix_cache: PrefixCache | None = None,
+    forwards: Forwards | None = None,
 ) -> GenerationStats:
-    """Generate with DDTree verification; `budget` is the number of drafted tree nodes per round (root excluded)."""
+    """Generate with DDTree verification; `budget` is the number of drafted tree nodes per round (root excluded).
+    `forwards` runs both models (default: the ones registered for the target)."""
     if budget < 0:
         raise GenerationError(f"ddtree budget must be >= 0, got {budget}")
+    forwards = forwards_for(target) if forwards is None else forwards
     device = target.embed_tokens.weight.device
     block_size = drafter.config.block_size
     layer_ids = drafter.config.target_layer_ids
@@ -101,7 +105,7 @@ def decode_ddtree(
     # A round verifies at most budget + 1 rows after the committed prefix.
     session = begin_speculation(
         target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk,
-        rows_per_round=max(budget, block_size), should_stop=should_stop, prefix_cache=prefix_cache,
+        rows_per_round=max(budget, block_size), should_stop=should_stop, forwards=forwards, prefix_cache=prefix_cache,
     )
     if isinstance(session, GenerationStats):
         return session
@@ -110,10 +114,8 @@ def decode_ddtree(
     # A tree of `budget` nodes is at most `budget` deep: deeper draft positions need no LM-head rows.
     draft_rows = min(block_size - 1, budget)
     resident = None
-    if target.graph_runner is not None and drafting and draft_window is None and not seed_top1_chain:
-        from dflash.fastpath.resident import resident_decoder
-
-        resident = resident_decoder(
+    if drafting and draft_window is None and not seed_top1_chain:
+        resident = forwards.resident(
             target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=draft_rows,
             capture=tuple(layer_ids), budget=budget,
         )
@@ -130,8 +132,8 @@ def decode_ddtree(
         max_depth = min(block_size - 1, request.max_new_tokens - produced - 1)
         carried: torch.Tensor | None = None
         if drafting and max_depth > 0:
-            draft = drafter.draft_scores(
-                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+            draft = forwards.draft_scores(
+                drafter, target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
                 num_drafts=draft_rows,
             )  # logits [draft_rows, shortlist or vocab]
             tree = build_tree(draft.logits[:max_depth], budget, seed_top1_chain=seed_top1_chain, token_ids=draft.ids)
@@ -146,7 +148,8 @@ def decode_ddtree(
             tree, state.pending, state.start, 0, device=device
         )  # [n+1], [n+1], [n+1, n+1] ancestors and self
         is_chain = tree.max_depth == tree.num_nodes  # ancestor mask == causal mask by position
-        out = target(
+        out = forwards.forward(
+            target,
             input_ids[None],
             position_ids[None],
             target_cache,

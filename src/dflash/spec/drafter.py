@@ -25,7 +25,6 @@ from dflash.models.layers import RMSNorm, activation, fits_attention_kernel
 from dflash.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
-    from dflash.fastpath.runner import GraphRunner
     from dflash.spec.draft_vocab import DraftHead, DraftScores
 
 
@@ -291,7 +290,6 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types] or [False] * config.num_layers
-        self.graph_runner: GraphRunner | None = None  # CUDA graphs for the drafter round (`dflash.fastpath`)
         # the target's LM head cut to a shortlist (`dflash.spec.draft_vocab`); kept out of the module tree so
         # it is neither exported, quantized nor moved with the drafter (it lives where the target's head does)
         object.__setattr__(self, "draft_head", None)
@@ -319,10 +317,6 @@ class DFlashDrafter(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         """Context K/V of committed positions, one slot per position."""
-        if self.graph_runner is not None and batch == 1:
-            leased = self.graph_runner.lease_drafter_cache(capacity)
-            if leased is not None:
-                return leased
         return KVCache.matching(self.config, capacity, self.fc.weight, batch)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
@@ -444,13 +438,7 @@ class DFlashDrafter(nn.Module):
 
         `new_features` [1, new, n*target_hidden] are the features of positions cache.length .. start-1.
         """
-        from dflash.spec.draft_vocab import DraftScores
-
         last = self.config.block_size if num_drafts is None else 1 + num_drafts
-        if self.graph_runner is not None and window is None:
-            graphed = self.graph_runner.draft_logits(pending_token, start, new_features, cache, last - 1)
-            if graphed is not None:
-                return DraftScores(graphed, None, graphed.shape[-1])
         device = self.fc.weight.device
         block = torch.full((1, self.config.block_size), self.config.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = pending_token

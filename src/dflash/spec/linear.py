@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
@@ -37,24 +38,25 @@ def decode_linear(
     num_drafts: int | None = None,
     should_stop: Callable[[], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
+    forwards: Forwards | None = None,
 ) -> GenerationStats:
-    """`num_drafts` caps the drafts verified per round (default: block size - 1)."""
+    """`num_drafts` caps the drafts verified per round (default: block size - 1). `forwards` runs both models
+    (default: the ones registered for the target)."""
+    forwards = forwards_for(target) if forwards is None else forwards
     block_size = drafter.config.block_size
     drafts_per_round = min(num_drafts or block_size - 1, block_size - 1)
     layer_ids = drafter.config.target_layer_ids
     session = begin_speculation(
         target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk, rows_per_round=drafts_per_round + 1,
-        should_stop=should_stop, prefix_cache=prefix_cache,
+        should_stop=should_stop, forwards=forwards, prefix_cache=prefix_cache,
     )
     if isinstance(session, GenerationStats):
         return session
     state, target_cache, drafter_cache, stats = session.state, session.target_cache, session.drafter_cache, session.stats
     finished = session.finished
     resident = None
-    if target.graph_runner is not None and draft_window is None:
-        from dflash.fastpath.resident import resident_decoder
-
-        resident = resident_decoder(
+    if draft_window is None:
+        resident = forwards.resident(
             target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=drafts_per_round,
             capture=tuple(layer_ids),
         )
@@ -66,12 +68,12 @@ def decode_linear(
             state, drafter_cache, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
             break
-        draft_tokens = drafter.draft_scores(
-            target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+        draft_tokens = forwards.draft_scores(
+            drafter, target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
             num_drafts=drafts_per_round,
         ).greedy()  # [k]
         block = torch.cat((draft_tokens.new_full((1,), state.pending), draft_tokens))[None]  # [1, k+1]
-        out = target(block, cache=target_cache, capture=layer_ids)
+        out = forwards.forward(target, block, cache=target_cache, capture=layer_ids)
         assert out.logits is not None and out.features is not None
         # row i's prefix is the committed output plus draft[:i]; a constraint masks each row along that path
         allowed = chooser.allowed(draft_tokens.tolist()) if chooser.constrained else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.generation.cached_prefill import prefill_prompt
+from dflash.generation.forwards import Forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
@@ -56,24 +57,26 @@ def begin_speculation(
     prefill_chunk: int,
     rows_per_round: int,
     should_stop: Callable[[], bool] | None = None,
+    forwards: Forwards,
     prefix_cache: PrefixCache | None = None,
 ) -> SpecSession | GenerationStats:
     """Prefill and commit the first token. Returns the stats alone when the prefill was cancelled.
 
     `rows_per_round` is the most rows a round writes after the committed prefix (sizes the caches). With a
     `prefix_cache`, a cached prefix restores both the target K/V and the features of its positions: the drafter
-    reads the features of every prompt position on its first round, cached or not."""
+    reads the features of every prompt position on its first round, cached or not. `forwards` runs both models
+    and makes their caches."""
     device = target.embed_tokens.weight.device
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
     stats = GenerationStats(prompt_tokens=prompt.shape[1])
     capacity = prompt.shape[1] + request.max_new_tokens + rows_per_round + 1
-    target_cache = target.new_cache(capacity)
+    target_cache = forwards.new_target_cache(target, capacity)
     # the drafter writes its block's keys and values in the free slots after its context
-    drafter_cache = drafter.new_cache(capacity + drafter.config.block_size)
+    drafter_cache = forwards.new_drafter_cache(drafter, capacity + drafter.config.block_size)
     started = time.perf_counter()
     prefilled = prefill_prompt(
         target, target_cache, prompt, chunk=prefill_chunk, capture=drafter.config.target_layer_ids,
-        should_stop=should_stop, prefix_cache=prefix_cache,
+        should_stop=should_stop, prefix_cache=prefix_cache, forwards=forwards,
     )
     if prefilled is None:
         sink.finish_cancelled()

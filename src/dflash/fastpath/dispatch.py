@@ -1,0 +1,119 @@
+"""`GraphForwards`: the decoding loops' forwards served by a `GraphRunner` where it can, eagerly otherwise.
+
+The models know nothing of CUDA graphs. `attach_graph_runner` registers a `GraphForwards` for the runner's target
+(`dflash.generation.forwards.register_forwards`); the loops then run a call through the runner when it is one of
+its shapes on one of its caches (the runner answers None otherwise) and through the model's own forward when not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dflash.generation.forwards import Forwards, forwards_for
+
+if TYPE_CHECKING:
+    import torch
+
+    from dflash.fastpath.resident import ResidentDecoder
+    from dflash.fastpath.runner import GraphRunner
+    from dflash.generation.selection import TokenChooser
+    from dflash.kv.cache import KVCache
+    from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
+    from dflash.spec.draft_vocab import DraftScores
+    from dflash.spec.drafter import DFlashDrafter
+
+
+class GraphForwards(Forwards):
+    """Forwards of `runner.target` and `runner.drafter` through `runner`; other models stay eager."""
+
+    def __init__(self, runner: GraphRunner) -> None:
+        self.runner = runner
+
+    def forward(
+        self,
+        target: CausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        tree_mask: torch.Tensor | None = None,
+        capture: Sequence[int] = (),
+        logits: LogitsMode = "all",
+    ) -> ForwardOutput:
+        if cache is not None and target is self.runner.target:
+            graphed = self.runner.target_forward(input_ids, positions, cache, tree_mask, capture, logits)
+            if graphed is not None:
+                return graphed
+        return super().forward(
+            target, input_ids, positions, cache, tree_mask=tree_mask, capture=capture, logits=logits
+        )
+
+    def new_target_cache(self, target: CausalLM, capacity: int) -> KVCache:
+        """A view of the runner's storage (so its graphs serve the generation) while no other view is alive."""
+        if target is self.runner.target:
+            leased = self.runner.lease_target_cache(capacity)
+            if leased is not None:
+                return leased
+        return super().new_target_cache(target, capacity)
+
+    def draft_scores(
+        self,
+        drafter: DFlashDrafter,
+        target: CausalLM,
+        pending_token: int,
+        start: int,
+        new_features: torch.Tensor,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+        num_drafts: int | None = None,
+    ) -> DraftScores:
+        if drafter is self.runner.drafter and window is None:
+            from dflash.spec.draft_vocab import DraftScores
+
+            last = drafter.config.block_size if num_drafts is None else 1 + num_drafts
+            graphed = self.runner.draft_logits(pending_token, start, new_features, cache, last - 1)
+            if graphed is not None:  # [drafts, vocab]: the graphs spread a shortlist over the whole vocabulary
+                return DraftScores(graphed, None, graphed.shape[-1])
+        return super().draft_scores(
+            drafter, target, pending_token, start, new_features, cache, window=window, num_drafts=num_drafts
+        )
+
+    def new_drafter_cache(self, drafter: DFlashDrafter, capacity: int) -> KVCache:
+        if drafter is self.runner.drafter:
+            leased = self.runner.lease_drafter_cache(capacity)
+            if leased is not None:
+                return leased
+        return super().new_drafter_cache(drafter, capacity)
+
+    def prefill_chunk(self, chunk: int) -> int:
+        """No larger than the runner's graphs: eager prefill chunks are launch-bound on a GPU."""
+        return min(chunk, self.runner.max_rows)
+
+    def resident(
+        self,
+        target: CausalLM,
+        chooser: TokenChooser,
+        target_cache: KVCache,
+        *,
+        drafter: DFlashDrafter | None = None,
+        drafter_cache: KVCache | None = None,
+        drafts: int = 0,
+        capture: tuple[int, ...] = (),
+        budget: int | None = None,
+    ) -> ResidentDecoder | None:
+        if target is not self.runner.target:
+            return None
+        from dflash.fastpath.resident import resident_decoder
+
+        return resident_decoder(
+            self.runner, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=drafts,
+            capture=capture, budget=budget,
+        )
+
+
+def graph_runner_of(target: CausalLM) -> GraphRunner | None:
+    """The runner serving `target`'s decoding loops, None when they run eagerly."""
+    forwards = forwards_for(target)
+    return forwards.runner if isinstance(forwards, GraphForwards) else None
