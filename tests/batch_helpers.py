@@ -26,10 +26,11 @@ def make_core(
     max_step_rows: int = 512,
     pool_tokens: int = 4096,
     prefix_cache: PrefixCache | None = None,
+    cuda_graphs: bool = False,
 ) -> BatchCore:
     settings = CoreSettings(
         max_batch=max_batch, prefill_chunk=prefill_chunk, pool_tokens=pool_tokens, ddtree_budget=ddtree_budget,
-        linear_drafts=linear_drafts, max_step_rows=max_step_rows,
+        linear_drafts=linear_drafts, max_step_rows=max_step_rows, cuda_graphs=cuda_graphs,
     )
     return BatchCore(target, drafter, (), settings, prefix_cache)
 
@@ -49,7 +50,8 @@ def make_sequence(
     request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling,
                                 use_prefix_cache=use_prefix_cache)
     sink = OutputSink(lambda ids: "", eos_ids=eos, max_new_tokens=max_new)
-    chooser = TokenChooser(sampling, eos_ids=eos, min_tokens=0, vocab_size=target.config.vocab_size, device="cpu")
+    device = target.embed_tokens.weight.device
+    chooser = TokenChooser(sampling, eos_ids=eos, min_tokens=0, vocab_size=target.config.vocab_size, device=device)
     return Sequence(request, mode, sink, chooser, should_stop)
 
 

@@ -15,6 +15,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,7 @@ from dflash.batch.draft_pass import DraftRows, run_drafter
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
-from dflash.batch.target_pass import TargetRows, run_target
+from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.kv.prefix_cache import PrefixCache
@@ -38,6 +39,9 @@ from dflash.spec.tree import (
     linear_chain_tree,
     tree_verify_inputs,
 )
+
+if TYPE_CHECKING:
+    from dflash.batch.graphs import GraphedTargetPasses
 
 log = logging.getLogger("dflash.batch")
 
@@ -66,6 +70,7 @@ class CoreSettings:
     linear_drafts: int
     max_step_rows: int
     draft_window: int | None = None
+    cuda_graphs: bool = False  # on a CUDA device, replay the decoding rows' target pass as graphs
 
 
 class BatchCore:
@@ -98,6 +103,11 @@ class BatchCore:
             settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
         )
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.graphs: GraphedTargetPasses | None = None
+        if settings.cuda_graphs and weight.is_cuda:
+            from dflash.batch.graphs import GraphedTargetPasses
+
+            self.graphs = GraphedTargetPasses(target, self.target_pool, self.capture, settings.max_batch)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.last_batch = 0
@@ -125,11 +135,6 @@ class BatchCore:
     def _admit(self) -> None:
         while self.waiting and len(self.active) < self.settings.max_batch:
             seq = self.waiting[0]
-            if seq.stop_requested():
-                self.waiting.popleft()
-                seq.sink.finish_cancelled()
-                seq.finish()
-                continue
             positions = self.positions_needed(seq)
             pools = [self.target_pool] + ([self.drafter_pool] if seq.speculative and self.drafter_pool else [])
             if any(pool.blocks_for(positions) > pool.free_blocks for pool in pools):
@@ -150,6 +155,7 @@ class BatchCore:
     @torch.inference_mode()
     def step(self) -> int:
         """Run one batched step; returns the number of sequences it served (0: nothing to do)."""
+        # every sequence's `should_stop` is polled once per step (before each of its prefill chunks and rounds)
         for seq in list(self.active):
             if seq.stop_requested():
                 self._cancel(seq)
@@ -169,7 +175,7 @@ class BatchCore:
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
             items += [self._round_rows(r) for r in rounds]
-            out = run_target(self.target, self.target_pool, items, self.capture)
+            out = self._target_pass(items, len(prefills))
         except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
             log.exception("batched step failed")
             for seq in served:
@@ -184,6 +190,19 @@ class BatchCore:
         self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
         return len(served)
+
+    def _target_pass(self, items: list[TargetRows], prefills: int) -> TargetOutput:
+        """One packed pass, or on a CUDA device the prefill chunks packed and the decoding rows through a graph."""
+        if self.graphs is None or len(items) == prefills:
+            return run_target(self.target, self.target_pool, items, self.capture)
+        decoded = self.graphs.run(items[prefills:])
+        if not prefills:
+            return decoded
+        prefilled = run_target(self.target, self.target_pool, items[:prefills], self.capture)
+        features = None
+        if prefilled.features is not None and decoded.features is not None:
+            features = prefilled.features + decoded.features
+        return TargetOutput(prefilled.logits + decoded.logits, features)
 
     def _guarded(self, seq: Sequence, fn: object, *args: object) -> None:
         try:
@@ -289,7 +308,8 @@ class BatchCore:
         plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
         rounds = [self._round_for(seq, plan) for seq in decoders]
         drafting = [r for r in rounds if r.outputs]
-        if drafting and not self.policy.plan(
+        # a request decoding alone keeps its configured strategy (measured as the fastest single stream)
+        if len(decoders) > 1 and drafting and not self.policy.plan(
             [r.seq.expected_tokens for r in drafting], [r.budget or r.outputs for r in drafting],
             plain_rows=len(rounds) - len(drafting),
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)

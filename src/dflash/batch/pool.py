@@ -38,10 +38,14 @@ class BlockPool:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a pool needs at least one block of at least one slot")
-        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        # one slot past the blocks is the trash slot: fixed-shape passes send their padding rows' K/V there
+        shape = (num_layers, num_kv_heads, num_blocks * block_size + 1, head_dim)
         # uninitialised: a slot is always written before it is read, and untouched pages cost no memory on the CPU
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
+        self.trash_slot = num_blocks * block_size
+        self.keys[:, :, self.trash_slot].zero_()  # read (masked) by padding rows: it must hold finite values
+        self.values[:, :, self.trash_slot].zero_()
         self.block_size = block_size
         self.num_blocks = num_blocks
         self._refs = [0] * num_blocks

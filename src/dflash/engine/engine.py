@@ -260,6 +260,7 @@ class Engine:
             linear_drafts=self.options.num_drafts or block - 1,
             max_step_rows=self.options.max_step_rows or DEFAULT_MAX_STEP_ROWS.get(self.device.type, 64),
             draft_window=self.options.draft_window,
+            cuda_graphs=self.options.cuda_graphs,
         )
         return BatchCore(self.target, self.drafter, self.eos_ids, settings, self.prefix_cache)
 
