@@ -26,6 +26,7 @@ from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
+from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.acceptance import accepted_prefix_length
@@ -185,7 +186,8 @@ class BatchCore:
         for index, (seq, lo, hi) in enumerate(prefills):
             self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index], features[index])
         for offset, r in enumerate(rounds, start=len(prefills)):
-            self._guarded(r.seq, self._after_round, r, out.logits[offset], features[offset])
+            best = out.argmax[offset] if out.argmax is not None else None
+            self._guarded(r.seq, self._after_round, r, out.logits[offset], features[offset], best)
         rows = sum(int(item.tokens.numel()) for item in items)
         self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
@@ -202,7 +204,10 @@ class BatchCore:
         features = None
         if prefilled.features is not None and decoded.features is not None:
             features = prefilled.features + decoded.features
-        return TargetOutput(prefilled.logits + decoded.logits, features)
+        argmax = None
+        if decoded.argmax is not None:
+            argmax = [torch.empty(0, dtype=torch.long)] * prefills + decoded.argmax
+        return TargetOutput(prefilled.logits + decoded.logits, features, argmax)
 
     def _guarded(self, seq: Sequence, fn: object, *args: object) -> None:
         try:
@@ -348,7 +353,8 @@ class BatchCore:
                 r.tree = build_tree(score.logits[:max_depth], r.budget, token_ids=score.ids)
 
     def _round_rows(self, r: _Round) -> TargetRows:
-        seq, device = r.seq, self.target_pool.device
+        seq = r.seq
+        device = torch.device("cpu") if self.graphs is not None else self.target_pool.device  # graphs load from host
         assert seq.target is not None
         if r.kind == "linear":
             assert r.drafts is not None
@@ -364,15 +370,19 @@ class BatchCore:
                             logit_rows=slice(0, tree.num_nodes + 1))
         return r.rows
 
-    def _after_round(self, r: _Round, logits: torch.Tensor, features: torch.Tensor | None) -> None:
+    def _after_round(
+        self, r: _Round, logits: torch.Tensor, features: torch.Tensor | None, argmax: torch.Tensor | None = None
+    ) -> None:
+        """`argmax`: the rows' argmax when already computed (host) — a plain greedy request's choices."""
         seq = r.seq
         assert seq.target is not None
         produced = seq.produced
+        greedy = argmax if argmax is not None and _plain_greedy(seq.chooser, produced) else None
         if r.kind == "linear":
             assert r.drafts is not None
-            drafts = torch.tensor(r.drafts, dtype=torch.long, device=logits.device)
             allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
-            choices = seq.chooser.choose(logits, produced, allowed)  # [k+1]
+            choices = greedy if greedy is not None else seq.chooser.choose(logits, produced, allowed)  # [k+1]
+            drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
             accepted = accepted_prefix_length(drafts, choices)
             committed = [*r.drafts[:accepted], int(choices[accepted])]
             seq.stats.record_round(len(r.drafts), accepted)
@@ -381,7 +391,7 @@ class BatchCore:
             kept = accepted + 1
         else:
             assert r.tree is not None
-            choices = tree_choices(seq.chooser, logits, r.tree, produced)  # [n+1]
+            choices = greedy if greedy is not None else tree_choices(seq.chooser, logits, r.tree, produced)  # [n+1]
             visited, bonus = follow_tree(r.tree, choices)
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
@@ -421,3 +431,11 @@ class BatchCore:
             seq.finish(error)
         self.active.clear()
         self.waiting.clear()
+
+
+def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
+    """Whether the chooser's choice for output tokens from `produced` on is the plain argmax of each row."""
+    return (
+        chooser.params.greedy and chooser.constraint is None and chooser.counts is None
+        and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.eos.numel())
+    )

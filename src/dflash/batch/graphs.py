@@ -30,10 +30,18 @@ class _Captured:
 
 
 class GraphedTargetPasses:
-    def __init__(self, model: CausalLM, pool: BlockPool, capture: Sequence[int], max_requests: int) -> None:
+    def __init__(
+        self, model: CausalLM, pool: BlockPool, capture: Sequence[int], max_requests: int, *, fused: bool = True
+    ) -> None:
         self.model, self.pool, self.capture, self.max_requests = model, pool, tuple(capture), max_requests
         self._graphs: dict[PaddedShape, _Captured] = {}
         self._memory = torch.cuda.graph_pool_handle()
+        self.forward = padded_forward
+        if fused:
+            from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
+
+            if supports_fused_layers(model):
+                self.forward = fused_padded_forward
 
     @property
     def captured(self) -> int:
@@ -46,12 +54,14 @@ class GraphedTargetPasses:
             entry = self._capture(shape)
         entry.batch.load(items)
         entry.graph.replay()
-        logits, features = [], []
+        best = entry.logits[: len(items)].argmax(dim=-1).cpu()  # [requests, rows]: one transfer for every greedy row
+        logits, features, argmax = [], [], []
         for index, item in enumerate(items):
             logits.append(entry.logits[index, item.logit_rows])
+            argmax.append(best[index, item.logit_rows])
             if entry.features is not None:  # copied: kept rows outlive the next replay (drafter context)
                 features.append(entry.features[index, : int(item.tokens.numel())].clone())
-        return TargetOutput(logits, features if entry.features is not None else None)
+        return TargetOutput(logits, features if entry.features is not None else None, argmax)
 
     def _capture(self, shape: PaddedShape) -> _Captured:
         batch = PaddedBatch(shape, self.pool, self.model.sliding_window)  # all padding: writes go to the trash slot
@@ -59,11 +69,11 @@ class GraphedTargetPasses:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (kernel selection, lazy initialisation)
-                padded_forward(self.model, self.pool, batch, self.capture)
+                self.forward(self.model, self.pool, batch, self.capture)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._memory):
-            logits, features = padded_forward(self.model, self.pool, batch, self.capture)
+            logits, features = self.forward(self.model, self.pool, batch, self.capture)
         entry = _Captured(graph, batch, logits, features)
         self._graphs[shape] = entry
         log.info("captured the batched target pass for %s", shape)

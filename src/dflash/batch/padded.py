@@ -54,6 +54,7 @@ class PaddedBatch:
         self.tokens = torch.zeros(b, r, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, r, dtype=torch.long, device=device)
         self.write_slots = torch.full((b * r,), pool.trash_slot, dtype=torch.long, device=device)
+        self.store_slots = torch.full((b * r,), -1, dtype=torch.long, device=device)  # padding: -1, store nothing
         self.read_slots = torch.full((b, k), pool.trash_slot, dtype=torch.long, device=device)
         self.full_mask = torch.zeros(b, 1, r, k, dtype=torch.bool, device=device)
         self.full_mask[..., 0] = True
@@ -73,7 +74,7 @@ class PaddedBatch:
             n, past = int(item.tokens.numel()), item.table.length
             tokens[index, :n] = item.tokens.cpu()
             positions[index, :n] = item.positions.cpu()
-            slots = item.table.slots(0, past + n).cpu()
+            slots = item.table.host_slots(0, past + n)
             write[index, :n] = slots[past:]
             read[index, : past + n] = slots
             full[index, :n, :past] = True
@@ -86,6 +87,7 @@ class PaddedBatch:
         self.tokens.copy_(tokens, non_blocking=True)
         self.positions.copy_(positions, non_blocking=True)
         self.write_slots.copy_(write.view(-1), non_blocking=True)
+        self.store_slots.copy_(torch.where(write == self.pool.trash_slot, -1, write).view(-1), non_blocking=True)
         self.read_slots.copy_(read, non_blocking=True)
         self.full_mask.copy_(full[:, None], non_blocking=True)
         if self.sliding_mask is not None and self.window is not None:
@@ -93,6 +95,12 @@ class PaddedBatch:
             sliding = full & (distance < self.window)
             sliding[..., 0] |= ~sliding.any(-1)  # a padded row keeps its finite slot
             self.sliding_mask.copy_(sliding[:, None], non_blocking=True)
+
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The full-attention mask as additive float [requests, 1, rows, keys] (0 visible, -inf hidden)."""
+        zeros = torch.zeros(self.full_mask.shape, dtype=dtype, device=self.full_mask.device)
+        return zeros.masked_fill_(~self.full_mask, float("-inf"))
 
 
 class PaddedAttention:

@@ -97,6 +97,7 @@ class SlotTable:
         self.blocks: list[int] = []
         self.length = 0  # committed positions
         self._slots = torch.empty(0, dtype=torch.long, device=pool.device)  # [capacity]: slot of each position
+        self._host_slots = torch.empty(0, dtype=torch.long)  # the same on the host (fixed-shape passes fill from it)
 
     @property
     def capacity(self) -> int:
@@ -111,14 +112,21 @@ class SlotTable:
         self.blocks.extend(new)
         size = self.pool.block_size
         starts = torch.tensor(new, dtype=torch.long) * size  # [missing]
-        added = (starts[:, None] + torch.arange(size)[None]).reshape(-1).to(self.pool.device)  # [missing * size]
-        self._slots = torch.cat((self._slots, added))
+        added = (starts[:, None] + torch.arange(size)[None]).reshape(-1)  # [missing * size]
+        self._host_slots = torch.cat((self._host_slots, added))
+        self._slots = torch.cat((self._slots, added.to(self.pool.device)))
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end): int64 [end - start] (a view: do not modify)."""
         if end > self.capacity:
             raise GenerationError(f"positions up to {end} exceed the {self.capacity} reserved")
         return self._slots[start:end]
+
+    def host_slots(self, start: int, end: int) -> torch.Tensor:
+        """`slots` as a host tensor."""
+        if end > self.capacity:
+            raise GenerationError(f"positions up to {end} exceed the {self.capacity} reserved")
+        return self._host_slots[start:end]
 
     def crop(self, length: int) -> None:
         """Keep positions [0, length) committed (rejected drafts after them are forgotten)."""
@@ -144,3 +152,4 @@ class SlotTable:
         self.blocks = []
         self.length = 0
         self._slots = self._slots[:0]
+        self._host_slots = self._host_slots[:0]

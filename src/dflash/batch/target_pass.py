@@ -32,6 +32,7 @@ class TargetRows:
 class TargetOutput:
     logits: list[torch.Tensor]  # per request: [len(logit_rows), vocab]
     features: list[torch.Tensor] | None  # per request: [n, len(capture) * hidden]
+    argmax: list[torch.Tensor] | None = None  # per request, on the host: the argmax of each logits row
 
 
 def run_target(model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], capture: Sequence[int]) -> TargetOutput:

@@ -1,0 +1,72 @@
+"""The padded decoding pass through the fused GPU kernels: far fewer graph nodes than the module-by-module pass.
+
+A replayed CUDA graph still pays a few microseconds per kernel, so for small models the step is bound by the kernel
+count. Per layer this pass runs add+RMSNorm, the QKV product, one program that normalises q/k, rotates them and
+stores k/v straight into the pool's slots (a padding row's slot is -1: nothing stored), the key gather, one SDPA,
+the output product, add+RMSNorm, the gate/up product, SiLU*up and the down product (`dflash.kernels.triton_decode`,
+`dflash.fastpath.fused_layers.apply_linear`). The same families as the single-request fused path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash.batch.padded import PaddedBatch
+from dflash.batch.pool import BlockPool
+from dflash.fastpath.fused_layers import apply_linear, embed_rows, fused_logits, supports_fused_layers
+from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul
+from dflash.models.model import CausalLM
+
+__all__ = ["fused_padded_forward", "supports_fused_layers"]
+
+
+def fused_padded_forward(
+    model: CausalLM, pool: BlockPool, batch: PaddedBatch, capture: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`padded_forward` for models that `supports_fused_layers` -> (logits [requests, rows, vocab], features
+    [requests, rows, F] or None)."""
+    config = model.config
+    requests, rows = batch.tokens.shape
+    count = requests * rows
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    dtype = model.embed_tokens.weight.dtype
+    cos, sin = model.rotary.rows_cos_sin(batch.positions.view(-1), dtype)  # [count, head_dim]
+    additive = batch.additive_mask(dtype)  # [requests, 1, rows, keys]
+    read = batch.read_slots  # [requests, keys]
+    wanted = set(capture)
+    captured: dict[int, torch.Tensor] = {}
+    x = embed_rows(model, batch.tokens.view(1, -1))  # [count, hidden]
+    pending: torch.Tensor | None = None  # the last MLP output, added inside the next add+RMSNorm
+    layer: Any
+    for index, layer in enumerate(model.layers):
+        attention = layer.self_attn
+        h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        if index - 1 in wanted:
+            captured[index - 1] = x
+        qkv = apply_linear(h, attention.qkv_proj)  # [count, (heads + 2 kv_heads) * head_dim]
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        keys, values = pool.keys[index], pool.values[index]  # [kv_heads, slots, head_dim]
+        rope_and_store(
+            qkv, cos, sin, keys, values, batch.store_slots, num_heads=heads, num_kv_heads=kv_heads,
+            q_norm_weight=q_norm.weight if q_norm is not None else None,
+            k_norm_weight=k_norm.weight if k_norm is not None else None,
+            eps=q_norm.eps if q_norm is not None else 1e-6,
+        )
+        q = qkv[:, : heads * head_dim].view(requests, rows, heads, head_dim).transpose(1, 2)  # [b, heads, rows, hd]
+        out = F.scaled_dot_product_attention(
+            q, keys[:, read].transpose(0, 1), values[:, read].transpose(0, 1), attn_mask=additive,
+            scale=attention.scale, enable_gqa=heads != kv_heads,
+        )  # [requests, heads, rows, head_dim]
+        attended = apply_linear(out.transpose(1, 2).reshape(count, heads * head_dim), attention.o_proj)
+        h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        pending = apply_linear(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+    hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
+    last = len(model.layers) - 1
+    if last in wanted:
+        captured[last] = x
+    features = torch.cat([captured[i] for i in capture], dim=-1).view(requests, rows, -1) if capture else None
+    return fused_logits(model, hidden).view(requests, rows, -1), features
