@@ -152,6 +152,28 @@ class BatchCore:
             self._restore_prefix(seq)
             self.active.append(seq)
 
+    def capture_graphs(self, max_keys: int = 4096) -> int:
+        """Capture the decoding pass's graphs ahead of traffic: every request bucket, plain rows and the rows of a
+        full round, keys up to `max_keys`. Returns the graphs held."""
+        if self.graphs is None:
+            return 0
+        from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedShape, bucket_up
+
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        round_rows = max(self.settings.ddtree_budget, min(self.settings.linear_drafts, block - 1)) + 1
+        rows = sorted({1, bucket_up(round_rows, ROW_BUCKETS)} if self.drafter is not None else {1})
+        requests = 1
+        while True:
+            keys = MIN_KEY_BUCKET
+            while keys <= max_keys:
+                for count in rows:
+                    self.graphs.ensure(PaddedShape(requests, count, keys))
+                keys *= 2
+            if requests >= self.settings.max_batch:
+                break
+            requests *= 2
+        return self.graphs.captured
+
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> int:

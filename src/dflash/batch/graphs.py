@@ -47,6 +47,10 @@ class GraphedTargetPasses:
     def captured(self) -> int:
         return len(self._graphs)
 
+    def ensure(self, shape: PaddedShape) -> None:
+        if shape not in self._graphs:
+            self._capture(shape)
+
     def run(self, items: Sequence[TargetRows]) -> TargetOutput:
         shape = PaddedShape.of(items, self.max_requests)
         entry = self._graphs.get(shape)

@@ -106,8 +106,11 @@ def run_concurrency(args: argparse.Namespace) -> int:
     levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
     if args.max_concurrency is None and engine_takes_threads():
         args.max_concurrency = max(levels, default=1)  # below the top level, the top levels would only queue
+    engine = engine_from_args(args)
+    if args.warmup:
+        engine.warm_up()  # the GPU's graphs are captured before any level is timed, as `dflash serve` does
     result = measure_concurrency(
-        engine_from_args(args),
+        engine,
         args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], levels=levels, max_tokens=args.max_tokens,
         requests=args.requests, sequential=args.sequential, warmup=args.warmup,

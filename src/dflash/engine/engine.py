@@ -148,9 +148,12 @@ class Engine:
 
     def warm_up(self) -> int:
         """Capture the CUDA graphs of the first decode shapes now rather than during the first request: one short
-        generation with the engine's strategy. Returns the forwards served by the graph runner (0 without one)."""
+        generation with the engine's strategy, or the batched step's shapes up to a few thousand keys. Returns the
+        forwards served by the graph runner, or the graphs captured for the batched step (0 without graphs)."""
         from dflash.fastpath.dispatch import graph_runner_of
 
+        if self.batched and self.device.type == "cuda" and self.options.cuda_graphs:
+            return self.loop.core.capture_graphs()
         runner = graph_runner_of(self.target)
         if runner is None:
             return 0
