@@ -42,7 +42,7 @@ from dflash.spec.tree import (
 )
 
 if TYPE_CHECKING:
-    from dflash.batch.graphs import GraphedTargetPasses
+    from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
 log = logging.getLogger("dflash.batch")
 
@@ -105,10 +105,16 @@ class BatchCore:
         )
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
+        self.drafter_graphs: GraphedDrafterPasses | None = None
         if settings.cuda_graphs and weight.is_cuda:
-            from dflash.batch.graphs import GraphedTargetPasses
+            from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
-            self.graphs = GraphedTargetPasses(target, self.target_pool, self.capture, settings.max_batch)
+            memory = torch.cuda.graph_pool_handle()
+            self.graphs = GraphedTargetPasses(target, self.target_pool, self.capture, settings.max_batch, memory=memory)
+            if drafter is not None and self.drafter_pool is not None:
+                self.drafter_graphs = GraphedDrafterPasses(
+                    drafter, target, self.drafter_pool, settings.max_batch, memory
+                )
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.last_batch = 0
@@ -168,11 +174,14 @@ class BatchCore:
             while keys <= max_keys:
                 for count in rows:
                     self.graphs.ensure(PaddedShape(requests, count, keys))
+                if self.drafter_graphs is not None:
+                    self.drafter_graphs.graphs.ensure(PaddedShape(requests, bucket_up(block, ROW_BUCKETS), keys))
                 keys *= 2
             if requests >= self.settings.max_batch:
                 break
             requests *= 2
-        return self.graphs.captured
+        drafter = self.drafter_graphs.graphs.captured if self.drafter_graphs is not None else 0
+        return self.graphs.captured + drafter
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -364,7 +373,7 @@ class BatchCore:
             assert seq.drafter is not None and seq.new_features is not None
             items.append(DraftRows(seq.drafter, seq.new_features, seq.pending, seq.start, r.outputs,
                                    self.settings.draft_window))
-        scores = run_drafter(self.drafter, self.target, self.drafter_pool, items)
+        scores = run_drafter(self.drafter, self.target, self.drafter_pool, items, self.drafter_graphs)
         block = self.drafter.config.block_size
         for r, score in zip(drafting, scores, strict=True):
             r.seq.new_features = r.seq.new_features[:0] if r.seq.new_features is not None else None  # absorbed

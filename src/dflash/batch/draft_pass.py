@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
+from dflash.batch.target_pass import TargetRows
 from dflash.models.model import CausalLM
 from dflash.spec.draft_vocab import DraftScores
 from dflash.spec.drafter import DFlashDrafter
+
+if TYPE_CHECKING:
+    from dflash.batch.graphs import GraphedDrafterPasses
 
 
 @dataclass(frozen=True)
@@ -33,13 +37,19 @@ class DraftRows:
     window: int | None = None  # read only the last `window` context positions
 
 
-def run_drafter(drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, items: Sequence[DraftRows]) -> list[DraftScores]:
-    """Draft scores per request: [outputs, shortlist or vocab]. Advances each table over its new context rows."""
+def run_drafter(
+    drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, items: Sequence[DraftRows],
+    graphs: GraphedDrafterPasses | None = None,
+) -> list[DraftScores]:
+    """Draft scores per request: [outputs, shortlist or vocab]. Advances each table over its new context rows.
+    With `graphs` (CUDA) the block pass is a graph replay (the context rows are absorbed eagerly first)."""
     block = drafter.config.block_size
     device = pool.device
     for item in items:
         item.table.reserve(item.table.length + item.new_features.shape[0] + block)
     _absorb(drafter, pool, items)
+    if graphs is not None and all(item.window is None for item in items):
+        return _graphed_blocks(drafter, graphs, items)
     segments = []
     for index, item in enumerate(items):
         positions = torch.arange(item.start, item.start + block, device=device)
@@ -67,6 +77,18 @@ def run_drafter(drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, items
     scores = drafter.project_scores(target, drafter.norm(x)[0])  # [sum outputs, columns]
     parts = scores.logits.split([item.outputs for item in items])
     return [DraftScores(part, scores.ids, scores.vocab_size) for part in parts]
+
+
+def _graphed_blocks(drafter: DFlashDrafter, graphs: GraphedDrafterPasses, items: Sequence[DraftRows]) -> list[DraftScores]:
+    block = drafter.config.block_size
+    visible = torch.ones(block, block, dtype=torch.bool)  # the block sees itself both ways
+    rows = []
+    for item in items:
+        tokens = torch.full((block,), drafter.config.mask_token_id, dtype=torch.long)
+        tokens[0] = item.pending
+        rows.append(TargetRows(item.table, tokens, torch.arange(item.start, item.start + block), visible))
+    logits = graphs.run(rows, [item.outputs for item in items])
+    return [DraftScores(part, None, part.shape[-1]) for part in logits]
 
 
 def _absorb(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:

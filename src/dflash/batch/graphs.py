@@ -1,15 +1,18 @@
-"""CUDA graphs of the batched decoding step's target pass, one per padded shape (`dflash.batch.padded`).
+"""CUDA graphs of the batched decoding step, one per padded shape (`dflash.batch.padded`): the target pass over the
+decoding rows, and the drafter's block pass.
 
-The engine chooses graphs (the model knows nothing of them): the core hands its decoding rows here on a CUDA
-device. A shape's graph is captured on first use, replayed afterwards; its input buffers are refilled before each
-replay. All graphs share one memory pool, and the K/V pool they write is the engine's (fixed addresses).
+The engine chooses graphs (the models know nothing of them): the core hands its rows here on a CUDA device. A
+shape's graph is captured on first use (or ahead of traffic, `ensure`), replayed afterwards; its input buffers are
+refilled before each replay. All graphs share one memory pool, and the K/V pools they write are the engine's
+(fixed addresses).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,8 +20,11 @@ from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import TargetOutput, TargetRows
 from dflash.models.model import CausalLM
+from dflash.spec.drafter import DFlashDrafter
 
 log = logging.getLogger("dflash.batch")
+
+PaddedForward = Callable[[PaddedBatch], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -29,35 +35,74 @@ class _Captured:
     features: torch.Tensor | None  # [requests, rows, F]
 
 
-class GraphedTargetPasses:
-    def __init__(
-        self, model: CausalLM, pool: BlockPool, capture: Sequence[int], max_requests: int, *, fused: bool = True
-    ) -> None:
-        self.model, self.pool, self.capture, self.max_requests = model, pool, tuple(capture), max_requests
-        self._graphs: dict[PaddedShape, _Captured] = {}
-        self._memory = torch.cuda.graph_pool_handle()
-        self.forward = padded_forward
-        if fused:
-            from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
+class PaddedGraphs:
+    """Captured graphs of one padded forward, by shape."""
 
-            if supports_fused_layers(model):
-                self.forward = fused_padded_forward
+    def __init__(self, name: str, forward: PaddedForward, pool: BlockPool, window: int | None, max_requests: int,
+                 memory: Any) -> None:
+        self.name, self.forward, self.pool, self.window, self.max_requests = name, forward, pool, window, max_requests
+        self._graphs: dict[PaddedShape, _Captured] = {}
+        self._memory = memory
 
     @property
     def captured(self) -> int:
         return len(self._graphs)
 
-    def ensure(self, shape: PaddedShape) -> None:
-        if shape not in self._graphs:
-            self._capture(shape)
-
-    def run(self, items: Sequence[TargetRows]) -> TargetOutput:
-        shape = PaddedShape.of(items, self.max_requests)
+    def ensure(self, shape: PaddedShape) -> _Captured:
         entry = self._graphs.get(shape)
-        if entry is None:
-            entry = self._capture(shape)
+        return entry if entry is not None else self._capture(shape)
+
+    def replay(self, items: Sequence[TargetRows]) -> _Captured:
+        entry = self.ensure(PaddedShape.of(items, self.max_requests))
         entry.batch.load(items)
         entry.graph.replay()
+        return entry
+
+    def _capture(self, shape: PaddedShape) -> _Captured:
+        batch = PaddedBatch(shape, self.pool, self.window)  # all padding: nothing real is written
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (kernel selection, lazy initialisation)
+                self.forward(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            logits, features = self.forward(batch)
+        entry = _Captured(graph, batch, logits, features)
+        self._graphs[shape] = entry
+        log.info("captured the batched %s pass for %s", self.name, shape)
+        return entry
+
+
+class GraphedTargetPasses:
+    """The target pass over the decoding rows."""
+
+    def __init__(
+        self, model: CausalLM, pool: BlockPool, capture: Sequence[int], max_requests: int, *, fused: bool = True,
+        memory: Any = None,
+    ) -> None:
+        forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = padded_forward
+        if fused:
+            from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
+
+            if supports_fused_layers(model):
+                forward = fused_padded_forward
+        layers = tuple(capture)
+        self.graphs = PaddedGraphs(
+            "target", lambda batch: forward(model, pool, batch, layers), pool, model.sliding_window, max_requests,
+            memory if memory is not None else torch.cuda.graph_pool_handle(),
+        )
+
+    @property
+    def captured(self) -> int:
+        return self.graphs.captured
+
+    def ensure(self, shape: PaddedShape) -> None:
+        self.graphs.ensure(shape)
+
+    def run(self, items: Sequence[TargetRows]) -> TargetOutput:
+        entry = self.graphs.replay(items)
         best = entry.logits[: len(items)].argmax(dim=-1).cpu()  # [requests, rows]: one transfer for every greedy row
         logits, features, argmax = [], [], []
         for index, item in enumerate(items):
@@ -67,18 +112,40 @@ class GraphedTargetPasses:
                 features.append(entry.features[index, : int(item.tokens.numel())].clone())
         return TargetOutput(logits, features if entry.features is not None else None, argmax)
 
-    def _capture(self, shape: PaddedShape) -> _Captured:
-        batch = PaddedBatch(shape, self.pool, self.model.sliding_window)  # all padding: writes go to the trash slot
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (kernel selection, lazy initialisation)
-                self.forward(self.model, self.pool, batch, self.capture)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            logits, features = self.forward(self.model, self.pool, batch, self.capture)
-        entry = _Captured(graph, batch, logits, features)
-        self._graphs[shape] = entry
-        log.info("captured the batched target pass for %s", shape)
-        return entry
+
+def padded_drafter_forward(
+    drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, batch: PaddedBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafter's block pass over a loaded batch (each request's block after its context, non-causal inside
+    the block) -> (draft logits [requests, block - 1, vocab] of positions start+1 .., None)."""
+    from dflash.batch.padded import PaddedAttention
+
+    dtype = drafter.fc.weight.dtype
+    backend = PaddedAttention(pool, batch, drafter.sliding)
+    cos, sin = drafter.rotary.cos_sin(batch.positions, dtype)  # [requests, 1, block, head_dim]
+    x = target.embed(batch.tokens).to(dtype)  # [requests, block, hidden]
+    layer: Any
+    for index, layer in enumerate(drafter.layers):
+        attention = layer.self_attn
+        q, k, v = attention.block_qkv(layer.input_layernorm(x), cos, sin)
+        x = x + attention.o_proj(backend.attend(index, q, k, v, attention.head_dim**-0.5))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return drafter.project(target, drafter.norm(x[:, 1:])), None
+
+
+class GraphedDrafterPasses:
+    """The drafter's block pass of every speculating request (its context rows are absorbed eagerly before)."""
+
+    def __init__(self, drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, max_requests: int,
+                 memory: Any) -> None:
+        window = drafter.config.sliding_window if any(drafter.sliding) else None
+        self.graphs = PaddedGraphs(
+            "drafter", lambda batch: padded_drafter_forward(drafter, target, pool, batch), pool, window,
+            max_requests, memory,
+        )
+        self.block = drafter.config.block_size
+
+    def run(self, items: Sequence[TargetRows], outputs: Sequence[int]) -> list[torch.Tensor]:
+        """items: each request's block rows (visibility all ones) -> draft logits [outputs, vocab] per request."""
+        entry = self.graphs.replay(items)
+        return [entry.logits[index, :count] for index, count in enumerate(outputs)]
