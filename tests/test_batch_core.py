@@ -36,8 +36,8 @@ def _install_oracle(monkeypatch: pytest.MonkeyPatch, references: dict[int, list[
     rounds stop early and trees continue through a non-first child)."""
     real = core_module.run_drafter
 
-    def oracle(drafter: Any, target: Any, pool: Any, items: list[DraftRows]) -> list[DraftScores]:
-        scores = real(drafter, target, pool, items)
+    def oracle(drafter: Any, target: Any, pool: Any, items: list[DraftRows], graphs: Any = None) -> list[DraftScores]:
+        scores = real(drafter, target, pool, items, graphs)
         patched = []
         for item, score in zip(items, scores, strict=True):
             logits = score.full().clone()  # [outputs, vocab]
