@@ -62,7 +62,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 8 with AMX products, 32 on GPU)")
     group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                        help="requests decoded together in one batched step (`dflash serve` runs this many at once "
-                       "and queues the rest); default: the engine's")
+                       "and queues the rest); default: 8 on the CPU, 1 on a GPU (the single-request graphed path)")
+    group.add_argument("--max-step-rows", type=int, default=None, metavar="N",
+                       help="verified rows per batched step, shared by the speculating requests (default: 32 on the "
+                       "CPU, 256 on a GPU)")
+    group.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
+                       help="positions of K/V memory shared by the batched requests (default: min(batch, 4) "
+                       "contexts); a request waits until its whole reservation fits")
 
 
 def max_batch_from_args(args: argparse.Namespace) -> int | None:
@@ -111,6 +117,12 @@ def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel |
         if "max_batch" not in {f.name for f in fields(EngineOptions)}:
             raise DFlashError("--max-concurrency: this engine decodes one request at a time")
         batching["max_batch"] = max_batch
+    for flag, name in (("--max-step-rows", "max_step_rows"), ("--kv-pool-tokens", "kv_pool_tokens")):
+        value = getattr(args, name, None)
+        if value is not None:
+            if value < 1:
+                raise DFlashError(f"{flag} must be at least 1, got {value}")
+            batching[name] = value
     options = EngineOptions(
         spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
