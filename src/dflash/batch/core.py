@@ -31,6 +31,7 @@ from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.spec.acceptance import accepted_prefix_length
 from dflash.spec.ddtree import tree_choices
+from dflash.spec.draft_vocab import DraftScores
 from dflash.spec.drafter import DFlashDrafter
 from dflash.spec.tree import (
     DraftTree,
@@ -38,6 +39,8 @@ from dflash.spec.tree import (
     build_tree,
     follow_tree,
     linear_chain_tree,
+    topk_log_probs,
+    tree_from_candidates,
     tree_verify_inputs,
 )
 
@@ -375,13 +378,19 @@ class BatchCore:
                                    self.settings.draft_window))
         scores = run_drafter(self.drafter, self.target, self.drafter_pool, items, self.drafter_graphs)
         block = self.drafter.config.block_size
+        trees = [(r, score) for r, score in zip(drafting, scores, strict=True) if r.kind == "tree"]
+        candidates = _tree_candidates(trees)
         for r, score in zip(drafting, scores, strict=True):
             r.seq.new_features = r.seq.new_features[:0] if r.seq.new_features is not None else None  # absorbed
             if r.kind == "linear":
                 r.drafts = score.greedy().tolist()
-            else:
-                max_depth = min(block - 1, r.seq.request.max_new_tokens - r.seq.produced - 1)
+                continue
+            max_depth = min(block - 1, r.seq.request.max_new_tokens - r.seq.produced - 1)
+            found = candidates.get(id(r))
+            if found is None:
                 r.tree = build_tree(score.logits[:max_depth], r.budget, token_ids=score.ids)
+            else:
+                r.tree = tree_from_candidates(found[0][:max_depth], found[1][:max_depth], r.budget)
 
     def _round_rows(self, r: _Round) -> TargetRows:
         seq = r.seq
@@ -392,6 +401,11 @@ class BatchCore:
             tokens = torch.tensor([seq.pending, *r.drafts], dtype=torch.long, device=device)
             positions = torch.arange(seq.start, seq.start + len(tokens), device=device)
             r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, len(tokens)))
+            return r.rows
+        if r.kind == "plain":
+            tokens = torch.tensor([seq.pending], dtype=torch.long, device=device)
+            positions = torch.tensor([seq.start], dtype=torch.long, device=device)
+            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, 1))
             return r.rows
         tree = r.tree if r.tree is not None else linear_chain_tree([])
         r.tree = tree
@@ -409,7 +423,12 @@ class BatchCore:
         assert seq.target is not None
         produced = seq.produced
         greedy = argmax if argmax is not None and _plain_greedy(seq.chooser, produced) else None
-        if r.kind == "linear":
+        if r.kind == "plain":
+            choice = int(greedy[0]) if greedy is not None else int(seq.chooser.choose(logits, produced)[0])
+            committed, kept = [choice], 1
+            seq.target.crop(seq.start + 1)
+            kept_features = features[:1] if features is not None else None
+        elif r.kind == "linear":
             assert r.drafts is not None
             allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
             choices = greedy if greedy is not None else seq.chooser.choose(logits, produced, allowed)  # [k+1]
@@ -470,3 +489,21 @@ def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
         chooser.params.greedy and chooser.constraint is None and chooser.counts is None
         and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.eos.numel())
     )
+
+
+def _tree_candidates(trees: list[tuple[_Round, DraftScores]]) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
+    """Per-depth top-k candidates of every tree round whose draft scores share one shape, from one top-k over all
+    of them and one host transfer (instead of one per request): {id(round): (log-probabilities, token ids)}."""
+    if len(trees) < 2:
+        return {}
+    shapes = {tuple(score.logits.shape) for _, score in trees}
+    budgets = {r.budget for r, _ in trees}
+    if len(shapes) != 1 or len(budgets) != 1 or any(score.ids is not None for _, score in trees):
+        return {}
+    stacked = torch.stack([score.logits for _, score in trees])  # [trees, depth, vocab]
+    k = min(budgets.pop(), stacked.shape[-1])
+    top_lp, top_ids = topk_log_probs(stacked.flatten(0, 1), k)  # [trees * depth, k]
+    depth = stacked.shape[1]
+    lp = top_lp.view(len(trees), depth, k).cpu().tolist()
+    ids = top_ids.view(len(trees), depth, k).cpu().tolist()
+    return {id(r): (lp[i], ids[i]) for i, (r, _) in enumerate(trees)}

@@ -104,13 +104,15 @@ class GraphedTargetPasses:
     def run(self, items: Sequence[TargetRows]) -> TargetOutput:
         entry = self.graphs.replay(items)
         best = entry.logits[: len(items)].argmax(dim=-1).cpu()  # [requests, rows]: one transfer for every greedy row
+        # copied once: kept rows outlive the next replay (they become drafter context)
+        copied = entry.features[: len(items)].clone() if entry.features is not None else None
         logits, features, argmax = [], [], []
         for index, item in enumerate(items):
             logits.append(entry.logits[index, item.logit_rows])
             argmax.append(best[index, item.logit_rows])
-            if entry.features is not None:  # copied: kept rows outlive the next replay (drafter context)
-                features.append(entry.features[index, : int(item.tokens.numel())].clone())
-        return TargetOutput(logits, features if entry.features is not None else None, argmax)
+            if copied is not None:
+                features.append(copied[index, : int(item.tokens.numel())])
+        return TargetOutput(logits, features if copied is not None else None, argmax)
 
 
 def padded_drafter_forward(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +23,7 @@ from dflash.models.model import CausalLM
 
 ROW_BUCKETS = (1, 4, 8, 16, 24, 40, 64, 128)  # few shapes, few graphs: a 32-node tree takes 40
 MIN_KEY_BUCKET = 128
+_LOWER = np.tril(np.ones((ROW_BUCKETS[-1], ROW_BUCKETS[-1]), dtype=np.bool_))  # causal visibility among new rows
 
 
 def bucket_up(value: int, buckets: Sequence[int]) -> int:
@@ -61,41 +63,43 @@ class PaddedBatch:
         self.sliding_mask = self.full_mask.clone() if window is not None else None
 
     def load(self, items: Sequence[TargetRows]) -> None:
-        """Fill the buffers for `items` (at most `shape.requests`, each within the shape)."""
+        """Fill the buffers for `items` (at most `shape.requests`, each within the shape). Built in numpy on the
+        host (a step's per-request bookkeeping is most of a small model's step) and copied over once per buffer."""
         b, r, k = self.shape.requests, self.shape.rows, self.shape.keys
-        tokens = torch.zeros(b, r, dtype=torch.long)
-        positions = torch.zeros(b, r, dtype=torch.long)
-        write = torch.full((b, r), self.pool.trash_slot, dtype=torch.long)
-        read = torch.full((b, k), self.pool.trash_slot, dtype=torch.long)
-        full = torch.zeros(b, r, k, dtype=torch.bool)
+        trash = self.pool.trash_slot
+        tokens = np.zeros((b, r), dtype=np.int64)
+        positions = np.zeros((b, r), dtype=np.int64)
+        write = np.full((b, r), trash, dtype=np.int64)
+        read = np.full((b, k), trash, dtype=np.int64)
+        full = np.zeros((b, r, k), dtype=np.bool_)
         full[..., 0] = True  # padded rows read one finite slot
-        key_positions = torch.zeros(b, k, dtype=torch.long)
+        key_positions = np.zeros((b, k), dtype=np.int64) if self.window is not None else None
         for index, item in enumerate(items):
             n, past = int(item.tokens.numel()), item.table.length
-            tokens[index, :n] = item.tokens.cpu()
-            positions[index, :n] = item.positions.cpu()
-            slots = item.table.host_slots(0, past + n)
+            tokens[index, :n] = item.tokens.numpy()
+            positions[index, :n] = item.positions.numpy()
+            slots = item.table.host_slots(0, past + n).numpy()
             write[index, :n] = slots[past:]
             read[index, : past + n] = slots
             full[index, :n, :past] = True
-            visibility = item.visibility
-            if visibility is None:
-                visibility = torch.ones(n, n, dtype=torch.bool).tril()
-            full[index, :n, past : past + n] = visibility.cpu()
-            key_positions[index, :past] = torch.arange(past)
-            key_positions[index, past : past + n] = item.positions.cpu()
-        self.tokens.copy_(tokens, non_blocking=True)
-        self.positions.copy_(positions, non_blocking=True)
-        self.write_slots.copy_(write.view(-1), non_blocking=True)
-        self.store_slots.copy_(torch.where(write == self.pool.trash_slot, -1, write).view(-1), non_blocking=True)
-        self.read_slots.copy_(read, non_blocking=True)
-        self.full_mask.copy_(full[:, None], non_blocking=True)
-        if self.sliding_mask is not None and self.window is not None:
+            if item.visibility is None:
+                full[index, :n, past : past + n] = _LOWER[:n, :n]
+            else:
+                full[index, :n, past : past + n] = item.visibility.numpy()
+            if key_positions is not None:
+                key_positions[index, :past] = np.arange(past)
+                key_positions[index, past : past + n] = item.positions.numpy()
+        self.tokens.copy_(torch.from_numpy(tokens), non_blocking=True)
+        self.positions.copy_(torch.from_numpy(positions), non_blocking=True)
+        self.write_slots.copy_(torch.from_numpy(write.reshape(-1)), non_blocking=True)
+        self.store_slots.copy_(torch.from_numpy(np.where(write == trash, -1, write).reshape(-1)), non_blocking=True)
+        self.read_slots.copy_(torch.from_numpy(read), non_blocking=True)
+        self.full_mask.copy_(torch.from_numpy(full[:, None]), non_blocking=True)
+        if self.sliding_mask is not None and self.window is not None and key_positions is not None:
             distance = positions[:, :, None] - key_positions[:, None, :]  # [b, r, k]
             sliding = full & (distance < self.window)
             sliding[..., 0] |= ~sliding.any(-1)  # a padded row keeps its finite slot
-            self.sliding_mask.copy_(sliding[:, None], non_blocking=True)
-
+            self.sliding_mask.copy_(torch.from_numpy(sliding[:, None]), non_blocking=True)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The full-attention mask as additive float [requests, 1, rows, keys] (0 visible, -inf hidden)."""

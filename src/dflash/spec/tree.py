@@ -43,6 +43,7 @@ __all__ = [
     "follow_tree",
     "linear_chain_tree",
     "topk_log_probs",
+    "tree_from_candidates",
     "tree_from_parents",
     "tree_verify_inputs",
 ]
@@ -187,9 +188,19 @@ def build_tree(
     top_lp_t, top_ids_t = topk_log_probs(draft_logits, k)  # [depth, K] each
     if token_ids is not None:
         top_ids_t = token_ids[top_ids_t]  # columns -> token ids
-    top_lp: list[list[float]] = top_lp_t.cpu().tolist()
-    top_ids: list[list[int]] = top_ids_t.cpu().tolist()
+    return tree_from_candidates(top_lp_t.cpu().tolist(), top_ids_t.cpu().tolist(), budget,
+                                seed_top1_chain=seed_top1_chain)
 
+
+def tree_from_candidates(
+    top_lp: list[list[float]], top_ids: list[list[int]], budget: int, *, seed_top1_chain: bool = False
+) -> DraftTree:
+    """`build_tree` from the per-depth candidates already on the host: `top_lp`, `top_ids` [depth][K] (sorted
+    descending, as `topk_log_probs` gives them). Lets a caller take the top-k of many requests' logits at once."""
+    depth = len(top_lp)
+    k = len(top_lp[0]) if depth else 0
+    if budget == 0 or depth == 0 or k == 0:
+        return _assemble([], [], [-1])
     tokens: list[int] = []
     depths: list[int] = []
     parents: list[int] = [-1]
