@@ -75,6 +75,7 @@ class CoreSettings:
     max_step_rows: int
     draft_window: int | None = None
     cuda_graphs: bool = False  # on a CUDA device, replay the decoding rows' target pass as graphs
+    prefill_chunks_per_step: int = 1  # prompt chunks a step may prefill (more where a chunk costs little: GPUs)
 
 
 class BatchCore:
@@ -255,7 +256,7 @@ class BatchCore:
         """Chunks to prefill this step: up to one chunk of tokens, oldest sequences first, each chunk on its
         prompt's chunk grid (so the prefix cache's blocks stay exact)."""
         chunk = max(1, self.settings.prefill_chunk)
-        budget = chunk
+        budget = chunk * self.settings.prefill_chunks_per_step
         work: list[tuple[Sequence, int, int]] = []
         for seq in self.active:
             if seq.phase != "prefill":

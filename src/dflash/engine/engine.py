@@ -264,6 +264,7 @@ class Engine:
             max_step_rows=self.options.max_step_rows or DEFAULT_MAX_STEP_ROWS.get(self.device.type, 64),
             draft_window=self.options.draft_window,
             cuda_graphs=self.options.cuda_graphs,
+            prefill_chunks_per_step=8 if self.device.type == "cuda" else 1,  # a GPU prefills 2K tokens in a few ms
         )
         return BatchCore(self.target, self.drafter, self.eos_ids, settings, self.prefix_cache)
 
