@@ -17,8 +17,15 @@ import torch.nn.functional as F
 
 from dflash.batch.padded import PaddedBatch
 from dflash.batch.pool import BlockPool
-from dflash.fastpath.fused_layers import apply_linear, embed_rows, fused_logits, supports_fused_layers
-from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul
+from dflash.fastpath.fused_layers import (
+    apply_linear,
+    attention_residual_and_mlp,
+    embed_rows,
+    fused_logits,
+    project_and_store,
+    supports_fused_layers,
+)
+from dflash.kernels.triton_decode import add_rms_norm
 from dflash.models.model import CausalLM
 
 __all__ = ["fused_padded_forward", "supports_fused_layers"]
@@ -47,23 +54,15 @@ def fused_padded_forward(
         h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
         if index - 1 in wanted:
             captured[index - 1] = x
-        qkv = apply_linear(h, attention.qkv_proj)  # [count, (heads + 2 kv_heads) * head_dim]
-        q_norm, k_norm = attention.q_norm, attention.k_norm
         keys, values = pool.keys[index], pool.values[index]  # [kv_heads, slots, head_dim]
-        rope_and_store(
-            qkv, cos, sin, keys, values, batch.store_slots, num_heads=heads, num_kv_heads=kv_heads,
-            q_norm_weight=q_norm.weight if q_norm is not None else None,
-            k_norm_weight=k_norm.weight if k_norm is not None else None,
-            eps=q_norm.eps if q_norm is not None else 1e-6,
-        )
+        qkv = project_and_store(layer, h, cos, sin, keys, values, batch.store_slots, config)
         q = qkv[:, : heads * head_dim].view(requests, rows, heads, head_dim).transpose(1, 2)  # [b, heads, rows, hd]
         out = F.scaled_dot_product_attention(
             q, keys[:, read].transpose(0, 1), values[:, read].transpose(0, 1), attn_mask=additive,
             scale=attention.scale, enable_gqa=heads != kv_heads,
         )  # [requests, heads, rows, head_dim]
         attended = apply_linear(out.transpose(1, 2).reshape(count, heads * head_dim), attention.o_proj)
-        h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = apply_linear(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+        x, pending = attention_residual_and_mlp(layer, x, attended)
     hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
     last = len(model.layers) - 1
     if last in wanted:

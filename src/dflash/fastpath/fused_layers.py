@@ -106,6 +106,34 @@ def embed_rows(model: CausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     return model.embed(input_ids)[0].contiguous()
 
 
+def project_and_store(
+    layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    slots: torch.Tensor, config: Any,
+) -> torch.Tensor:
+    """The QKV product of normed rows h [rows, hidden]; q and k normalised (Qwen3) and rotated in place, k and v
+    stored at `slots` of one layer's keys/values [kv_heads, capacity, head_dim] (a negative slot: not stored)
+    -> qkv [rows, (heads + 2 kv_heads) * head_dim]."""
+    attention = layer.self_attn
+    qkv = apply_linear(h, attention.qkv_proj)
+    q_norm, k_norm = attention.q_norm, attention.k_norm
+    rope_and_store(
+        qkv, cos, sin, keys, values, slots, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        q_norm_weight=q_norm.weight if q_norm is not None else None,
+        k_norm_weight=k_norm.weight if k_norm is not None else None,
+        eps=q_norm.eps if q_norm is not None else 1e-6,
+    )
+    return qkv
+
+
+def attention_residual_and_mlp(
+    layer: Any, x: torch.Tensor, attended: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of a layer after attention: x + attended, its RMSNorm and the MLP -> (the residual stream, the MLP
+    output not yet added: the next add+RMSNorm adds it)."""
+    h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+    return x, apply_linear(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+
+
 def fused_layers(
     model: CausalLM,
     storage: KVCache,
@@ -133,14 +161,7 @@ def fused_layers(
         h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
         if index - 1 in wanted:
             captured[index - 1] = x
-        qkv = apply_linear(h, attention.qkv_proj)  # [rows, (heads + 2 kv_heads) * head_dim]
-        q_norm, k_norm = attention.q_norm, attention.k_norm
-        rope_and_store(
-            qkv, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, num_heads=heads,
-            num_kv_heads=kv_heads, q_norm_weight=q_norm.weight if q_norm is not None else None,
-            k_norm_weight=k_norm.weight if k_norm is not None else None,
-            eps=q_norm.eps if q_norm is not None else 1e-6,
-        )
+        qkv = project_and_store(layer, h, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, config)
         if split_keys:
             out = few_row_attention(
                 qkv[:, : heads * head_dim].view(rows, heads, head_dim), storage.keys[index, 0],
@@ -154,8 +175,7 @@ def fused_layers(
                 scale=attention.scale, enable_gqa=heads != kv_heads,
             )  # [1, heads, rows, head_dim]
             attended = apply_linear(out[0].transpose(0, 1).reshape(rows, heads * head_dim), attention.o_proj)
-        h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-        pending = apply_linear(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+        x, pending = attention_residual_and_mlp(layer, x, attended)
     hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
     last = len(model.layers) - 1
     if last in wanted:
