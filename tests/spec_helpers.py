@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
@@ -71,6 +72,12 @@ def run(
     else:
         stats = decode_linear(target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk)
     return sink.token_ids, stats
+
+
+def total_variation(a: Counter[int], b: Counter[int]) -> float:
+    """Total variation distance between two empirical distributions (token counts)."""
+    na, nb = sum(a.values()), sum(b.values())
+    return 0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b))
 
 
 def random_prompts(count: int, vocab: int, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:

@@ -18,7 +18,14 @@ from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.spec.draft_vocab import DraftScores
 from tests.batch_helpers import drain, make_core, make_sequence
-from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run, tiny_random_pair
+from tests.spec_helpers import (
+    golden_pair,
+    one_torch_thread,
+    random_prompts,
+    run,
+    tiny_random_pair,
+    total_variation,
+)
 
 _one_thread = one_torch_thread  # autouse, module scope
 
@@ -218,10 +225,6 @@ def _batched_samples(mode: str, samples: int, budget: int = 6) -> list[Counter[i
     return per_position
 
 
-def _total_variation(a: Counter[int], b: Counter[int]) -> float:
-    na, nb = sum(a.values()), sum(b.values())
-    return 0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b))
-
 
 @pytest.mark.slow
 def test_sampling_in_a_batch_keeps_each_request_s_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,7 +234,7 @@ def test_sampling_in_a_batch_keeps_each_request_s_target_distribution(monkeypatc
     samples, tolerance = 1500, 0.06
     reference = _batched_samples("none", samples)
     for mode in ("ddtree", "linear"):
-        distances = [_total_variation(p, s) for p, s in zip(reference, _batched_samples(mode, samples), strict=True)]
+        distances = [total_variation(p, s) for p, s in zip(reference, _batched_samples(mode, samples), strict=True)]
         assert max(distances) < tolerance, (mode, distances)
     original = core_module.follow_tree
 
@@ -241,7 +244,7 @@ def test_sampling_in_a_batch_keeps_each_request_s_target_distribution(monkeypatc
         return [0, 1], int(posterior[1])
 
     monkeypatch.setattr(core_module, "follow_tree", broken)
-    control = [_total_variation(p, s) for p, s in zip(reference, _batched_samples("ddtree", samples), strict=True)]
+    control = [total_variation(p, s) for p, s in zip(reference, _batched_samples("ddtree", samples), strict=True)]
     assert max(control) > tolerance, control
 
 

@@ -37,6 +37,7 @@ from tests.spec_helpers import (
     random_prompts,
     run,
     tiny_random_pair,
+    total_variation,
 )
 from tests.tiny_models import hf_tiny, ours_from_hf
 
@@ -472,10 +473,6 @@ def _distribution(sampler: Any, samples: int) -> list[Counter[int]]:
     return per_position
 
 
-def _total_variation(a: Counter[int], b: Counter[int]) -> float:
-    na, nb = sum(a.values()), sum(b.values())
-    return 0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b))
-
 
 @pytest.mark.slow
 def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -502,7 +499,7 @@ def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch)
     reference = _distribution(plain, samples)
     for budget in (6, VOCAB + VOCAB**2):
         spec = _distribution(tree(budget), samples)
-        distances = [_total_variation(p, s) for p, s in zip(reference, spec, strict=True)]
+        distances = [total_variation(p, s) for p, s in zip(reference, spec, strict=True)]
         assert max(distances) < tolerance, (budget, distances)
 
     original = ddtree.follow_tree
@@ -514,7 +511,7 @@ def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(ddtree, "follow_tree", broken)
     control = _distribution(tree(6), samples)
-    control_distances = [_total_variation(p, s) for p, s in zip(reference, control, strict=True)]
+    control_distances = [total_variation(p, s) for p, s in zip(reference, control, strict=True)]
     assert max(control_distances) > tolerance, control_distances
 
 

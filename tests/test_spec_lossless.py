@@ -10,7 +10,7 @@ import torch
 
 from dflash.generation.sampling import SamplingParams
 from dflash.spec.drafter import DFlashDrafter
-from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run
+from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run, total_variation
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 LENGTHS = (3, 17, 64, 65, 130, 257)  # short, around and beyond the prefill chunk of 64
@@ -86,10 +86,6 @@ def _distribution(target: Any, drafter: DFlashDrafter | None, samples: int) -> l
     return per_position
 
 
-def _total_variation(a: Counter[int], b: Counter[int]) -> float:
-    na, nb = sum(a.values()), sum(b.values())
-    return 0.5 * sum(abs(a[k] / na - b[k] / nb) for k in set(a) | set(b))
-
 
 @pytest.mark.slow
 def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,14 +97,14 @@ def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch)
     samples, tolerance = 1500, 0.06
     plain = _distribution(target, None, samples)
     spec = _distribution(target, drafter, samples)
-    distances = [_total_variation(p, s) for p, s in zip(plain, spec, strict=True)]
+    distances = [total_variation(p, s) for p, s in zip(plain, spec, strict=True)]
     assert max(distances) < tolerance, distances
 
     import dflash.spec.linear as linear
 
     monkeypatch.setattr(linear, "accepted_prefix_length", lambda draft, choices: 1)
     broken = _distribution(target, drafter, samples)
-    broken_distances = [_total_variation(p, s) for p, s in zip(plain, broken, strict=True)]
+    broken_distances = [total_variation(p, s) for p, s in zip(plain, broken, strict=True)]
     assert max(broken_distances) > tolerance, broken_distances
 
 
