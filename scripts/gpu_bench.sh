@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmarks, in phases that each fit a 10-minute slot (results land in OUT, default $OUT or ./gpu_out).
 #   scripts/gpu_bench.sh stage      # join the staged GGUF parts of the default model (scripts/gpu_drafter.sh stage)
-#   scripts/gpu_bench.sh tests      # the GPU tests (the golden vectors must sit in ../shared/golden)
+#   scripts/gpu_bench.sh tests      # the GPU tests
 #   scripts/gpu_bench.sh table      # speed table: transformers generate() and prompt lookup, our AR, linear, DDTree
 #                                     (12 + 12 prompts; our modes median of 3 runs, the transformers modes one run:
 #                                     they take ~5 of the 10 minutes)

@@ -1,6 +1,6 @@
 """DDTree tree functions (dflash.spec.tree) against the golden vectors of the public DDTree code, plus properties.
 
-Golden files: ``shared/golden/ddtree`` beside the repository root (see its README for every convention).
+Golden files: ``tests/data/golden/ddtree`` (see its README for every convention).
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +24,8 @@ from dflash.spec.tree import (
     tree_from_parents,
     tree_verify_inputs,
 )
+from tests.golden import golden_file
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden" / "ddtree"
 CASES = ("s1", "s4", "s8")
 BUDGETS = (8, 16, 32)
 KINDS = ("random", "path", "stop")
@@ -36,13 +35,10 @@ ROOT_TOKEN = 7
 
 @pytest.fixture(scope="module")
 def golden() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    st = GOLDEN_DIR / "ddtree_golden.safetensors"
-    js = GOLDEN_DIR / "ddtree_golden.json"
-    if not (st.is_file() and js.is_file()):
-        pytest.skip(f"DDTree golden vectors not found in {GOLDEN_DIR} (expected ddtree_golden.safetensors/.json)")
     from safetensors.torch import load_file
 
-    return load_file(str(st)), json.loads(js.read_text())
+    tensors = load_file(str(golden_file("ddtree", "ddtree_golden.safetensors")))
+    return tensors, json.loads(golden_file("ddtree", "ddtree_golden.json").read_text())
 
 
 def _case(golden: tuple[dict[str, torch.Tensor], dict[str, Any]], case: str, budget: int) -> dict[str, Any]:
