@@ -2,7 +2,7 @@
 
 Part 1 times `draft_scores` (4 and 15 drafted positions, best of 3 x 40 rounds after a 300-position context) and the
 drafter's projections alone at 16 rows, for the shipped drafter dense and as Q8_0 blocks
-(`dflash.spec.drafter_quantize`), beside the quantized default target.
+(`dflash.drafter.quantize`), beside the quantized default target.
 With `--draft-vocab FILE` (repeatable) it also times the Q8_0 drafter's 4-draft round scoring only a shortlist.
 Part 2 (`--slots 16,8,5`) measures DDTree (budget 4) acceptance when the drafter runs only the first S slots of its
 16-slot block (8 prompts, 128 tokens): the drafter was trained on whole blocks, so fewer slots change its drafts.
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from dflash.bench.provenance import provenance, write_result
+from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.quantize import quantize_drafter
+from dflash.drafter.vocab import DraftScores, read_draft_vocab
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import QuantizedLinear
-from dflash.spec.draft_vocab import DraftScores, read_draft_vocab
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.drafter_quantize import quantize_drafter
 from dflash.training.prompts import read_prompt_file
 
 PROMPTS = Path(__file__).parent / "prompts"

@@ -37,6 +37,8 @@ import torch
 from gpu_scale_study import as_graph, randomise  # benchmarks/ is the script's folder
 
 from dflash.config import ModelConfig
+from dflash.drafter.loader import load_drafter
+from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, padded_rows
 from dflash.generation.autoregressive import decode_autoregressive
@@ -47,11 +49,9 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
-from dflash.spec.ddtree import decode_ddtree
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.drafter_loader import load_drafter
-from dflash.spec.linear import decode_linear
-from dflash.spec.tree import topk_log_probs
+from dflash.speculative.ddtree import decode_ddtree
+from dflash.speculative.linear import decode_linear
+from dflash.speculative.tree import topk_log_probs
 
 DTYPE = torch.bfloat16
 

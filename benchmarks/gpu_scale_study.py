@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from dflash.config import ModelConfig
+from dflash.drafter.int8 import quantize_drafter_int8
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
 from dflash.models.rope import Rotary
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
-from dflash.spec.drafter_int8 import quantize_drafter_int8
 
 DTYPE = torch.bfloat16
 # published acceptance lengths of DFlash drafters on Qwen3-8B (greedy), for the projection only
@@ -246,9 +246,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="step_1,verify_16,tree_32,tree_64,drafter_round")
     parser.add_argument("--compile", action="store_true", help="torch.compile the target and drafter forwards first")
     parser.add_argument("--draft-vocab", type=int, default=0,
-                        help="the drafter scores this many (random) token ids only (`dflash.spec.draft_vocab`); 0: all")
+                        help="the drafter scores this many (random) token ids only (`dflash.drafter.vocab`); 0: all")
     parser.add_argument("--draft-weights", choices=["dense", "int8"], default="dense",
-                        help="int8: the drafter's products (and its shortlist head) as int8 rows (`dflash.spec.drafter_int8`)")
+                        help="int8: the drafter's products (and its shortlist head) as int8 rows (`dflash.drafter.int8`)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -26,7 +26,7 @@ from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 from dflash.kernels.triton_kv_move import move_path_rows
 from dflash.kernels.triton_topk import TopKScratch, draft_topk
 from dflash.kernels.triton_tree import tree_grow
-from dflash.spec.tree import topk_log_probs
+from dflash.speculative.tree import topk_log_probs
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from dflash.bench.provenance import provenance
+from dflash.drafter.loader import load_drafter
 from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint
-from dflash.spec.drafter_loader import load_drafter
 from dflash.training.datagen import read_examples
 from dflash.training.replay import anchor_draft_logits, linear_rounds
 

@@ -6,13 +6,13 @@ from collections.abc import Callable
 
 from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.sequence import Sequence
+from dflash.drafter.model import DFlashDrafter
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 
 
 def make_core(

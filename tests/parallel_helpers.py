@@ -16,6 +16,7 @@ import tokenizers
 import torch
 
 from dflash.config import ModelConfig
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import DFlashError, GenerationError
 from dflash.generation.request import GenerationRequest, GenerationResult
@@ -25,7 +26,6 @@ from dflash.models.registry import build_model
 from dflash.parallel.group import TensorParallel
 from dflash.parallel.sharding import shard_weights
 from dflash.parallel.spmd import LeaderEngine, follow, join_engine
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from dflash.tokenizer import Tokenizer
 
 FAMILIES = ("llama", "qwen3", "gemma3")

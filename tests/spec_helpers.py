@@ -13,6 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.config import ModelConfig
+from dflash.drafter.loader import load_drafter
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.vocab import DraftScores
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
@@ -20,10 +23,7 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.models.registry import build_model
-from dflash.spec.draft_vocab import DraftScores
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
-from dflash.spec.drafter_loader import load_drafter
-from dflash.spec.linear import decode_linear
+from dflash.speculative.linear import decode_linear
 from tests.golden import golden_dir
 from tests.tiny_models import hf_tiny, ours_from_hf
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.spec.acceptance import accepted_prefix_length
+from dflash.speculative.acceptance import accepted_prefix_length
 
 
 def t(*values: int) -> torch.Tensor:

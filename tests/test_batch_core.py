@@ -13,10 +13,10 @@ import torch
 from dflash.batch import core as core_module
 from dflash.batch.draft_pass import DraftRows
 from dflash.batch.sequence import Sequence
+from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
 from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
-from dflash.spec.draft_vocab import DraftScores
 from tests.batch_helpers import drain, make_core, make_sequence
 from tests.spec_helpers import (
     golden_pair,

@@ -9,7 +9,7 @@ from dflash.batch.draft_pass import DraftRows, run_drafter
 from dflash.batch.graphs import padded_drafter_forward
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.target_pass import TargetRows, run_target
-from dflash.spec.tree import build_tree, tree_verify_inputs
+from dflash.speculative.tree import build_tree, tree_verify_inputs
 from tests.batch_helpers import make_core, make_sequence
 from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dflash.generation.selection as selection
+from dflash.drafter.model import DFlashDrafter
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.constraints import OneOfConstraint, TokenConstraint
 from dflash.generation.output import OutputSink
@@ -27,9 +28,8 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.generation.token_table import TokenTable
 from dflash.models.model import CausalLM
-from dflash.spec.ddtree import decode_ddtree
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.linear import decode_linear
+from dflash.speculative.ddtree import decode_ddtree
+from dflash.speculative.linear import decode_linear
 from tests.spec_helpers import one_torch_thread, patch_draft_logits, tiny_random_pair
 
 MODES = ("plain", "linear", "ddtree4", "ddtree16")

@@ -1,4 +1,4 @@
-"""DDTree decoding (dflash.spec.ddtree) is lossless and keeps the target cache and the drafter in step.
+"""DDTree decoding (dflash.speculative.ddtree) is lossless and keeps the target cache and the drafter in step.
 
 Greedy output equals plain greedy output for several budgets (also with min_tokens and a sliding-window target);
 a chain-shaped tree is linear DFlash round for round; a mostly right drafter gets deep, branching paths accepted;
@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-import dflash.spec.ddtree as ddtree
+import dflash.speculative.ddtree as ddtree
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
@@ -27,9 +28,8 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
-from dflash.spec.ddtree import decode_ddtree
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
-from dflash.spec.tree import DraftTree, linear_chain_tree
+from dflash.speculative.ddtree import decode_ddtree
+from dflash.speculative.tree import DraftTree, linear_chain_tree
 from tests.spec_helpers import (
     golden_pair,
     one_torch_thread,

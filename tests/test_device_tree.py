@@ -7,7 +7,7 @@ import torch
 
 from dflash.fastpath.device_tree import DeviceTree, TreeBuilder, grow_tree, walk_tree
 from dflash.kernels.triton_tree import tree_kernel_usable
-from dflash.spec.tree import build_tree, follow_tree, topk_log_probs, tree_from_parents
+from dflash.speculative.tree import build_tree, follow_tree, topk_log_probs, tree_from_parents
 
 
 def token_paths(tokens: list[int], parents: list[int], valid: list[bool] | None = None) -> set[tuple[int, ...]]:

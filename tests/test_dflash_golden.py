@@ -10,15 +10,15 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.config import ModelConfig
+from dflash.drafter.loader import load_drafter
+from dflash.drafter.model import DFlashDrafter
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.models.registry import build_model
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.drafter_loader import load_drafter
-from dflash.spec.linear import decode_linear
+from dflash.speculative.linear import decode_linear
 from tests.golden import load_dflash_tiny
 
 ATOL = 1e-4

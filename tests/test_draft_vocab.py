@@ -1,4 +1,4 @@
-"""The drafter's vocabulary shortlist (`dflash.spec.draft_vocab`): the file, the restricted head (dense and GGUF
+"""The drafter's vocabulary shortlist (`dflash.drafter.vocab`): the file, the restricted head (dense and GGUF
 blocks), greedy outputs unchanged with linear DFlash and DDTree, `dflash train vocab`, `--draft-vocab`."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dflash.drafter.loader import load_drafter
+from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.vocab import DraftHead, most_frequent_tokens, read_draft_vocab, write_draft_vocab
 from dflash.engine.loading import load_engine
 from dflash.errors import ModelLoadError
-from dflash.spec.draft_vocab import DraftHead, most_frequent_tokens, read_draft_vocab, write_draft_vocab
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.drafter_loader import load_drafter
 from tests.golden import golden_dir
 from tests.spec_helpers import golden_pair, random_prompts, run
 from tests.test_fastpath import generate
@@ -65,9 +65,9 @@ def test_dense_head_scores_the_list_and_nothing_else() -> None:
 
 def test_quantized_head_rows_equal_the_full_head_bitwise() -> None:
     pytest.importorskip("gguf")
+    from dflash.drafter.quantize import q8_0_matrix
     from dflash.kernels.build import KernelUnavailable, load_quant_kernel
     from dflash.models.quantized_layers import QuantizedLinear
-    from dflash.spec.drafter_quantize import q8_0_matrix
 
     try:
         load_quant_kernel()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 from dflash.training.growth import grow_drafter
 from dflash.training.objective import build_blocks
 from tests.spec_helpers import golden_pair

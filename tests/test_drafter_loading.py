@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash.config import ModelConfig
+from dflash.drafter.loader import load_drafter
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash.errors import DrafterMismatchError, ModelLoadError
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
-from dflash.spec.drafter_loader import load_drafter
 from tests.golden import golden_dir
 
 

@@ -10,11 +10,11 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from dflash.drafter.quantize import q8_0_matrix, quantize_drafter
 from dflash.engine.loading import load_engine
 from dflash.errors import DFlashError
 from dflash.kernels.build import KernelUnavailable, load_quant_kernel
 from dflash.models.quantized_layers import QuantizedLinear, uses_quantized_weights
-from dflash.spec.drafter_quantize import q8_0_matrix, quantize_drafter
 from tests.spec_helpers import assert_drafts_like, assert_speculation_lossless, golden_pair
 
 try:

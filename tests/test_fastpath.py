@@ -11,6 +11,8 @@ import copy
 import pytest
 import torch
 
+from dflash.drafter.int8 import quantize_drafter_int8
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, detach_graph_runner
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.output import OutputSink
@@ -18,10 +20,8 @@ from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
-from dflash.spec.ddtree import decode_ddtree
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
-from dflash.spec.drafter_int8 import quantize_drafter_int8
-from dflash.spec.linear import decode_linear
+from dflash.speculative.ddtree import decode_ddtree
+from dflash.speculative.linear import decode_linear
 from tests.spec_helpers import golden_pair, random_prompts
 from tests.tiny_models import hf_tiny, ours_from_hf
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dflash
+from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.dispatch import GraphForwards, graph_runner_of
 from dflash.fastpath.runner import GraphRunner, attach_graph_runner, detach_graph_runner
 from dflash.generation.autoregressive import decode_autoregressive
@@ -27,8 +28,7 @@ from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.linear import decode_linear
+from dflash.speculative.linear import decode_linear
 from tests.spec_helpers import golden_pair, random_prompts
 from tests.tiny_models import hf_tiny, ours_from_hf
 
@@ -58,7 +58,7 @@ def test_loading_the_models_loads_no_fast_path() -> None:
     """What they import, directly or not: building and loading a model and its drafter needs no fast path."""
     modules = [f"dflash.models.{path.stem}" for path in MODEL_SOURCES if path.parent.name == "models"]
     code = (
-        f"import sys\nfor name in {[*modules, 'dflash.spec.drafter', 'dflash.spec.drafter_loader']!r}:\n"
+        f"import sys\nfor name in {[*modules, 'dflash.drafter.model', 'dflash.drafter.loader']!r}:\n"
         "    __import__(name)\n"
         "print(sorted(m for m in sys.modules if m.startswith('dflash.fastpath')))"
     )

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.drafter.int8 import quantize_drafter_int8
 from dflash.engine.loading import _drafter_weight_format
 from dflash.errors import DFlashError
 from dflash.fastpath.fused_drafter import fuse_drafter_weights
 from dflash.fastpath.fused_layers import apply_linear
 from dflash.models.int8_linear import Int8Linear, int8_rows
-from dflash.spec.drafter_int8 import quantize_drafter_int8
 from tests.spec_helpers import assert_drafts_like, assert_speculation_lossless, golden_pair
 
 

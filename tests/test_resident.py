@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.resident import ResidentDecoder
 from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
@@ -22,9 +23,8 @@ from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
-from dflash.spec.ddtree import decode_ddtree
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.linear import decode_linear
+from dflash.speculative.ddtree import decode_ddtree
+from dflash.speculative.linear import decode_linear
 from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.generation.sampling import SamplingParams
-from dflash.spec.drafter import DFlashDrafter
 from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts, run, total_variation
 from tests.tiny_models import hf_tiny, ours_from_hf
 
@@ -70,7 +70,7 @@ def _peaky_tiny_pair() -> tuple[Any, DFlashDrafter]:
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
         "block_size": 4, "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [1]},
     }
-    from dflash.spec.drafter import DrafterConfig
+    from dflash.drafter.model import DrafterConfig
 
     torch.manual_seed(7)
     drafter = DFlashDrafter(DrafterConfig.from_dict(config_raw)).eval().requires_grad_(False)
@@ -100,7 +100,7 @@ def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch)
     distances = [total_variation(p, s) for p, s in zip(plain, spec, strict=True)]
     assert max(distances) < tolerance, distances
 
-    import dflash.spec.linear as linear
+    import dflash.speculative.linear as linear
 
     monkeypatch.setattr(linear, "accepted_prefix_length", lambda draft, choices: 1)
     broken = _distribution(target, drafter, samples)

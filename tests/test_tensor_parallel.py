@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from dflash.config import ModelConfig
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import Engine
 from dflash.errors import ModelLoadError
 from dflash.models.resolve import load_checkpoint
 from dflash.parallel.launch import launch
 from dflash.parallel.sharding import shard_config, shard_span, shard_weights
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 from tests.parallel_helpers import (
     DRAFTER_RAW,
     ENGINE_VOCAB,

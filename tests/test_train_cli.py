@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.spec.drafter_loader import load_drafter
+from dflash.drafter.loader import load_drafter
 from dflash.training.datagen import read_examples
 from dflash.training.prompts import write_prompt_file
 

@@ -1,4 +1,4 @@
-"""DDTree tree functions (dflash.spec.tree) against the golden vectors of the public DDTree code, plus properties.
+"""DDTree tree functions (dflash.speculative.tree) against the golden vectors of the public DDTree code, plus properties.
 
 Golden files: ``tests/data/golden/ddtree`` (see its README for every convention).
 """
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dflash.spec.tree import (
+from dflash.speculative.tree import (
     DraftTree,
     accepted_tokens,
     additive_mask,

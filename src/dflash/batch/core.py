@@ -24,16 +24,16 @@ from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
+from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
-from dflash.spec.acceptance import accepted_prefix_length
-from dflash.spec.ddtree import tree_choices
-from dflash.spec.draft_vocab import DraftScores
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.tree import (
+from dflash.speculative.acceptance import accepted_prefix_length
+from dflash.speculative.ddtree import tree_choices
+from dflash.speculative.tree import (
     DraftTree,
     accepted_tokens,
     build_tree,

@@ -17,9 +17,9 @@ import torch
 from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.target_pass import TargetRows
+from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.vocab import DraftScores
 from dflash.models.model import CausalLM
-from dflash.spec.draft_vocab import DraftScores
-from dflash.spec.drafter import DFlashDrafter
 
 if TYPE_CHECKING:
     from dflash.batch.graphs import GraphedDrafterPasses

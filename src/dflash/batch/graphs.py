@@ -19,8 +19,8 @@ import torch
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import TargetOutput, TargetRows
+from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 
 log = logging.getLogger("dflash.batch")
 

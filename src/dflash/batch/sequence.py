@@ -3,7 +3,7 @@
 A sequence moves through three phases: `waiting` (queued, owns no memory), `prefill` (its prompt goes through the
 target chunk by chunk, interleaved with other requests' decoding), `decode` (one round per step: a plain step, a
 linear verification or a DDTree tree) and ends `done`. The speculative state is the same as a single-request
-generation's (`dflash.spec.session.SpecState`): `start` is the position of `pending`, the committed token without
+generation's (`dflash.speculative.session.SpecState`): `start` is the position of `pending`, the committed token without
 target K/V yet, and `new_features` are the features of the positions the drafter has not read.
 
 A recurrent layer (a later model family) adds its own per-request state beside the tables, with the same commit

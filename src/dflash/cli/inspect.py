@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
     if path.is_dir() and (path / "config.json").is_file():
         raw = json.loads((path / "config.json").read_text())
         if "DFlashDraftModel" in raw.get("architectures", []) or "dflash_config" in raw:
-            from dflash.spec.drafter import DrafterConfig
+            from dflash.drafter.model import DrafterConfig
 
             print(json.dumps({"kind": "dflash-drafter", **dataclasses.asdict(DrafterConfig.from_dict(raw))}, indent=2))
             return 0

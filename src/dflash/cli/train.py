@@ -67,7 +67,7 @@ def register(commands: Any) -> None:
     evaluate.add_argument("--ddtree-budgets", default="",
                           help="comma list of tree budgets to replay beside linear DFlash (e.g. 4,8,16,32,64)")
     evaluate.add_argument("--draft-weights", choices=["dense", "int8"], default="dense",
-                          help="int8: replay with the drafter's products as int8 rows (`dflash.spec.drafter_int8`)")
+                          help="int8: replay with the drafter's products as int8 rows (`dflash.drafter.int8`)")
     evaluate.add_argument("--out", type=Path, default=None)
     evaluate.set_defaults(run=run_eval)
 
@@ -166,7 +166,7 @@ def run_fit(args: argparse.Namespace) -> int:
 
 def _initial_drafter(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
     """A fresh drafter, or --init-from's weights grown to the requested shape (float32, on the target's device)."""
-    from dflash.spec.drafter_loader import load_drafter
+    from dflash.drafter.loader import load_drafter
     from dflash.training.growth import grow_drafter
     from dflash.training.trainer import init_drafter, new_drafter_config
 
@@ -189,8 +189,8 @@ def run_eval(args: argparse.Namespace) -> int:
     import statistics
 
     from dflash.bench.provenance import provenance
+    from dflash.drafter.loader import load_drafter
     from dflash.generation.batched import BatchedDecoder, generate_batch
-    from dflash.spec.drafter_loader import load_drafter
     from dflash.training.prompts import read_prompt_file
     from dflash.training.replay import replay
 
@@ -198,7 +198,7 @@ def run_eval(args: argparse.Namespace) -> int:
     drafter = load_drafter(args.draft, model.config, device=model.embed_tokens.weight.device,
                            dtype=model.embed_tokens.weight.dtype)
     if args.draft_weights == "int8":
-        from dflash.spec.drafter_int8 import quantize_drafter_int8
+        from dflash.drafter.int8 import quantize_drafter_int8
 
         quantize_drafter_int8(drafter)
     budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
@@ -248,7 +248,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from dflash.spec.drafter import DFlashDrafter, DrafterConfig
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
     from dflash.training.export import export_drafter
 
     state = torch.load(args.run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
@@ -263,7 +263,7 @@ def run_vocab(args: argparse.Namespace) -> int:
     """Shortlist of the most frequent answer tokens; prints its size and the share of answer tokens it covers."""
     from collections import Counter
 
-    from dflash.spec.draft_vocab import most_frequent_tokens, write_draft_vocab
+    from dflash.drafter.vocab import most_frequent_tokens, write_draft_vocab
     from dflash.training.datagen import read_examples
 
     if args.size < 1:

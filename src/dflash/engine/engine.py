@@ -23,6 +23,7 @@ from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.loop import BatchLoop
 from dflash.batch.policy import DEFAULT_MAX_STEP_ROWS
 from dflash.batch.sequence import Sequence
+from dflash.drafter.model import DFlashDrafter
 from dflash.errors import DFlashError, GenerationError
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.cached_prefill import cached_prefix_length
@@ -32,7 +33,6 @@ from dflash.generation.request import GenerationRequest, GenerationResult, Gener
 from dflash.generation.selection import TokenAgreement, TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 from dflash.special_text import SpecialTextGuard
 from dflash.tokenizer import Tokenizer
 
@@ -319,14 +319,14 @@ class Engine:
                 prefix_cache=prefix_cache,
             )
         if mode == "linear":
-            from dflash.spec.linear import decode_linear
+            from dflash.speculative.linear import decode_linear
 
             return decode_linear(
                 self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
                 draft_window=self.options.draft_window, num_drafts=self.options.num_drafts, should_stop=should_stop,
                 prefix_cache=prefix_cache,
             )
-        from dflash.spec.ddtree import decode_ddtree
+        from dflash.speculative.ddtree import decode_ddtree
 
         return decode_ddtree(
             self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,

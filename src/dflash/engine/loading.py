@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from dflash.drafter.loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter, resolve_drafter_path
+from dflash.drafter.model import DFlashDrafter
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
 from dflash.errors import DFlashError, ModelLoadError
@@ -19,8 +21,6 @@ from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint, resolve_model_path
 from dflash.models.weight_choice import WeightChoice, choose_weights
 from dflash.parallel.group import TensorParallel
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.drafter_loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter, resolve_drafter_path
 
 log = logging.getLogger("dflash.loading")
 
@@ -50,9 +50,9 @@ def load_engine(
     present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
     `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
     target runs there; int8 rows on a GPU in 16-bit floats; dense otherwise), dense or quantized (Q8_0 blocks on the
-    CPU, `dflash.spec.drafter_quantize`; int8 rows on a GPU, `dflash.spec.drafter_int8`). `draft_vocab` is
+    CPU, `dflash.drafter.quantize`; int8 rows on a GPU, `dflash.drafter.int8`). `draft_vocab` is
     auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
-    LM head is a quarter of its round), off, or a shortlist file (`dflash.spec.draft_vocab`). `cpu_matmul` is the
+    LM head is a quarter of its round), off, or a shortlist file (`dflash.drafter.vocab`). `cpu_matmul` is the
     kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
     (`dflash.models.cpu_matmul`).
 
@@ -99,14 +99,14 @@ def load_engine(
         assert draft is not None
         drafter = load_drafter(draft, checkpoint.config, device=torch_device, dtype=torch_dtype)
         if draft_format == "q8_0":  # before the shortlist, whose rows then come from the target's blocks
-            from dflash.spec.drafter_quantize import quantize_drafter
+            from dflash.drafter.quantize import quantize_drafter
 
             log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
             assert products is not None
             use_cpu_matmul(drafter, products.kind)
         _attach_draft_vocab(drafter, target, draft, draft_vocab)
         if draft_format == "int8":  # after the shortlist, whose rows are then rounded too
-            from dflash.spec.drafter_int8 import quantize_drafter_int8
+            from dflash.drafter.int8 import quantize_drafter_int8
 
             log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
     if drafter is None and options.spec != "none":
@@ -145,7 +145,7 @@ __all__ = ["load_engine", "resolve_model_path"]
 
 
 def _attach_draft_vocab(drafter: DFlashDrafter, target: CausalLM, draft: str, choice: str) -> None:
-    from dflash.spec.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+    from dflash.drafter.vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 
     if choice == "off":
         return

@@ -1,6 +1,6 @@
 """DDTree's tree building and tree walk as fixed-shape device tensor programs (no host reads), for graph capture.
 
-`dflash.spec.tree` builds the tree best-first from a heap on the host; these functions pick the same node set
+`dflash.speculative.tree` builds the tree best-first from a heap on the host; these functions pick the same node set
 without a heap, level by level:
 
 * depth 1 keeps the ``n`` best first tokens; depth ``d+1`` keeps the ``n`` best extensions of depth ``d``'s kept
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.spec.tree import topk_log_probs
+from dflash.speculative.tree import topk_log_probs
 
 log = logging.getLogger("dflash.fastpath")
 

@@ -15,13 +15,13 @@ from dflash.generation.forwards import Forwards, forwards_for
 if TYPE_CHECKING:
     import torch
 
+    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.vocab import DraftScores
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.fastpath.runner import GraphRunner
     from dflash.generation.selection import TokenChooser
     from dflash.kv.cache import KVCache
     from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
-    from dflash.spec.draft_vocab import DraftScores
-    from dflash.spec.drafter import DFlashDrafter
 
 
 class GraphForwards(Forwards):
@@ -70,7 +70,7 @@ class GraphForwards(Forwards):
         num_drafts: int | None = None,
     ) -> DraftScores:
         if drafter is self.runner.drafter and window is None:
-            from dflash.spec.draft_vocab import DraftScores
+            from dflash.drafter.vocab import DraftScores
 
             last = drafter.config.block_size if num_drafts is None else 1 + num_drafts
             graphed = self.runner.draft_logits(pending_token, start, new_features, cache, last - 1)

@@ -1,6 +1,6 @@
 """Greedy decoding whose state stays on the device: one graph replay per round, one round queued ahead.
 
-The host-driven loops (`dflash.generation.autoregressive`, `dflash.spec.linear`) read every round's result back
+The host-driven loops (`dflash.generation.autoregressive`, `dflash.speculative.linear`) read every round's result back
 before they can start the next one, so the GPU idles while the host checks acceptance, pushes tokens and prepares
 the next round's inputs. For a greedy request served by the `GraphRunner` the whole round runs on the device:
 
@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.device_tree import TreeBuilder
 from dflash.fastpath.runner import GraphRunner, padded_rows
 from dflash.fastpath.static_forward import static_target_forward
@@ -38,8 +39,7 @@ from dflash.generation.selection import TokenChooser
 from dflash.kernels.triton_argmax import fast_argmax
 from dflash.kernels.triton_kv_move import move_path_rows, move_usable
 from dflash.kv.cache import KVCache
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.session import SpecState
+from dflash.speculative.session import SpecState
 
 QUEUED_ROUNDS = 2  # rounds launched ahead of the host: one running, one waiting to be read
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.generation.forwards import register_forwards
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
-from dflash.spec.drafter import DFlashDrafter
 
 log = logging.getLogger("dflash.fastpath")
 

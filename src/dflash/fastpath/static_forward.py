@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 
 
 class SlotWriter:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.vocab import DraftScores
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.generation.selection import TokenChooser
     from dflash.kv.cache import KVCache
     from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
-    from dflash.spec.draft_vocab import DraftScores
-    from dflash.spec.drafter import DFlashDrafter
 
 
 class Forwards:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dflash.spec.drafter import DFlashDrafter
+from dflash.drafter.model import DFlashDrafter
 
 SHARD_BYTES = 15 * 1024 * 1024
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 from dflash.training.trainer import init_drafter
 
 

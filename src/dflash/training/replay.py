@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.tree import build_tree, follow_tree, linear_chain_tree
+from dflash.speculative.tree import build_tree, follow_tree, linear_chain_tree
 from dflash.training.objective import build_blocks
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash.training.objective import (
     BlockBatch,
     acceptance_estimate,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.generation.cached_prefill import prefill_prompt
 from dflash.generation.forwards import Forwards
 from dflash.generation.output import OutputSink
@@ -20,7 +21,6 @@ from dflash.generation.selection import TokenChooser
 from dflash.kv.cache import KVCache
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
 
 
 @dataclass

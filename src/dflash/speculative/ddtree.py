@@ -1,9 +1,9 @@
 """DDTree speculative decoding: draft a block once, verify a *tree* of continuations in one target pass.
 
-Per round (batch of one), with the same drafter and bookkeeping as linear DFlash (:mod:`dflash.spec.linear`):
+Per round (batch of one), with the same drafter and bookkeeping as linear DFlash (:mod:`dflash.speculative.linear`):
   1. the drafter reads the features of the newly committed positions and gives logits for the B-1 positions
      after `pending` (the block [pending, MASK x (B-1)]);
-  2. :func:`~dflash.spec.tree.build_tree` picks the `budget` most likely token prefixes (root = `pending`);
+  2. :func:`~dflash.speculative.tree.build_tree` picks the `budget` most likely token prefixes (root = `pending`);
   3. the target runs [root, nodes...] at positions start + depth in ONE forward, every row seeing the committed
      prefix (cache slots [0, start)) plus its own ancestors and itself, capturing features;
   4. the target chooses a token at every node (argmax at temperature 0, one independent sample per node
@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.errors import GenerationError
 from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
@@ -42,9 +43,8 @@ from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.session import SpecState, begin_speculation
-from dflash.spec.tree import (
+from dflash.speculative.session import SpecState, begin_speculation
+from dflash.speculative.tree import (
     DraftTree,
     accepted_tokens,
     build_tree,

@@ -3,15 +3,15 @@
 A drafter's round on a GPU reads every one of its weights once; with int8 rows and one scale per row it reads half
 the bytes of bfloat16. Drafts only propose tokens: the target verifies every one, so rounding the drafter's weights
 can change how many drafts are accepted, never what is generated. The target's own LM head, which a drafter without
-a shortlist borrows, is left as it is; a shortlist head (`dflash.spec.draft_vocab`) is the drafter's and is rounded.
+a shortlist borrows, is left as it is; a shortlist head (`dflash.drafter.vocab`) is the drafter's and is rounded.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.models.int8_linear import Int8Linear
-from dflash.spec.drafter import DFlashDrafter
 
 __all__ = ["quantize_drafter_int8"]
 

@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
-from dflash.spec.acceptance import accepted_prefix_length
-from dflash.spec.drafter import DFlashDrafter
-from dflash.spec.session import SpecState, begin_speculation
+from dflash.speculative.acceptance import accepted_prefix_length
+from dflash.speculative.session import SpecState, begin_speculation
 
 
 @torch.inference_mode()

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from dflash.config import ModelConfig
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.errors import DrafterMismatchError, ModelLoadError
-from dflash.spec.drafter import DFlashDrafter, DrafterConfig
 
 PACKAGED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 DEFAULT_DRAFTER = "smollm2-135m-instruct"

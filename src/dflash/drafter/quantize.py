@@ -15,9 +15,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from torch import nn
 
+from dflash.drafter.model import DFlashDrafter
 from dflash.models.quantized_layers import QuantizedLinear
 from dflash.models.quantized_weights import BLOCK_VALUES, QuantizedMatrix
-from dflash.spec.drafter import DFlashDrafter
 
 __all__ = ["q8_0_matrix", "quantize_drafter"]
 

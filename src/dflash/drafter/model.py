@@ -25,7 +25,7 @@ from dflash.models.layers import RMSNorm, activation, fits_attention_kernel
 from dflash.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
-    from dflash.spec.draft_vocab import DraftHead, DraftScores
+    from dflash.drafter.vocab import DraftHead, DraftScores
 
 
 class TargetModel(Protocol):
@@ -290,13 +290,13 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types] or [False] * config.num_layers
-        # the target's LM head cut to a shortlist (`dflash.spec.draft_vocab`); kept out of the module tree so
+        # the target's LM head cut to a shortlist (`dflash.drafter.vocab`); kept out of the module tree so
         # it is neither exported, quantized nor moved with the drafter (it lives where the target's head does)
         object.__setattr__(self, "draft_head", None)
 
     def use_draft_vocab(self, ids: torch.Tensor | None, target: Any) -> None:
         """Score only the token ids in `ids` (None: the whole vocabulary). Call after both models are placed."""
-        from dflash.spec.draft_vocab import DraftHead
+        from dflash.drafter.vocab import DraftHead
 
         object.__setattr__(self, "draft_head", None if ids is None else DraftHead(ids, target))
 
@@ -307,7 +307,7 @@ class DFlashDrafter(nn.Module):
 
     def project_scores(self, target: TargetModel, hidden: torch.Tensor) -> DraftScores:
         """Final-normed drafter hidden [rows, hidden] -> draft logits over the shortlist (or the whole vocabulary)."""
-        from dflash.spec.draft_vocab import DraftScores
+        from dflash.drafter.vocab import DraftScores
 
         head = self.draft_head
         if head is None:

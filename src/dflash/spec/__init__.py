@@ -1,1 +1,0 @@
-"""Speculative decoding: draft trees (DDTree) and their verification."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: the acceptance rule, the linear and DDTree (draft tree) loops and their tree functions."""
