@@ -132,7 +132,7 @@ def test_a_stalled_body_is_408_and_the_connection_closed(server: ServerThread, f
     assert status.startswith("HTTP/1.1 408"), raw
     assert headers["connection"] == "close"
     assert body["error"]["code"] == "request_timeout" and "0.5 s" in body["error"]["message"]
-    assert BODY_TIMEOUT_S <= answered < BODY_TIMEOUT_S + 3
+    assert BODY_TIMEOUT_S - 0.05 <= answered < BODY_TIMEOUT_S + 3  # the server's clock may start a little earlier
     assert fake.requests == []
 
 

@@ -427,6 +427,8 @@ class BatchCore:
         if r.kind == "plain":
             choice = int(greedy[0]) if greedy is not None else int(seq.chooser.choose(logits, produced)[0])
             committed, kept = [choice], 1
+            if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
+                seq.stats.record_round(0, 0)
             seq.target.crop(seq.start + 1)
             kept_features = features[:1] if features is not None else None
         elif r.kind == "linear":
@@ -436,7 +438,7 @@ class BatchCore:
             drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
             accepted = accepted_prefix_length(drafts, choices)
             committed = [*r.drafts[:accepted], int(choices[accepted])]
-            seq.stats.record_round(len(r.drafts), accepted)
+            seq.record_drafted_round(len(r.drafts), accepted)
             seq.target.crop(seq.start + accepted + 1)
             kept_features = features[: accepted + 1] if features is not None else None
             kept = accepted + 1
@@ -446,7 +448,9 @@ class BatchCore:
             visited, bonus = follow_tree(r.tree, choices)
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
-                seq.stats.record_round(r.tree.num_nodes, len(visited) - 1)
+                seq.record_drafted_round(r.tree.num_nodes, len(visited) - 1)
+            elif seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
+                seq.stats.record_round(0, 0)
             kept = len(visited)
             if visited == list(range(kept)):
                 seq.target.crop(seq.start + kept)

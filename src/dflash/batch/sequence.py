@@ -45,6 +45,8 @@ class Sequence:
     new_features: torch.Tensor | None = None  # [rows, n*hidden]
     prefill_started: float = 0.0
     decode_started: float = 0.0
+    drafted_rounds: int = 0  # verified rounds that had drafts, and the tokens they committed (the policy's input)
+    drafted_tokens: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -62,11 +64,16 @@ class Sequence:
 
     @property
     def expected_tokens(self) -> float:
-        """Tokens a speculative round of this request commits, as measured so far (a prior before a few rounds)."""
-        rounds = self.stats.rounds
-        if rounds < 3:
+        """Tokens a drafted round of this request commits, as measured so far (a prior before a few rounds)."""
+        if self.drafted_rounds < 3:
             return PRIOR_ACCEPTANCE
-        return self.stats.acceptance_length
+        return self.drafted_tokens / self.drafted_rounds
+
+    def record_drafted_round(self, drafted: int, accepted: int) -> None:
+        """Count a verified round with drafts (root-only rounds count in the stats only, as before)."""
+        self.stats.record_round(drafted, accepted)
+        self.drafted_rounds += 1
+        self.drafted_tokens += accepted + 1
 
     def stop_requested(self) -> bool:
         return self.should_stop is not None and bool(self.should_stop())
