@@ -122,8 +122,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, head_dim]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [batch, kv_heads, seq, head_dim]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if isinstance(cache, AttentionBackend):
-            return self.o_proj(cache.attend(self.layer_index, q, k, v, self.scale))
+        attend = getattr(cache, "attend", None)  # an AttentionBackend (a runtime protocol check costs ~10 us)
+        if attend is not None:
+            return self.o_proj(attend(self.layer_index, q, k, v, self.scale))
         if cache is not None:
             k, v = cache.write(self.layer_index, k, v)
         gqa = self.num_heads != self.num_kv_heads
