@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,7 +128,7 @@ class Attention(nn.Module):
         if attend is not None:
             return self.o_proj(attend(self.layer_index, q, k, v, self.scale))
         if cache is not None:
-            k, v = cache.write(self.layer_index, k, v)
+            k, v = cast(CacheWriter, cache).write(self.layer_index, k, v)
         gqa = self.num_heads != self.num_kv_heads
         if isinstance(mask, CausalMask):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
