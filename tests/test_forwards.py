@@ -33,7 +33,7 @@ from tests.spec_helpers import golden_pair, random_prompts
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 PACKAGE = Path(dflash.__file__).parent
-MODEL_SOURCES = [*sorted((PACKAGE / "models").glob("*.py")), PACKAGE / "spec" / "drafter.py"]
+MODEL_SOURCES = [*sorted((PACKAGE / "models").glob("*.py")), PACKAGE / "drafter" / "model.py"]
 
 
 def imported_modules(path: Path) -> set[str]:
