@@ -27,7 +27,7 @@ from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.quantize import quantize_drafter
 from dflash.drafter.vocab import DraftScores, read_draft_vocab
 from dflash.engine.engine import EngineOptions
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import QuantizedLinear
 from dflash.training.prompts import read_prompt_file
@@ -99,8 +99,8 @@ def main() -> None:
                         help="a token shortlist (repeatable): the Q8_0 drafter's 4-draft round scoring only its ids")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4), device="cpu",
-                         draft_weights="dense", draft_vocab="off")
+    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4),
+                         loading=LoadOptions(device="cpu", draft_weights="dense", draft_vocab="off"))
     assert engine.drafter is not None
     quantized = copy.deepcopy(engine.drafter)
     quantize_drafter(quantized)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from dflash.bench.provenance import provenance, write_result
 from dflash.engine.engine import EngineOptions
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.kernels.build import LayerOpsKernel, load_layer_ops
 from dflash.kernels.fused_cpu import torch_layer_ops
@@ -76,7 +76,8 @@ def operation_times() -> dict[str, dict[str, float]]:
 
 
 def decode_times(prompts: int, max_tokens: int, runs: int) -> dict[str, Any]:
-    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4), device="cpu")
+    engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=4),
+                         loading=LoadOptions(device="cpu"))
     chats = read_prompt_file(PROMPTS / "humaneval.jsonl")[:prompts] + read_prompt_file(PROMPTS / "mtbench.jsonl")[:prompts]
     requests = [engine.chat_prompt_ids(chat) for chat in chats]
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dflash.bench.provenance import provenance, write_result
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.models.cpu_matmul import amx_obstacle
 from dflash.models.quantized_layers import QuantizedLinear
 
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     kinds = ["float32"] if amx_obstacle() is not None else ["float32", "amx"]
-    engine = load_engine("default", "none", device="cpu", cpu_matmul="float32")
+    engine = load_engine("default", "none", loading=LoadOptions(device="cpu", cpu_matmul="float32"))
     matrices = [m for m in engine.target.modules() if isinstance(m, QuantizedLinear)]
     figures: dict[str, Any] = {}
     with torch.inference_mode():

@@ -19,7 +19,7 @@ import torch
 
 from dflash.bench.provenance import provenance
 from dflash.engine.engine import EngineOptions
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.prefill import chunked_prefill
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    engine = load_engine("default", None, options=EngineOptions(), device="cpu")
+    engine = load_engine("default", None, options=EngineOptions(), loading=LoadOptions(device="cpu"))
     target, drafter = engine.target, engine.drafter
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     figures: dict[str, Any] = {}

@@ -22,7 +22,7 @@ from typing import Any
 
 from dflash.bench.provenance import provenance, write_result
 from dflash.engine.engine import EngineOptions
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.training.prompts import read_prompt_file
 
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     engine = load_engine("default", None, options=EngineOptions(spec="ddtree", ddtree_budget=args.ddtree_budget),
-                         device="cpu", cpu_matmul=args.cpu_matmul)
+                         loading=LoadOptions(device="cpu", cpu_matmul=args.cpu_matmul))
     assert engine.drafter is not None
     chats = read_prompt_file(PROMPTS / "humaneval.jsonl")[: args.prompts]
     requests = [engine.chat_prompt_ids(chat) for chat in chats]

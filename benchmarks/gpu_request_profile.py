@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.training.prompts import read_prompt_file
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    engine = load_engine(args.model, "default", device="cuda", dtype="bfloat16")
+    engine = load_engine(args.model, "default", loading=LoadOptions(device="cuda", dtype="bfloat16"))
     prompts = [engine.chat_prompt_ids(chat) for path in args.prompts_file for chat in read_prompt_file(path)[: args.limit]]
     modes: dict[str, Any] = {}
     profiles: dict[str, list[str]] = {}

@@ -79,10 +79,10 @@ def load_models(model_path: str | None, device: torch.device) -> tuple[CausalLM,
         drafter = load_drafter("default", target.config, device=device, dtype=DTYPE)
         return target, drafter, lambda ids: ""
     from dflash.engine.engine import EngineOptions
-    from dflash.engine.loading import load_engine
+    from dflash.engine.loading import LoadOptions, load_engine
 
-    engine = load_engine(model_path, "default", options=EngineOptions(cuda_graphs=False), device="cuda",
-                         dtype="bfloat16", weights="dense")
+    engine = load_engine(model_path, "default", options=EngineOptions(cuda_graphs=False),
+                         loading=LoadOptions(device="cuda", dtype="bfloat16", weights="dense"))
     assert engine.drafter is not None
     return engine.target, engine.drafter, engine.tokenizer.decode
 

@@ -4,6 +4,8 @@ no AMX tiles (the choice tests run everywhere)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from dflash.engine.engine import AMX_DDTREE_BUDGET, DEFAULT_DDTREE_BUDGET, EngineOptions
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
 from dflash.generation.request import GenerationRequest
 from dflash.kernels.build import AmxKernel, load_amx_kernel
@@ -107,10 +109,10 @@ def test_unknown_products_are_refused() -> None:
 
 
 def test_a_chosen_tree_budget_is_kept_and_float32_products_keep_the_cpu_default() -> None:
-    chosen = load_engine("default", "default", device="cpu", cpu_matmul="float32",
-                         options=EngineOptions(ddtree_budget=5))
+    chosen = load_engine("default", "default", options=EngineOptions(ddtree_budget=5),
+                         loading=LoadOptions(device="cpu", cpu_matmul="float32"))
     assert chosen.options.ddtree_budget == 5
-    plain = load_engine("default", "default", device="cpu", cpu_matmul="float32")
+    plain = load_engine("default", "default", loading=LoadOptions(device="cpu", cpu_matmul="float32"))
     assert plain.options.ddtree_budget == DEFAULT_DDTREE_BUDGET["cpu"]
 
 
@@ -119,14 +121,14 @@ def test_default_model_under_amx_products() -> None:
     """The whole default model on AMX products: logits close to the float32 kernel's, every quantized matrix
     (target, drafter, the drafter's shortlist head) on the AMX kernel, and speculative decoding (linear and
     DDTree with 15 nodes, one 16-row tile) exactly plain decoding."""
-    engine = load_engine("default", "default", device="cpu", cpu_matmul="amx")
+    engine = load_engine("default", "default", loading=LoadOptions(device="cpu", cpu_matmul="amx"))
     assert engine.cpu_matmul == "amx" and engine.drafter is not None
     assert engine.options.ddtree_budget == AMX_DDTREE_BUDGET  # the default tree on AMX products
     modules = [*engine.target.modules(), *engine.drafter.modules(), *(engine.drafter.draft_head.modules()
                                                                       if engine.drafter.draft_head else [])]
     products = {m.products for m in modules if isinstance(m, QuantizedLinear)}
     assert products == {"amx"}
-    exact = load_engine("default", "none", device="cpu", cpu_matmul="float32")
+    exact = load_engine("default", "none", loading=LoadOptions(device="cpu", cpu_matmul="float32"))
     ids = engine.chat_prompt_ids([{"role": "user", "content": "Write a Python function that reverses a list."}])
     with torch.inference_mode():
         got, want = engine.target(torch.tensor([ids])).logits, exact.target(torch.tensor([ids])).logits
@@ -136,6 +138,6 @@ def test_default_model_under_amx_products() -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.95
     plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="none")
     for spec, budget in (("linear", None), ("ddtree", 15)):
-        engine.options.ddtree_budget = budget or engine.options.ddtree_budget
+        engine.options = dataclasses.replace(engine.options, ddtree_budget=budget or engine.options.ddtree_budget)
         out = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec=spec)
         assert out.token_ids == plain.token_ids, spec

@@ -17,7 +17,7 @@ import torch
 from dflash.drafter.loader import load_drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.vocab import DraftHead, most_frequent_tokens, read_draft_vocab, write_draft_vocab
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
 from tests.golden import golden_dir
 from tests.spec_helpers import golden_pair, random_prompts, run
@@ -133,8 +133,9 @@ def test_train_vocab_cli_counts_answer_tokens(tmp_path: Path) -> None:
 
 
 def test_missing_draft_vocab_file_is_a_clear_error(tmp_path: Path) -> None:
+    absent = str(tmp_path / "absent.safetensors")
     with pytest.raises(ModelLoadError, match="no such file"):
-        load_engine("default", "default", device="cpu", draft_vocab=str(tmp_path / "absent.safetensors"))
+        load_engine("default", "default", loading=LoadOptions(device="cpu", draft_vocab=absent))
 
 
 @pytest.mark.parametrize("mode", ["linear", "ddtree:6"])
@@ -153,9 +154,9 @@ def test_static_forward_path_uses_the_shortlist(mode: str) -> None:
 
 
 def test_default_drafter_on_the_cpu_uses_its_shipped_shortlist() -> None:
-    shipped = load_engine("default", device="cpu")
+    shipped = load_engine("default", loading=LoadOptions(device="cpu"))
     assert shipped.drafter is not None and shipped.drafter.draft_head is not None
     ids = shipped.drafter.draft_head.ids
     assert 4096 < ids.numel() < shipped.target.config.vocab_size and 2 in ids.tolist()  # <|im_end|> is listed
-    whole = load_engine("default", device="cpu", draft_vocab="off")
+    whole = load_engine("default", loading=LoadOptions(device="cpu", draft_vocab="off"))
     assert whole.drafter is not None and whole.drafter.draft_head is None

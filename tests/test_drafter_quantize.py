@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from dflash.drafter.quantize import q8_0_matrix, quantize_drafter
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import DFlashError
 from dflash.kernels.build import KernelUnavailable, load_quant_kernel
 from dflash.models.quantized_layers import QuantizedLinear, uses_quantized_weights
@@ -57,9 +57,10 @@ def test_quantized_drafter_needs_float32_on_the_cpu() -> None:
     with pytest.raises(ValueError, match="float32 drafter on the CPU"):
         quantize_drafter(copy.deepcopy(dense).to(torch.bfloat16))
     with pytest.raises(DFlashError, match="--draft-weights quantized runs on the CPU kernel in float32"):
-        load_engine("default", "default", device="cpu", dtype="bfloat16", draft_weights="quantized")
+        load_engine("default", "default",
+                    loading=LoadOptions(device="cpu", dtype="bfloat16", draft_weights="quantized"))
     with pytest.raises(DFlashError, match="unknown --draft-weights"):
-        load_engine("default", "default", device="cpu", draft_weights="int4")
+        load_engine("default", "default", loading=LoadOptions(device="cpu", draft_weights="int4"))
 
 
 def test_stacked_projections_compute_what_the_separate_ones_do() -> None:

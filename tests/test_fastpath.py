@@ -357,11 +357,11 @@ def test_fused_drafter_round_matches_the_static_round(
 
 def test_engine_warm_up_runs_through_the_runner() -> None:
     from dflash.engine.engine import EngineOptions
-    from dflash.engine.loading import load_engine
+    from dflash.engine.loading import LoadOptions, load_engine
 
     # one request at a time: the single-request loops, which the runner serves
     options = EngineOptions(spec="linear", max_batch=1)
-    engine = load_engine("default", options=options, weights="dense", device="cpu")
+    engine = load_engine("default", options=options, loading=LoadOptions(weights="dense", device="cpu"))
     assert engine.warm_up() == 0  # on the CPU no runner is attached: nothing to warm up
     runner = attach_graph_runner(engine.target, engine.drafter, capacity=1024, capture=False)
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.engine.engine import Engine
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.quantized_layers import uses_quantized_weights
 from dflash.training.prompts import read_prompt_file
@@ -22,14 +22,14 @@ LOGIT_TOLERANCE = 1e-3
 
 @pytest.fixture(scope="module")
 def quantized() -> Engine:
-    engine = load_engine("default", "default", weights="quantized", cpu_matmul="float32")
+    engine = load_engine("default", "default", loading=LoadOptions(weights="quantized", cpu_matmul="float32"))
     assert uses_quantized_weights(engine.target) and engine.drafter is not None
     return engine
 
 
 @pytest.fixture(scope="module")
 def dense() -> Engine:
-    engine = load_engine("default", "none", weights="dense")
+    engine = load_engine("default", "none", loading=LoadOptions(weights="dense"))
     assert not uses_quantized_weights(engine.target)
     return engine
 

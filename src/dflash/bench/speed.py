@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +62,16 @@ def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Runne
 @contextmanager
 def _variant(engine: Engine, budget: int | None, *, eager: bool) -> Iterator[None]:
     """Run with another tree budget and/or without the CUDA graph runner, then restore the engine."""
-    saved_budget = engine.options.ddtree_budget
+    saved_options = engine.options
     saved_forwards = forwards_for(engine.target)
     if budget is not None:
-        engine.options.ddtree_budget = budget
+        engine.options = replace(saved_options, ddtree_budget=budget)
     if eager:
         register_forwards(engine.target, None)
     try:
         yield
     finally:
-        engine.options.ddtree_budget = saved_budget
+        engine.options = saved_options
         register_forwards(engine.target, saved_forwards)
 
 

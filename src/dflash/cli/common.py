@@ -109,7 +109,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel | None = None) -> Engine:
     """The engine the flags describe; with `tensor_parallel`, this rank's share of it (`dflash.cli.ranks`)."""
-    from dflash.engine.loading import load_engine
+    from dflash.engine.loading import LoadOptions, load_engine
 
     batching: dict[str, Any] = {}
     max_batch = max_batch_from_args(args)
@@ -128,8 +128,8 @@ def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel |
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
         prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs, **batching,
     )
-    return load_engine(
-        args.model, args.draft, options=options, device=args.device, dtype=args.dtype, weights=args.weights,
-        draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
-        tensor_parallel=tensor_parallel,
+    loading = LoadOptions(
+        device=args.device, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
+        draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
     )
+    return load_engine(args.model, args.draft, options=options, loading=loading, tensor_parallel=tensor_parallel)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -57,8 +57,11 @@ DEFAULT_NUM_DRAFTS = {"cpu": 4}
 DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 1}
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions:
+    """How an `Engine` decodes. Fields left None take the default of the device class; the engine keeps the
+    resolved copy (`resolve_options`) as `Engine.options`."""
+
     spec: str = "ddtree"  # "none" | "linear" | "ddtree" (the fastest on CPU and GPU: results/README.md)
     prefill_chunk: int = 256
     max_ctx: int | None = None  # defaults to the model's max positions
@@ -72,6 +75,27 @@ class EngineOptions:
     max_step_rows: int | None = None  # verified rows per batched step (None: the policy's device default)
 
 
+def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
+                    tensor_parallel: bool) -> EngineOptions:
+    """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch."""
+    if options.spec not in SPEC_MODES:
+        raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
+    kind = device.type
+    max_batch = 1 if tensor_parallel else options.max_batch  # every rank mirrors one request's decisions
+    resolved = replace(
+        options,
+        spec=options.spec if has_drafter else "none",
+        ddtree_budget=DEFAULT_DDTREE_BUDGET.get(kind, 16) if options.ddtree_budget is None else options.ddtree_budget,
+        num_drafts=DEFAULT_NUM_DRAFTS.get(kind) if options.num_drafts is None else options.num_drafts,
+        # the graphed paths do not run the collectives: tensor-parallel forwards run eagerly
+        cuda_graphs=options.cuda_graphs and not tensor_parallel,
+        max_batch=DEFAULT_MAX_BATCH.get(kind, 1) if max_batch is None else max_batch,
+    )
+    if resolved.max_batch is not None and resolved.max_batch < 1:
+        raise DFlashError(f"max batch must be at least 1, got {resolved.max_batch}")
+    return resolved
+
+
 class Engine:
     def __init__(
         self,
@@ -83,28 +107,18 @@ class Engine:
         model_name: str = "model",
     ) -> None:
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
-        self.options = options or EngineOptions()
-        if self.options.spec not in SPEC_MODES:
-            raise DFlashError(f"unknown --spec {self.options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
-        if self.options.spec != "none" and drafter is None:
-            self.options.spec = "none"
+        self.options = resolve_options(
+            options or EngineOptions(),
+            device=self.device,
+            has_drafter=drafter is not None,
+            tensor_parallel=getattr(target, "tensor_parallel", None) is not None,
+        )
         self.model_name = model_name
         self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader
         # Under tensor parallelism: how the ranks agree on each token choice (`dflash.parallel.spmd`).
         self.agreement: TokenAgreement | None = None
-        if self.options.ddtree_budget is None:
-            self.options.ddtree_budget = DEFAULT_DDTREE_BUDGET.get(self.device.type, 16)
-        if self.options.num_drafts is None:
-            self.options.num_drafts = DEFAULT_NUM_DRAFTS.get(self.device.type)
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
-        if getattr(target, "tensor_parallel", None) is not None:
-            self.options.cuda_graphs = False  # the graphed paths do not run the collectives: eager forwards
-            self.options.max_batch = 1  # every rank mirrors one request's decisions
-        if self.options.max_batch is None:
-            self.options.max_batch = DEFAULT_MAX_BATCH.get(self.device.type, 1)
-        if self.options.max_batch < 1:
-            raise DFlashError(f"max batch must be at least 1, got {self.options.max_batch}")
         self.step_observer: Callable[[int], None] | None = None  # called after each batched step with its size
         self._serial = threading.Lock()  # max_batch 1: one generation at a time
         self._loop: BatchLoop | None = None

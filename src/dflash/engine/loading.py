@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,47 +34,57 @@ def default_drafter_available() -> bool:
     return (PACKAGED_DRAFTERS / DEFAULT_DRAFTER / "config.json").is_file()
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """Where and in which form `load_engine` loads the weights; "auto" picks for the machine.
+
+    `weights`: auto, dense or quantized (see `dflash.models.weight_choice`). `draft_weights`: auto (Q8_0 blocks on the
+    quantized CPU kernel when the target runs there; int8 rows on a GPU in 16-bit floats; dense otherwise), dense or
+    quantized (Q8_0 blocks on the CPU, `dflash.drafter.quantize`; int8 rows on a GPU, `dflash.drafter.int8`).
+    `draft_vocab`: auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the
+    CPU, where the LM head is a quarter of its round), off, or a shortlist file (`dflash.drafter.vocab`).
+    `cpu_matmul`: the kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
+    (`dflash.models.cpu_matmul`)."""
+
+    device: str = "auto"  # auto or a torch device name: cpu, cuda, cuda:1
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, else float32) or a name of `dflash.engine.devices.DTYPES`
+    weights: str = "auto"
+    draft_weights: str = "auto"
+    draft_vocab: str = "auto"
+    cpu_matmul: str = "auto"
+
+
 def load_engine(
     model: str | None = "default",
     draft: str | None = None,
     *,
     options: EngineOptions | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    weights: str = "auto",
-    draft_weights: str = "auto",
-    draft_vocab: str = "auto",
-    cpu_matmul: str = "auto",
+    loading: LoadOptions | None = None,
     tensor_parallel: TensorParallel | None = None,
 ) -> Engine:
-    """Load target (and drafter). With the default model and no `draft`, the shipped drafter is used when
-    present; `draft="none"` disables speculative decoding. `weights` is auto, dense or quantized (see
-    `dflash.models.weight_choice`). `draft_weights` is auto (Q8_0 blocks on the quantized CPU kernel when the
-    target runs there; int8 rows on a GPU in 16-bit floats; dense otherwise), dense or quantized (Q8_0 blocks on the
-    CPU, `dflash.drafter.quantize`; int8 rows on a GPU, `dflash.drafter.int8`). `draft_vocab` is
-    auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the CPU, where the
-    LM head is a quarter of its round), off, or a shortlist file (`dflash.drafter.vocab`). `cpu_matmul` is the
-    kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
-    (`dflash.models.cpu_matmul`).
+    """Load target (and drafter) as `loading` says. With the default model and no `draft`, the shipped drafter is
+    used when present; `draft="none"` disables speculative decoding.
 
     With `tensor_parallel` this process loads one rank's share of the target (`dflash.parallel`) on the rank's
     device, in dense weights, and a whole drafter beside it; forwards run eagerly (no CUDA graphs)."""
+    loading = loading or LoadOptions()
     options = options or EngineOptions()
-    if draft_vocab not in ("auto", "off") and not Path(draft_vocab).expanduser().is_file():
-        raise ModelLoadError(f"--draft-vocab {draft_vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
-    torch_device = pick_device(device) if tensor_parallel is None else tensor_parallel.device
-    torch_dtype = pick_dtype(dtype, torch_device)
+    vocab = loading.draft_vocab
+    if vocab not in ("auto", "off") and not Path(vocab).expanduser().is_file():
+        raise ModelLoadError(f"--draft-vocab {vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
+    torch_device = pick_device(loading.device) if tensor_parallel is None else tensor_parallel.device
+    torch_dtype = pick_dtype(loading.dtype, torch_device)
     started = time.perf_counter()
     shard = None
     if tensor_parallel is None:
-        choice = choose_weights(weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
+        choice = choose_weights(loading.weights, resolve_model_path(model or "default"), torch_device, torch_dtype)
     else:
-        if weights == "quantized":
+        if loading.weights == "quantized":
             raise DFlashError("--tensor-parallel runs dense weights (give --weights auto or dense)")
         choice = WeightChoice("dense", f"tensor parallel, rank {tensor_parallel.rank} of {tensor_parallel.world}")
         shard = (tensor_parallel.rank, tensor_parallel.world)
-        options.cuda_graphs = False
-    draft_format = _drafter_weight_format(draft_weights, choice.kind, torch_device, torch_dtype)
+        options = replace(options, cuda_graphs=False)
+    draft_format = _drafter_weight_format(loading.draft_weights, choice.kind, torch_device, torch_dtype)
     # a rank's share is read straight in the run's dtype (half the host memory of float32 in bf16)
     load_dtype = torch.float32 if shard is None else torch_dtype
     checkpoint = load_checkpoint(model or "default", load_dtype, weights=choice.kind, shard=shard)
@@ -81,7 +92,7 @@ def load_engine(
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
     products = None
     if choice.kind == "quantized" or draft_format == "q8_0":
-        products = choose_cpu_matmul(cpu_matmul)
+        products = choose_cpu_matmul(loading.cpu_matmul)
     if isinstance(checkpoint, QuantizedCheckpoint):
         target = build_quantized_model(checkpoint, device=torch_device)
         assert products is not None
@@ -104,15 +115,13 @@ def load_engine(
             log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
             assert products is not None
             use_cpu_matmul(drafter, products.kind)
-        _attach_draft_vocab(drafter, target, draft, draft_vocab)
+        _attach_draft_vocab(drafter, target, draft, vocab)
         if draft_format == "int8":  # after the shortlist, whose rows are then rounded too
             from dflash.drafter.int8 import quantize_drafter_int8
 
             log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
-    if drafter is None and options.spec != "none":
-        options.spec = "none"
     if products is not None and products.kind == "amx" and options.ddtree_budget is None:
-        options.ddtree_budget = AMX_DDTREE_BUDGET
+        options = replace(options, ddtree_budget=AMX_DDTREE_BUDGET)
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
     log.info("loaded %s in %.2f s on %s (%s, %s weights: %s%s)", name, time.perf_counter() - started, torch_device,
              torch_dtype, choice.kind, choice.reason,
@@ -141,7 +150,7 @@ def _drafter_weight_format(choice: str, target_weights: str, device: torch.devic
     return "dense"
 
 
-__all__ = ["load_engine", "resolve_model_path"]
+__all__ = ["LoadOptions", "load_engine", "resolve_model_path"]
 
 
 def _attach_draft_vocab(drafter: DFlashDrafter, target: CausalLM, draft: str, choice: str) -> None:

@@ -1,0 +1,70 @@
+"""Engine options: frozen records, defaults resolved per device class into a copy, the caller's record untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash.engine.engine import (
+    DEFAULT_DDTREE_BUDGET,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_NUM_DRAFTS,
+    EngineOptions,
+    resolve_options,
+)
+from dflash.engine.loading import LoadOptions
+from dflash.errors import DFlashError
+
+CPU = torch.device("cpu")
+
+
+def test_options_records_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        EngineOptions().spec = "none"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LoadOptions().device = "cpu"  # type: ignore[misc]
+
+
+def test_defaults_of_the_device_class_fill_a_copy() -> None:
+    given = EngineOptions()
+    resolved = resolve_options(given, device=CPU, has_drafter=True, tensor_parallel=False)
+    assert given == EngineOptions()  # the caller's record is left as it was
+    assert resolved.spec == "ddtree"
+    assert resolved.ddtree_budget == DEFAULT_DDTREE_BUDGET["cpu"]
+    assert resolved.num_drafts == DEFAULT_NUM_DRAFTS["cpu"]
+    assert resolved.max_batch == DEFAULT_MAX_BATCH["cpu"]
+    assert resolved.cuda_graphs
+
+
+def test_chosen_values_are_kept() -> None:
+    given = EngineOptions(spec="linear", ddtree_budget=5, num_drafts=2, max_batch=3)
+    resolved = resolve_options(given, device=torch.device("cuda"), has_drafter=True, tensor_parallel=False)
+    assert (resolved.spec, resolved.ddtree_budget, resolved.num_drafts, resolved.max_batch) == ("linear", 5, 2, 3)
+
+
+def test_a_device_class_without_measurements_gets_the_fallbacks() -> None:
+    resolved = resolve_options(EngineOptions(), device=torch.device("meta"), has_drafter=True, tensor_parallel=False)
+    assert (resolved.ddtree_budget, resolved.num_drafts, resolved.max_batch) == (16, None, 1)
+
+
+def test_without_a_drafter_decoding_is_plain() -> None:
+    resolved = resolve_options(EngineOptions(spec="ddtree"), device=CPU, has_drafter=False, tensor_parallel=False)
+    assert resolved.spec == "none"
+
+
+def test_tensor_parallel_runs_one_request_eagerly() -> None:
+    given = EngineOptions(max_batch=8, cuda_graphs=True)
+    resolved = resolve_options(given, device=CPU, has_drafter=True, tensor_parallel=True)
+    assert resolved.max_batch == 1 and not resolved.cuda_graphs
+    assert given.max_batch == 8 and given.cuda_graphs
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [(EngineOptions(spec="medusa"), "unknown --spec"), (EngineOptions(max_batch=0), "at least 1")],
+)
+def test_bad_options_are_refused(options: EngineOptions, message: str) -> None:
+    with pytest.raises(DFlashError, match=message):
+        resolve_options(options, device=CPU, has_drafter=True, tensor_parallel=False)
