@@ -21,6 +21,7 @@ import torch
 
 from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.loop import BatchLoop
+from dflash.batch.memory import default_pool_tokens
 from dflash.batch.policy import DEFAULT_MAX_STEP_ROWS
 from dflash.batch.sequence import Sequence
 from dflash.drafter.model import DFlashDrafter
@@ -268,11 +269,14 @@ class Engine:
     def _new_core(self) -> BatchCore:
         max_batch = self.options.max_batch or 1
         block = self.drafter.config.block_size if self.drafter is not None else 1
-        default_pool = min(max_batch, 4) * self.max_ctx + max_batch * 2 * (block + (self.options.ddtree_budget or 0))
+        pool_tokens = self.options.kv_pool_tokens or default_pool_tokens(
+            self.target, self.drafter, max_batch=max_batch, max_ctx=self.max_ctx,
+            round_rows=block + (self.options.ddtree_budget or 0),
+        )
         settings = CoreSettings(
             max_batch=max_batch,
             prefill_chunk=self.options.prefill_chunk,
-            pool_tokens=self.options.kv_pool_tokens or default_pool,
+            pool_tokens=pool_tokens,
             ddtree_budget=self.options.ddtree_budget or 0,
             linear_drafts=self.options.num_drafts or block - 1,
             max_step_rows=self.options.max_step_rows or DEFAULT_MAX_STEP_ROWS.get(self.device.type, 64),
