@@ -9,6 +9,8 @@ import re
 import time
 from pathlib import Path
 
+from dflash import environment
+
 __all__ = ["cache_root", "remove_stale_temporaries", "temporary_name"]
 
 _TEMPORARY = re.compile(r"\.tmp(\d+)$")
@@ -17,9 +19,9 @@ STALE_AFTER_S = 3600.0  # a live writer touches its temporary every few seconds;
 
 def cache_root() -> Path:
     """The cache directory shared by the GGUF cache (`gguf/`) and compiled kernels (`kernels/`)."""
-    override = os.environ.get("DFLASH_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
+    override = environment.cache_dir()
+    if override is not None:
+        return override
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("dflash"))

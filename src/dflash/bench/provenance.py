@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dflash import environment
 
 
 def device_name(device: torch.device) -> str:
@@ -39,7 +40,7 @@ def provenance(device: torch.device) -> dict[str, Any]:
         "device": device_name(device),
         "versions": versions(),
         "command": command_line(),
-        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DFLASH_")},
+        "environment": environment.variables_set(),
     }
 
 

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash import environment
 from dflash.errors import DFlashError
 
-ENV_VAR = "DFLASH_API_KEY"
+ENV_VAR = environment.API_KEY
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ def load_api_key(flag: str | None, file: str | None, environ: Mapping[str, str])
         path = Path(file).expanduser()
         quoted = shlex.quote(str(path))
         return APIKey(_read_key_file(path), f"open({str(path)!r}).read().strip()", f"$(cat {quoted})", str(path))
-    value = environ.get(ENV_VAR, "")
-    if not value.strip():
+    value = environment.api_key(environ)
+    if value is None:
         return None
     return APIKey(_checked(value, f"${ENV_VAR}"), f'os.environ["{ENV_VAR}"]', f"${ENV_VAR}", f"${ENV_VAR}")
 

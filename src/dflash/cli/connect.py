@@ -18,12 +18,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from dflash import environment
 from dflash.cli import client_configs
 from dflash.cli.client_configs import Target
 from dflash.errors import DFlashError
 
 CLIENTS = ("claude", "codex", "opencode")
-DEFAULT_KEY_ENV = "DFLASH_API_KEY"
+DEFAULT_KEY_ENV = environment.API_KEY
 
 
 def register(commands: Any) -> None:

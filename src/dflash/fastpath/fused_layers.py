@@ -11,7 +11,6 @@ previous layer's output (what feature capture needs).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash import environment
 from dflash.fastpath.static_forward import block_visibility
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
@@ -36,10 +36,7 @@ def split_key_attention(rows: int) -> bool:
     (`dflash.kernels.triton_attention`) instead of SDPA: for 2 to `SPLIT_MAX_ROWS` rows (verifications, tree
     verifications, prefill chunks), where it measured 1.3x to 10x faster than SDPA on an H100; one-row steps keep
     SDPA, which is faster there. DFLASH_ATTENTION=sdpa keeps SDPA everywhere (read when a graph is captured)."""
-    choice = os.environ.get("DFLASH_ATTENTION", "split")
-    if choice not in ("split", "sdpa"):
-        raise ValueError(f"DFLASH_ATTENTION must be 'split' or 'sdpa', not {choice!r}")
-    return 1 < rows <= SPLIT_MAX_ROWS and choice == "split"
+    return 1 < rows <= SPLIT_MAX_ROWS and environment.attention() == "split"
 
 
 def supports_fused_layers(model: CausalLM) -> bool:

@@ -10,12 +10,12 @@ run, as on a machine without a compiler: a failed build is logged once and never
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from dflash import environment
 from dflash.kernels.build import KernelUnavailable, LayerOpsKernel, load_layer_ops
 
 __all__ = ["layer_ops", "layer_ops_enabled", "torch_layer_ops"]
@@ -29,7 +29,7 @@ _suspended = 0  # depth of `torch_layer_ops` blocks
 
 def layer_ops_enabled() -> bool:
     """Whether the environment allows the fused CPU operations (`DFLASH_CPU_LAYER_OPS`, default on)."""
-    return os.environ.get("DFLASH_CPU_LAYER_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return environment.cpu_layer_ops_enabled()
 
 
 def layer_ops(x: torch.Tensor) -> LayerOpsKernel | None:

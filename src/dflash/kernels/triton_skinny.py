@@ -15,7 +15,6 @@ elsewhere (more than 64 rows, the CPU, float32, strided operands) or everywhere 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash import environment
 from dflash.kernels.triton_decode import interpreting
 
 MAX_ROWS = 64
@@ -110,10 +110,7 @@ def skinny_config(rows: int, k: int, int8: bool = False) -> SkinnyConfig | None:
 
 def skinny_products_enabled() -> bool:
     """DFLASH_PRODUCTS=skinny (the default) or cublas; read when a forward runs (so when a graph is captured)."""
-    choice = os.environ.get("DFLASH_PRODUCTS", "skinny")
-    if choice not in ("skinny", "cublas"):
-        raise ValueError(f"DFLASH_PRODUCTS must be 'skinny' or 'cublas', not {choice!r}")
-    return choice == "skinny"
+    return environment.products() == "skinny"
 
 
 def fast_linear(

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash import environment
 from dflash.cache_paths import cache_root, remove_stale_temporaries, temporary_name
 from dflash.config import ModelConfig
 from dflash.tokenizer import Tokenizer
@@ -53,7 +54,7 @@ class CachedModel:
 
 
 def cache_enabled() -> bool:
-    return os.environ.get("DFLASH_NO_CACHE", "").strip().lower() not in ("1", "true", "yes", "on")
+    return environment.gguf_cache_enabled()
 
 
 def cache_dir() -> Path:

@@ -18,36 +18,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dflash.errors import DFlashError
-
-ENV_MIN_TOKENS = "DFLASH_MIN_TOKENS"
-ENV_TOOL_PREFIX = "DFLASH_STALL_TOOL_PREFIX"
-ENV_DEGENERATE_RUN = "DFLASH_DEGENERATE_RUN_TOKENS"
-
-_OFF = frozenset({"", "0", "false", "no", "off", "none"})
-_ON = frozenset({"1", "true", "yes", "on"})
-
-
-def env_flag(env: Mapping[str, str], name: str) -> bool:
-    value = env.get(name, "").strip().lower()
-    if value in _OFF:
-        return False
-    if value in _ON:
-        return True
-    raise DFlashError(f"{name}={env[name]!r}: expected 1/0, true/false, yes/no or on/off")
-
-
-def env_count(env: Mapping[str, str], name: str) -> int:
-    value = env.get(name, "").strip().lower()
-    if value in _OFF:
-        return 0
-    try:
-        count = int(value)
-    except ValueError:
-        raise DFlashError(f"{name}={env[name]!r}: expected a whole number of tokens (0 or empty = off)") from None
-    if count < 0:
-        raise DFlashError(f"{name}={count}: must not be negative")
-    return count
+from dflash.environment import DEGENERATE_RUN_TOKENS as ENV_DEGENERATE_RUN
+from dflash.environment import MIN_TOKENS as ENV_MIN_TOKENS
+from dflash.environment import STALL_TOOL_PREFIX as ENV_TOOL_PREFIX
+from dflash.environment import env_count, env_flag
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,121 @@
+"""Every `DFLASH_*` environment variable dflash reads: its name, default, meaning and parsing.
+
+| variable                       | default  | meaning                                                                 |
+| ------------------------------ | -------- | ----------------------------------------------------------------------- |
+| `DFLASH_CACHE_DIR`             | platform | where rebuildable files go: GGUF conversions, compiled kernels          |
+|                                |          | (default: the platform's user cache dir, `dflash.cache_paths`)         |
+| `DFLASH_NO_CACHE`              | off      | 1/true/yes/on: keep no converted GGUF on disk (`dflash.models.gguf_cache`) |
+| `DFLASH_CPU_LAYER_OPS`         | on       | 0/false/no/off: torch operations instead of the fused CPU kernel        |
+| `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
+| `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
+| `DFLASH_API_KEY`               | none     | the key `dflash serve` requires (`dflash.cli.api_key`)                  |
+| `DFLASH_MIN_TOKENS`            | off      | agent stall recovery (`dflash.server.stall`): no EOS before N tokens    |
+| `DFLASH_STALL_TOOL_PREFIX`     | off      | agent stall recovery: continue a turn that stops at an action preamble  |
+| `DFLASH_DEGENERATE_RUN_TOKENS` | off      | agent stall recovery: N identical tokens in a row end the turn          |
+
+Each function reads its variable when called, never once at import: tests and benchmarks change them between
+runs, and the GPU choices then apply from the next forward (so from the next graph capture). They take an optional
+mapping in place of `os.environ`, for the callers that are handed one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from dflash.errors import DFlashError
+
+CACHE_DIR = "DFLASH_CACHE_DIR"
+NO_CACHE = "DFLASH_NO_CACHE"
+CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
+ATTENTION = "DFLASH_ATTENTION"
+PRODUCTS = "DFLASH_PRODUCTS"
+API_KEY = "DFLASH_API_KEY"
+MIN_TOKENS = "DFLASH_MIN_TOKENS"
+STALL_TOOL_PREFIX = "DFLASH_STALL_TOOL_PREFIX"
+DEGENERATE_RUN_TOKENS = "DFLASH_DEGENERATE_RUN_TOKENS"
+
+PREFIX = "DFLASH_"
+ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
+PRODUCTS_CHOICES = ("skinny", "cublas")
+
+_OFF = frozenset({"", "0", "false", "no", "off", "none"})
+_ON = frozenset({"1", "true", "yes", "on"})
+
+
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """`DFLASH_CACHE_DIR`, or None where it is unset or empty."""
+    value = _environ(env).get(CACHE_DIR)
+    return Path(value).expanduser() if value else None
+
+
+def gguf_cache_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """False when `DFLASH_NO_CACHE` is 1, true, yes or on."""
+    return _environ(env).get(NO_CACHE, "").strip().lower() not in _ON
+
+
+def cpu_layer_ops_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_CPU_LAYER_OPS`: on unless 0, false, no or off."""
+    return _environ(env).get(CPU_LAYER_OPS, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def attention(env: Mapping[str, str] | None = None) -> str:
+    """`DFLASH_ATTENTION`: "split" (the default) or "sdpa"; raises `ValueError` for anything else."""
+    return _choice(_environ(env), ATTENTION, ATTENTION_CHOICES)
+
+
+def products(env: Mapping[str, str] | None = None) -> str:
+    """`DFLASH_PRODUCTS`: "skinny" (the default) or "cublas"; raises `ValueError` for anything else."""
+    return _choice(_environ(env), PRODUCTS, PRODUCTS_CHOICES)
+
+
+def api_key(env: Mapping[str, str] | None = None) -> str | None:
+    """`DFLASH_API_KEY` as given (the caller checks it), or None where it is unset or blank."""
+    value = _environ(env).get(API_KEY, "")
+    return value if value.strip() else None
+
+
+def env_flag(env: Mapping[str, str], name: str) -> bool:
+    """A switch read by meaning: 1/true/yes/on, or 0/false/no/off/none/empty (unset: off). Anything else raises
+    `DFlashError` rather than being guessed at."""
+    value = env.get(name, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise DFlashError(f"{name}={env[name]!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def env_count(env: Mapping[str, str], name: str) -> int:
+    """A count of tokens, 0 when unset or off; raises `DFlashError` for what is not a whole number >= 0."""
+    value = env.get(name, "").strip().lower()
+    if value in _OFF:
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        raise DFlashError(f"{name}={env[name]!r}: expected a whole number of tokens (0 or empty = off)") from None
+    if count < 0:
+        raise DFlashError(f"{name}={count}: must not be negative")
+    return count
+
+
+def variables_set(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every `DFLASH_*` variable that is set, by name, for the provenance of a measurement; the API key's value is
+    replaced by "<set>" so that it never lands in a results file."""
+    found = {name: value for name, value in sorted(_environ(env).items()) if name.startswith(PREFIX)}
+    if API_KEY in found:
+        found[API_KEY] = "<set>"
+    return found
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    value = env.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, not {value!r}")
+    return value
