@@ -50,7 +50,7 @@ def best_ms(step: Callable[[], object], rounds: int = 40, repeats: int = 3) -> f
 def round_times(drafter: DFlashDrafter, target: Any) -> dict[str, float]:
     config = drafter.config
     cache = drafter.new_cache(2048)
-    drafter.draft_logits(target, 5, 300, torch.randn(1, 300, config.feature_size), cache)  # context of 300
+    drafter.draft_scores(target, 5, 300, torch.randn(1, 300, config.feature_size), cache).full()  # context of 300
     new = torch.randn(1, 3, config.feature_size)  # 3 newly committed positions per round
 
     def one(drafts: int) -> None:

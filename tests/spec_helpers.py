@@ -92,7 +92,7 @@ def assert_drafts_like(target: CausalLM, dense: DFlashDrafter, rounded: DFlashDr
     g = torch.Generator().manual_seed(0)
     features = torch.randn(1, 40, dense.config.feature_size, generator=g)
     logits = {
-        name: drafter.draft_logits(target, 7, 40, features, drafter.new_cache(128))  # [B-1, vocab]
+        name: drafter.draft_scores(target, 7, 40, features, drafter.new_cache(128)).full()  # [B-1, vocab]
         for name, drafter in (("dense", dense), ("rounded", rounded))
     }
     error = (logits["rounded"] - logits["dense"]).norm() / logits["dense"].norm()

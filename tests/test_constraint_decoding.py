@@ -236,7 +236,8 @@ def test_resident_rounds_wait_for_the_constraint_to_finish(monkeypatch: pytest.M
     """With a graph runner attached (its rounds run eagerly on the CPU) the host loop chooses while the name is
     being written and the resident rounds take over after it; the tokens equal the host loop's."""
     from dflash.fastpath.resident import ResidentDecoder
-    from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
+    from dflash.fastpath.runner import attach_graph_runner
+    from dflash.generation.forwards import register_forwards
 
     target, drafter = tiny_random_pair(GREEDY_VOCAB, 1.0, block=6)
     table = greedy_table()
@@ -256,7 +257,7 @@ def test_resident_rounds_wait_for_the_constraint_to_finish(monkeypatch: pytest.M
     try:
         tokens, _ = decode(target, drafter, mode, prompt, 24, constraint)
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
     assert tokens == expected
     assert len(took_over_at) == 1
     written = text_of(table, expected[: took_over_at[0]])

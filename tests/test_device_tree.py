@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.fastpath.device_tree import DeviceTree, TreeBuilder, grow_tree, walk_tree
+from dflash.fastpath.device_tree import DeviceTree, TreeBuilder, walk_tree
 from dflash.kernels.triton_tree import tree_kernel_usable
 from dflash.speculative.tree import build_tree, follow_tree, topk_log_probs, tree_from_parents
 
@@ -109,7 +109,7 @@ def test_the_device_walk_follows_the_host_walk(kernel: bool) -> None:
 @pytest.mark.parametrize("budget", [1, 7, 32])
 def test_a_single_position_gives_the_best_first_tokens(budget: int) -> None:
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(2))
-    tree = grow_tree(logits, budget)
+    tree = TreeBuilder(budget, 1, 100, logits.device).grow(logits)  # [1 position, 100 tokens]
     assert tree.tokens[1:].tolist() == logits[0].topk(budget).indices.tolist()
     assert tree.depths[1:].tolist() == [1] * budget
 

@@ -68,7 +68,7 @@ def test_detail_round_tensors(golden: Any) -> None:
     )
     assert (hidden[0] - tensors["detail.drafter_hidden_out"]).abs().max() <= ATOL
     drafter_cache.crop(0)
-    logits = drafter.draft_logits(target, first, start, out.features, drafter_cache)
+    logits = drafter.draft_scores(target, first, start, out.features, drafter_cache).full()
     assert (logits - tensors["detail.draft_logits"]).abs().max() <= ATOL
     assert logits.argmax(-1).tolist() == tensors["detail.draft_ids"].tolist()
     verify = target(tensors["detail.verify_input_ids"][None], cache=cache)

@@ -80,8 +80,8 @@ def test_stacked_projections_compute_what_the_separate_ones_do() -> None:
             assert torch.equal(attention.kv_proj(x), torch.cat([attention.k_proj(x), attention.v_proj(x)], -1))
             assert torch.equal(mlp.gate_up_proj(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1))
         features = torch.randn(1, 40, quantized.config.feature_size)
-        stacked = quantized.draft_logits(target, 7, 40, features, quantized.new_cache(80))
+        stacked = quantized.draft_scores(target, 7, 40, features, quantized.new_cache(80)).full()
         for layer in quantized.layers:
             layer.self_attn.kv_proj = layer.self_attn.qkv_proj = layer.mlp.gate_up_proj = None
-        separate = quantized.draft_logits(target, 7, 40, features, quantized.new_cache(80))
+        separate = quantized.draft_scores(target, 7, 40, features, quantized.new_cache(80)).full()
     torch.testing.assert_close(stacked, separate, rtol=1e-4, atol=1e-4)

@@ -13,8 +13,9 @@ import torch
 
 from dflash.drafter.int8 import quantize_drafter_int8
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
-from dflash.fastpath.runner import GraphRunner, attach_graph_runner, detach_graph_runner
+from dflash.fastpath.runner import GraphRunner, attach_graph_runner
 from dflash.generation.autoregressive import decode_autoregressive
+from dflash.generation.forwards import register_forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
@@ -54,7 +55,7 @@ def eager_then_static(
     try:
         static = [generate(target, drafter, mode, p, max_new) for p in prompts]
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
     return eager, static, runner
 
 
@@ -133,13 +134,13 @@ def test_drafter_round_matches_eager() -> None:
     assert leased is not None
     own = DFlashDrafter.new_cache(drafter, 300)
     with torch.inference_mode():
-        first = drafter.draft_logits(target, 3, 40, features[:, :40], own)
-        drafter.draft_logits(target, 3, 40, features[:, :40], leased)  # eager: 40 rows is not a graph shape
+        first = drafter.draft_scores(target, 3, 40, features[:, :40], own).full()
+        drafter.draft_scores(target, 3, 40, features[:, :40], leased).full()  # eager: 40 rows is not a graph shape
         assert runner.served == 0
         for new_rows in (1, 3, drafter.config.block_size):
             start = own.length + new_rows
             rows = features[:, own.length : start]
-            eager = drafter.draft_logits(target, 7, start, rows, own)
+            eager = drafter.draft_scores(target, 7, start, rows, own).full()
             static = runner.draft_logits(7, start, rows, leased, drafter.config.block_size - 1)
             assert static is not None
             torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-5)
@@ -178,7 +179,7 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
         assert graphed == eager
         assert runner.captured > 0 and runner.served > 100
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
         target.to("cpu"), drafter.to("cpu")
 
 
@@ -201,7 +202,7 @@ def test_cuda_graph_speculation_equals_plain_greedy(draft_weights: str) -> None:
         # plain, linear and tree rounds all ran as device-resident graphs (`dflash.fastpath.resident`)
         assert len(runner.residents) == 3 and all(decoder.launched > 0 for decoder in runner.residents.values())
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
         target.to("cpu"), drafter.to("cpu")
 
 
@@ -310,7 +311,7 @@ def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, mo
         assert static == eager
         assert runner.fused and runner.served > 10
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
         target.to("cpu"), drafter.to("cpu")
 
 
@@ -337,7 +338,7 @@ def test_fused_drafter_round_matches_the_static_round(
         with torch.inference_mode():
             for cache in caches:
                 assert cache is not None
-                drafter.draft_logits(target, 3, 70, features[:, :70], cache)  # eager first round
+                drafter.draft_scores(target, 3, 70, features[:, :70], cache).full()  # eager first round
             for new_rows in (1, 5, drafter.config.block_size):
                 outs = []
                 for runner, cache in zip(runners, caches, strict=True):
@@ -368,4 +369,4 @@ def test_engine_warm_up_runs_through_the_runner() -> None:
         assert engine.warm_up() > 0
         assert runner.served > 0
     finally:
-        detach_graph_runner(engine.target)
+        register_forwards(engine.target, None)

@@ -20,9 +20,9 @@ import torch
 import dflash
 from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.dispatch import GraphForwards, graph_runner_of
-from dflash.fastpath.runner import GraphRunner, attach_graph_runner, detach_graph_runner
+from dflash.fastpath.runner import GraphRunner, attach_graph_runner
 from dflash.generation.autoregressive import decode_autoregressive
-from dflash.generation.forwards import EAGER, forwards_for
+from dflash.generation.forwards import EAGER, forwards_for, register_forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest
 from dflash.generation.sampling import SamplingParams
@@ -82,7 +82,7 @@ def test_models_hold_no_graph_runner() -> None:
         assert graph_runner_of(target) is runner
         assert not any("runner" in name for name in (*vars(target), *vars(drafter)))
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
     assert graph_runner_of(target) is None and forwards_for(target) is EAGER
 
 
@@ -113,7 +113,7 @@ def test_forwards_given_to_a_loop_override_the_registered_ones() -> None:
         assert greedy_linear(target, drafter, prompt, 30, forwards=EAGER) == eager
         assert registered.served == 0
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
 
 
 def test_graph_forwards_leave_other_models_eager() -> None:
@@ -155,7 +155,7 @@ def test_plain_decoding_through_registered_forwards() -> None:
             decode_autoregressive(target, request, sink, chooser, prefill_chunk=32)
             results.append(sink.token_ids)
         finally:
-            detach_graph_runner(target)
+            register_forwards(target, None)
         if runner is not None:  # sampling keeps the host loop: every step went through the runner's forward
             assert runner.served == 1 + 7 and not runner.residents
     assert results[0] == results[1]

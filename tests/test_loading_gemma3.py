@@ -13,6 +13,7 @@ from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash.models.checkpoint import Checkpoint
 from dflash.models.gguf_loader import load_gguf
 from dflash.models.packaged import gemma3_270m_path
+from dflash.tokenizer import StreamDecoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,7 +105,7 @@ def test_stream_decoder(checkpoint: Checkpoint) -> None:
     tok = checkpoint.tokenizer
     assert tok is not None
     text = "Ein Bär 🐻 sagt: ‹hallo›  日本"
-    stream = tok.stream_decoder()
+    stream = StreamDecoder(tok.decode)
     pieces = [stream.push(i) for i in tok.encode(text)]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + stream.flush() == text

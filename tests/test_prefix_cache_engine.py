@@ -93,7 +93,7 @@ def test_a_hit_restores_the_cold_state_exactly(engine: Engine, cache: PrefixCach
             out = prefill_prompt(engine.target, target_cache, prompt, chunk=CHUNK, capture=layers, prefix_cache=prefix_cache)
             assert out is not None and out.features is not None
             drafter_cache = engine.drafter.new_cache(len(ids) + 20)
-            drafts = engine.drafter.draft_logits(engine.target, 1, len(ids), out.features, drafter_cache)  # [B-1, vocab]
+            drafts = engine.drafter.draft_scores(engine.target, 1, len(ids), out.features, drafter_cache).full()  # [B-1, vocab]
         runs.append((out, target_cache, drafts, drafter_cache))
     (cold, cold_cache, cold_drafts, cold_drafter), (warm, warm_cache, warm_drafts, warm_drafter) = runs
     assert cold.cached_tokens == 0 and warm.cached_tokens >= 3 * CHUNK and warm.cached_tokens % CHUNK == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dflash.generation.batched import generate_batch
-from dflash.training.replay import replay, replay_linear
+from dflash.training.replay import replay
 from tests.spec_helpers import golden_pair, random_prompts, run
 from tests.test_ddtree_decode import run_ddtree
 
@@ -16,7 +16,7 @@ def test_replay_equals_the_decoding_loop() -> None:
     for prompt, answer in zip(prompts, answers, strict=True):
         tokens, stats = run(target, drafter, prompt, 80)
         assert tokens == answer  # batched greedy (left-padded) equals one-at-a-time greedy
-        replayed = replay_linear(target, drafter, prompt, answer).acceptance_lengths
+        replayed = replay(target, drafter, prompt, answer, [])[0].acceptance_lengths  # linear rounds alone
         assert replayed == [a + 1 for a in stats.accepted_per_round]
         rounds_with_acceptance += sum(1 for a in stats.accepted_per_round if a)
     assert rounds_with_acceptance > 0

@@ -15,7 +15,7 @@ import torch
 from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.resident import ResidentDecoder
-from dflash.fastpath.runner import attach_graph_runner, detach_graph_runner
+from dflash.fastpath.runner import attach_graph_runner
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.forwards import forwards_for, register_forwards
 from dflash.generation.output import OutputSink
@@ -56,13 +56,13 @@ def pair_with_runner():
     try:
         yield target, drafter, runner
     finally:
-        detach_graph_runner(target)
+        register_forwards(target, None)
 
 
 def host_loop(target: CausalLM, drafter: DFlashDrafter, *args, **kwargs) -> tuple[OutputSink, GenerationStats]:
     """The same generation with no runner attached: the host-driven loops."""
     forwards = forwards_for(target)
-    detach_graph_runner(target)
+    register_forwards(target, None)
     try:
         return generate(target, drafter, *args, **kwargs)
     finally:
@@ -226,10 +226,10 @@ def test_absorbed_context_drafts_what_one_round_drafts() -> None:
     generator = torch.Generator().manual_seed(5)
     features = torch.randn(1, 40, drafter.config.feature_size, generator=generator)  # [1, 40, n*hidden]
     whole, split = drafter.new_cache(64), drafter.new_cache(64)
-    one_round = drafter.draft_logits(target, 7, 40, features, whole)  # [B-1, vocab]
+    one_round = drafter.draft_scores(target, 7, 40, features, whole).full()  # [B-1, vocab]
     drafter.absorb_context(features[:, :33], torch.arange(33)[None], split)
     assert split.length == 33
-    after_absorbing = drafter.draft_logits(target, 7, 40, features[:, 33:], split)
+    after_absorbing = drafter.draft_scores(target, 7, 40, features[:, 33:], split).full()
     assert whole.length == split.length == 40
     torch.testing.assert_close(after_absorbing, one_round, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split.keys[:, :, :, :40], whole.keys[:, :, :, :40], rtol=1e-5, atol=1e-5)

@@ -267,9 +267,6 @@ class Tokenizer:
             **template_kwargs,
         )
 
-    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
-        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens))
-
 
 class StreamDecoder:
     """Incremental detokeniser: feed ids one at a time, get back the text they complete.

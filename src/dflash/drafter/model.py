@@ -416,10 +416,6 @@ class DFlashDrafter(nn.Module):
             masks[True] = visible[:, None]
         return masks
 
-    def draft_logits(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """`draft_scores(...)` spread over the whole vocabulary: logits [num_drafts, vocab], -inf off a shortlist."""
-        return self.draft_scores(*args, **kwargs).full()
-
     def draft_scores(
         self,
         target: TargetModel,

@@ -40,18 +40,11 @@ from dflash.tokenizer import Tokenizer
 log = logging.getLogger("dflash.engine")
 
 SPEC_MODES = ("none", "linear", "ddtree")
-# Tree budget per device class, the fastest measured: CPU from results/cpu_speed_smollm2_drafter_v5.json (4: 1.06x
-# plain decoding, 8: 0.91x, with the Q8_0 drafter; budgets 2-5 within noise of each other in
-# results/cpu_ddtree_small_budgets_drafter_v5.json), GPU from results/gpu_ddtree_sweep_h100.json (32, with CUDA graphs,
-# fused kernels and device-resident rounds).
+# Tree budget per device class, the fastest measured (results/README.md, "Files": CPU defaults, GPU budget sweep).
 DEFAULT_DDTREE_BUDGET = {"cpu": 4, "cuda": 32}
-# With the CPU matrices on AMX tiles (`dflash.models.cpu_matmul`) a verified row costs far less, so larger trees win:
-# results/cpu_speed_smollm2_amx_attention*.json (budget 8 1.58x / 1.48x plain decoding in two runs, 10 within noise of
-# it at 1.63x / 1.46x with more rows per round, 4 1.45x).
+# On AMX tiles a verified row costs less, so a larger tree wins (results/README.md, "CPU with AMX tiles").
 AMX_DDTREE_BUDGET = 8
-# Drafts verified per linear round per device class (absent: the whole block). On the CPU every verified row costs
-# about a tenth of a plain step, so short rounds win: results/cpu_num_drafts_drafter_v5.json (2-4 drafts 0.95x
-# plain decoding, 6 0.90x, 15 0.57x).
+# Drafts verified per linear round, absent: the whole block (results/README.md, "Files": CPU defaults).
 DEFAULT_NUM_DRAFTS = {"cpu": 4}
 # Requests decoding together per device class. The GPU keeps one at a time until the batched step is captured in
 # CUDA graphs: its single-request path replays graphs, which the eager batched step cannot match for one stream.

@@ -208,11 +208,6 @@ def assemble_tree(
     return DeviceTree(tokens, depths, parents, valid, reach > 0)
 
 
-def grow_tree(draft_logits: torch.Tensor, budget: int, *, kernel: bool | None = None) -> DeviceTree:
-    """One-off `TreeBuilder(...).grow(draft_logits)` (its index buffers are made on the fly: not for capture)."""
-    depth, vocab = draft_logits.shape
-    return TreeBuilder(budget, depth, vocab, draft_logits.device, kernel=kernel).grow(draft_logits)
-
 
 def walk_tree(
     tree: DeviceTree, choices: torch.Tensor, depth: int

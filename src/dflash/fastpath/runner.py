@@ -221,7 +221,7 @@ class GraphRunner:
     def draft_logits(
         self, pending_token: int, start: int, new_features: torch.Tensor, cache: KVCache, drafts: int
     ) -> torch.Tensor | None:
-        """The graphed equivalent of `DFlashDrafter.draft_logits` (no window), or None for other shapes."""
+        """The graphed equivalent of `DFlashDrafter.draft_scores(...).full()` (no window), or None for other shapes."""
         drafter = self.drafter
         if drafter is None or self.drafter_storage is None:
             return None
@@ -300,8 +300,3 @@ def attach_graph_runner(
     runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused)
     register_forwards(target, GraphForwards(runner))
     return runner
-
-
-def detach_graph_runner(target: CausalLM) -> None:
-    """The decoding loops run `target` and its drafter eagerly again."""
-    register_forwards(target, None)

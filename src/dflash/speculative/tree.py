@@ -7,12 +7,11 @@ verifying only the greedy chain, DDTree verifies a *tree* of likely continuation
   tokens' log-probabilities (a product of the per-position marginals), best-first from a max-heap.
 * :func:`tree_verify_inputs` packs the tree into target inputs: ``[root, nodes...]`` at positions
   ``start + depth``, with a mask under which every node sees the committed past plus its own ancestors and itself.
-  :func:`additive_mask` turns that boolean mask into the additive float form most attention kernels take.
 * :func:`follow_tree` walks the verified tree with the target's choices ("posterior", one per node) and returns the
   accepted path and the bonus token. This is lossless for the same reason as linear DFlash verification: every
   committed token is the target's own choice given the committed prefix.
 
-Conventions (they match the golden vectors in ``shared/golden/ddtree``):
+Conventions (they match the golden vectors in ``tests/data/golden/ddtree``):
 
 * Node 0 is the root: the already chosen pending (bonus) token at position ``start``; it is not drafted. Nodes
   ``1..n`` are drafted; node ``i`` has token ``token_ids[i-1]``, depth ``depths[i-1]`` (1-based) and parent
@@ -38,7 +37,6 @@ import torch
 __all__ = [
     "DraftTree",
     "accepted_tokens",
-    "additive_mask",
     "build_tree",
     "follow_tree",
     "linear_chain_tree",
@@ -292,9 +290,6 @@ def tree_verify_inputs(
     * position ids ``[n+1]`` int64: ``start`` for the root, ``start + depth`` for each node;
     * mask ``[n+1, past_length + n+1]`` bool, True = may attend: every row sees all ``past_length`` committed
       positions, and inside the tree block row ``i`` sees ``visibility[i]`` (its ancestors and itself).
-
-    Use :func:`additive_mask` for the float form; ``additive_mask(mask, torch.float32)[None, None]`` is the
-    ``[1, 1, n+1, past + n+1]`` mask of the reference implementation.
     """
     if past_length < 0:
         raise ValueError(f"past_length must be >= 0, got {past_length}")
@@ -306,11 +301,3 @@ def tree_verify_inputs(
     mask = torch.ones(n1, past_length + n1, dtype=torch.bool, device=device)  # [n+1, past + n+1]
     mask[:, past_length:] = tree.visibility.to(device=device, dtype=torch.bool)
     return input_ids, position_ids, mask
-
-
-def additive_mask(bool_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Additive attention mask of the same shape: 0.0 where ``bool_mask`` is True, ``finfo(dtype).min`` elsewhere."""
-    if bool_mask.dtype != torch.bool:
-        raise ValueError(f"bool_mask must be a bool tensor, got {bool_mask.dtype}")
-    out = torch.zeros(bool_mask.shape, dtype=dtype, device=bool_mask.device)
-    return out.masked_fill_(~bool_mask, torch.finfo(dtype).min)

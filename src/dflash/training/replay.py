@@ -59,12 +59,6 @@ def anchor_draft_logits(
 
 
 @torch.no_grad()
-def replay_linear(target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]) -> ReplayResult:
-    """Rounds of greedy linear DFlash on `answer` (the target's greedy continuation of `prompt`)."""
-    return replay(target, drafter, prompt, answer, [])[0]
-
-
-@torch.no_grad()
 def replay(
     target: CausalLM,
     drafter: DFlashDrafter,
@@ -73,7 +67,6 @@ def replay(
     budgets: list[int],
     *,
     max_new_tokens: int | None = None,
-    seed_top1_chain: bool = False,
 ) -> tuple[ReplayResult, dict[int, ReplayResult]]:
     """Linear rounds and DDTree rounds per budget, from one target pass and one drafter pass."""
     if len(answer) < 2:
@@ -81,7 +74,7 @@ def replay(
         return single, {budget: single for budget in budgets}
     logits, labels = anchor_draft_logits(target, drafter, prompt, answer)
     limit = max_new_tokens if max_new_tokens is not None else len(answer)
-    trees = {budget: _tree_rounds(logits, answer, budget, limit, seed_top1_chain) for budget in budgets}
+    trees = {budget: _tree_rounds(logits, answer, budget, limit) for budget in budgets}
     return linear_rounds(logits, labels, len(answer)), trees
 
 
@@ -98,15 +91,13 @@ def linear_rounds(logits: torch.Tensor, labels: torch.Tensor, answer_length: int
     return ReplayResult(lengths)
 
 
-def _tree_rounds(logits: torch.Tensor, answer: list[int], budget: int, limit: int, seed_top1_chain: bool) -> ReplayResult:
+def _tree_rounds(logits: torch.Tensor, answer: list[int], budget: int, limit: int) -> ReplayResult:
     """logits [anchors, B-1, vocab] -> the rounds DDTree with `budget` nodes runs on `answer`."""
     lengths, offset, produced = [], 0, 1
     while produced < len(answer):
         max_depth = min(logits.shape[1], limit - produced - 1)
-        if max_depth > 0:
-            tree = build_tree(logits[offset, :max_depth], budget, seed_top1_chain=seed_top1_chain)
-        else:  # the last token: a plain step
-            tree = linear_chain_tree([])
+        # the last token (no depth left) is a plain step
+        tree = build_tree(logits[offset, :max_depth], budget) if max_depth > 0 else linear_chain_tree([])
         # the target's greedy choice after a node of depth d on the answer's path is answer[offset + d + 1]
         depths = [0, *tree.depths.tolist()]
         choices = [answer[offset + d + 1] if offset + d + 1 < len(answer) else -1 for d in depths]
