@@ -1,1 +1,2 @@
-"""Benchmarks that print figures: acceptance length per prompt set, decoding speed against baselines."""
+"""Measurements that write results files: acceptance length and decoding speed against baselines, concurrent
+requests, agent loops replayed from recorded transcripts, and the provenance each file carries."""

@@ -1,1 +1,1 @@
-"""Key/value caches: the static per-sequence cache and (later) the prefix cache."""
+"""Key/value caches: the static per-sequence cache and the prefix cache shared across requests."""

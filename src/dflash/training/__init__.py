@@ -1,1 +1,2 @@
-"""Drafter training: data answered by the target itself, the anchor-block objective, checkpoints, export."""
+"""Drafter training: data answered by the target itself, the anchor-block objective, the trainer (warm start,
+growth), export, and exact replay to evaluate acceptance."""
