@@ -9,8 +9,10 @@ request (its `should_stop`), checked at every step.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -34,6 +36,10 @@ class BatchLoop:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        # A daemon thread still inside torch when the interpreter finalises can abort the process ("terminate
+        # called without an active exception"): stop and join the loop first. A weak reference, so that an engine
+        # dropped earlier is not kept alive by the hook.
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     def run(self, seq: Sequence) -> GenerationResult:
         """Generate `seq` among the others; returns when it is done (raises its error, if it failed)."""
@@ -96,3 +102,9 @@ class BatchLoop:
             self.core.fail_all(LoopStopped("the engine loop has shut down"))
             for seq in pending:
                 seq.finish(LoopStopped("the engine loop has shut down"))
+
+
+def _stop_at_exit(loop: weakref.ref[BatchLoop]) -> None:
+    alive = loop()
+    if alive is not None:
+        alive.stop(timeout=10.0)
