@@ -77,7 +77,7 @@ class BatchLoop:
                     if self._closed:
                         break
                     while self._inbox:
-                        self.core.waiting.append(self._inbox.popleft())
+                        self.core.add(self._inbox.popleft())
                 served = self.core.step()
                 if served and self.on_step is not None:
                     try:
