@@ -8,10 +8,16 @@ Measures, in one run, the target forwards decoding runs after ~1.5K cached posit
 each the median of 20 timed forwards after warm-up (host timer around the forward, `torch.cuda.synchronize`
 before and after; on two GPUs the ranks meet at a barrier before each forward and the slower rank's time counts).
 `tp1_*` runs the whole model on GPU 0 in one process; `tp2_*` runs half of it on each GPU, one process each,
-through `dflash.parallel` (row-parallel o/down projections with an NCCL all-reduce each). Both run the eager
-forwards the engine runs under tensor parallelism (`*_ms`) and the same forwards captured in a CUDA graph
-(`*_graph_ms`; on two GPUs the graph holds the NCCL all-reduces), which is what graphs across the collective
-would give. Also the latency of the all-reduce of one residual row and of 33 rows.
+through `dflash.parallel` (row-parallel o/down projections, each followed by an all-reduce).
+
+Three ways to run each forward:
+* `*_ms` (the headline `tp1_step_ms` / `tp2_step_ms`): what the engine runs, the graph runner's forward
+  (`dflash.fastpath.runner.GraphRunner.target_forward`: inputs copied into a captured CUDA graph of the fused layers,
+  outputs copied out); on two GPUs with the run's default all-reduce (`DFLASH_TP_ALLREDUCE=auto`: symmetric memory
+  where the GPUs reach each other, `tp2_all_reduce` says which), and `tp2_*_nccl_ms` the same with NCCL's;
+* `*_graph_ms`: the model's own (unfused) forward captured in one CUDA graph, NCCL all-reduces inside;
+* `*_eager_ms`: the model's own forward, uncaptured.
+Also the latency of one all-reduce of one residual row and of 33 rows, eager (NCCL) and captured (NCCL, symmetric).
 
 Weights are drawn on each GPU in place (each rank only its shard), so start-up takes seconds. Not measured: DFlash
 rounds with the drafter on another GPU (no `--draft-device` yet).
@@ -40,12 +46,14 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import ModelConfig
+from dflash.fastpath.runner import MAX_GRAPH_ROWS, GraphRunner
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
 from dflash.models.rope import Rotary
 from dflash.parallel.group import TensorParallel, multicast_off
 from dflash.parallel.launch import launch
+from dflash.parallel.layers import prepare_sums
 
 WORLD = 2
 ITERS, WARMUP = 20, 3
@@ -122,30 +130,59 @@ def tree_inputs(rows: int, context: int, device: torch.device) -> tuple[torch.Te
     return (context + torch.tensor(depth))[None].to(device), mask.to(device)
 
 
-def forwards(model: CausalLM, cache: KVCache, context: int) -> dict[str, Callable[[], object]]:
-    """The measured forwards; each rewinds the cache to `context` first (the same slots every time)."""
-    device = cache.keys.device
-    vocab = model.config.vocab_size
-    layers = capture_layers(model.config)
+def shape_inputs(config: ModelConfig, context: int, device: torch.device) -> dict[str, dict[str, Any]]:
+    """Token ids, positions (None: after the cache), tree mask and captured layers of each measured shape."""
+    vocab = config.vocab_size
+    layers = capture_layers(config)
     generator = torch.Generator().manual_seed(1)
-    step_ids = torch.randint(0, vocab, (1, 1), generator=generator).to(device)
-    verify_ids = torch.randint(0, vocab, (1, VERIFY_ROWS), generator=generator).to(device)
-    tree_ids = torch.randint(0, vocab, (1, TREE_BUDGET + 1), generator=generator).to(device)
     tree_positions, tree_mask = tree_inputs(TREE_BUDGET + 1, context, device)
+    return {
+        "step": {"ids": torch.randint(0, vocab, (1, 1), generator=generator).to(device), "positions": None,
+                 "tree_mask": None, "capture": ()},
+        "verify16": {"ids": torch.randint(0, vocab, (1, VERIFY_ROWS), generator=generator).to(device),
+                     "positions": None, "tree_mask": None, "capture": layers},
+        "tree32": {"ids": torch.randint(0, vocab, (1, TREE_BUDGET + 1), generator=generator).to(device),
+                   "positions": tree_positions, "tree_mask": tree_mask, "capture": layers},
+    }
 
-    def step() -> object:
-        cache.length = context
-        return model(step_ids, cache=cache)
 
-    def verify16() -> object:
-        cache.length = context
-        return model(verify_ids, cache=cache, capture=layers)
+def model_forwards(model: CausalLM, cache: KVCache, context: int) -> dict[str, Callable[[], object]]:
+    """The model's own forward of each shape; each rewinds the cache to `context` first (the same slots every time)."""
+    calls: dict[str, Callable[[], object]] = {}
+    for name, inputs in shape_inputs(model.config, context, cache.keys.device).items():
 
-    def tree32() -> object:
-        cache.length = context
-        return model(tree_ids, tree_positions, cache, tree_mask=tree_mask, capture=layers)
+        def call(inputs: dict[str, Any] = inputs) -> object:
+            cache.length = context
+            return model(inputs["ids"], inputs["positions"], cache, tree_mask=inputs["tree_mask"],
+                         capture=inputs["capture"])
 
-    return {"step": step, "verify16": verify16, "tree32": tree32}
+        calls[name] = call
+    return calls
+
+
+def runner_forwards(model: CausalLM, context: int) -> dict[str, Callable[[], object]]:
+    """The engine's forward of each shape: a fresh graph runner's (fused layers, graphs captured on first use)
+    over a leased cache of `context` random positions."""
+    runner = GraphRunner(model, None, context + 2 * MAX_GRAPH_ROWS)
+    runner.target_storage.keys.normal_()
+    runner.target_storage.values.normal_()
+    runner.target_storage.positions[0, :context] = torch.arange(context, device=runner.device)
+    cache = runner.lease_target_cache(context + MAX_GRAPH_ROWS)
+    assert cache is not None
+    calls: dict[str, Callable[[], object]] = {}
+    for name, inputs in shape_inputs(model.config, context, runner.device).items():
+
+        def call(inputs: dict[str, Any] = inputs) -> object:
+            cache.length = context
+            out = runner.target_forward(
+                inputs["ids"], inputs["positions"], cache, inputs["tree_mask"], inputs["capture"], "all"
+            )
+            assert out is not None, "not a graph shape"
+            return out
+
+        calls[name] = call
+    calls["_runner"] = lambda: runner  # kept alive with the calls
+    return calls
 
 
 # ---- timing ---------------------------------------------------------------------------------------------------
@@ -196,31 +233,39 @@ def as_graph(fn: Callable[[], object], device: torch.device) -> Callable[[], obj
 
 def measure(
     model: CausalLM, cache: KVCache, context: int, device: torch.device, tp: TensorParallel | None, prefix: str,
-    graphs: bool,
+    kinds: tuple[str, ...],
 ) -> dict[str, Any]:
+    """`kinds` of forwards timed per shape: "eager", "graph" (the model's forward in one graph), "engine" (the graph
+    runner's) -> {prefix_shape[_kind]_ms: median ms}; a failing kind is reported and the others still come back."""
     out: dict[str, Any] = {}
-    calls = forwards(model, cache, context)
-    for name, fn in calls.items():
-        out[f"{prefix}_{name}_ms"] = median_ms(fn, device, tp)
-    if graphs:
-        for name, fn in calls.items():
-            try:
-                out[f"{prefix}_{name}_graph_ms"] = median_ms(as_graph(fn, device), device, tp)
-            except Exception as exc:  # reported, and the eager figures still come back
-                out[f"{prefix}_graph_error"] = f"{type(exc).__name__}: {exc}"[:500]
-                break
+    for kind in kinds:
+        try:
+            with torch.inference_mode():
+                calls = runner_forwards(model, context) if kind == "engine" else model_forwards(model, cache, context)
+            suffix = "" if kind == "engine" else f"_{kind}"
+            for name, fn in calls.items():
+                if name.startswith("_"):
+                    continue
+                out[f"{prefix}_{name}{suffix}_ms"] = median_ms(as_graph(fn, device) if kind == "graph" else fn, device, tp)
+        except Exception as exc:
+            out[f"{prefix}_{kind}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        gc.collect()
     return out
 
 
-def all_reduce_us(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, rows: int) -> float:
-    """Median microseconds of one all-reduce of `rows` residual rows (100 back to back, per call)."""
+def all_reduce_us(
+    config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, rows: int, *, graph: bool = False
+) -> float:
+    """Median microseconds of one all-reduce of `rows` residual rows (100 back to back, per call) through the
+    run's `PartialSums` in its current mode; `graph`: the hundred captured in one CUDA graph."""
     data = torch.zeros(rows, config.hidden_size, dtype=dtype, device=tp.device)
 
     def hundred() -> None:
         for _ in range(100):
-            dist.all_reduce(data, group=tp.group)
+            tp.sums(data)
 
-    return round(median_ms(hundred, tp.device, tp, iters=10, warmup=2) * 10, 3)  # ms per 100 -> us per call
+    fn = as_graph(hundred, tp.device) if graph else hundred
+    return round(median_ms(fn, tp.device, tp, iters=10, warmup=2) * 10, 3)  # ms per 100 -> us per call
 
 
 # ---- the two phases -------------------------------------------------------------------------------------------
@@ -229,7 +274,8 @@ def run_tp1(config: ModelConfig, device: torch.device, dtype: torch.dtype, conte
     model = random_target(config, device, dtype, None, seed=0)
     built = time.perf_counter() - started
     cache = filled_cache(model, context + 64, context)
-    out = measure(model, cache, context, device, None, "tp1", graphs=device.type == "cuda")
+    kinds = ("engine", "graph", "eager") if device.type == "cuda" else ("eager",)
+    out = measure(model, cache, context, device, None, "tp1", kinds)
     out["tp1_build_s"] = round(built, 2)
     if device.type == "cuda":
         out["tp1_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
@@ -250,29 +296,30 @@ def tp2_rank(tp: TensorParallel, payload: dict[str, Any]) -> int:
         torch.cuda.reset_peak_memory_stats(tp.device)
     started = time.perf_counter()
     model = random_target(config, tp.device, dtype, tp, seed=1 + tp.rank)
-    out: dict[str, Any] = {"tp2_build_s": round(time.perf_counter() - started, 2)}
+    default_mode = prepare_sums(model, tp)
+    out: dict[str, Any] = {"tp2_build_s": round(time.perf_counter() - started, 2), "tp2_all_reduce": default_mode}
     cache = filled_cache(model, context + 64, context)
     out["tp2_kv_heads_per_rank"] = int(cache.keys.shape[2])
-    out.update(measure(model, cache, context, tp.device, tp, "tp2", graphs=False))
+    tp.sums.use("nccl")
     out["allreduce_1row_us"] = all_reduce_us(config, dtype, tp, 1)
     out["allreduce_33rows_us"] = all_reduce_us(config, dtype, tp, TREE_BUDGET + 1)
+    out.update(measure(model, cache, context, tp.device, tp, "tp2", ("eager",)))
     _save_part(tp, payload, out)  # the eager figures are safe before graph capture is tried
     if tp.device.type == "cuda":
-        out.update(measure_graphs_only(model, cache, context, tp))
+        for mode in dict.fromkeys(("nccl", default_mode)):
+            tp.sums.use(mode)
+            out[f"allreduce_graph_{mode}_1row_us"] = all_reduce_us(config, dtype, tp, 1, graph=True)
+            out[f"allreduce_graph_{mode}_33rows_us"] = all_reduce_us(config, dtype, tp, TREE_BUDGET + 1, graph=True)
+        tp.sums.use("nccl")
+        out.update(measure(model, cache, context, tp.device, tp, "tp2", ("graph",)))
+        nccl = measure(model, cache, context, tp.device, tp, "tp2", ("engine",))
+        out.update({key.replace("_ms", "_nccl_ms").replace("_error", "_nccl_error"): v for key, v in nccl.items()})
+        _save_part(tp, payload, out)
+        tp.sums.use(default_mode)
+        out.update(measure(model, cache, context, tp.device, tp, "tp2", ("engine",)))
         out["tp2_peak_gib"] = round(torch.cuda.max_memory_allocated(tp.device) / 2**30, 2)
         _save_part(tp, payload, out)
     return 0
-
-
-def measure_graphs_only(model: CausalLM, cache: KVCache, context: int, tp: TensorParallel) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, fn in forwards(model, cache, context).items():
-        try:
-            out[f"tp2_{name}_graph_ms"] = median_ms(as_graph(fn, tp.device), tp.device, tp)
-        except Exception as exc:
-            out["tp2_graph_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            break
-    return out
 
 
 def _save_part(tp: TensorParallel, payload: dict[str, Any], out: dict[str, Any]) -> None:
@@ -295,10 +342,13 @@ def environment(device_type: str) -> dict[str, Any]:
 def ratios(out: dict[str, Any]) -> dict[str, float]:
     found = {}
     for shape in ("step", "verify16", "tree32"):
-        for kind in ("", "_graph"):
+        for kind in ("", "_graph", "_eager"):
             one, two = out.get(f"tp1_{shape}{kind}_ms"), out.get(f"tp2_{shape}{kind}_ms")
             if one and two:
                 found[f"tp2_over_tp1_{shape}{kind}"] = round(two / one, 3)
+        one, two = out.get(f"tp1_{shape}_ms"), out.get(f"tp2_{shape}_nccl_ms")
+        if one and two:
+            found[f"tp2_nccl_over_tp1_{shape}"] = round(two / one, 3)
     return found
 
 
@@ -328,10 +378,11 @@ def main() -> int:
         "context": context, "iters": ITERS, "verify_rows": VERIFY_ROWS, "tree_rows": TREE_BUDGET + 1,
         "capture_layers": list(capture_layers(config)),
         "environment": environment(args.device),
-        "notes": "*_ms: eager forwards (what the engine runs under tensor parallelism); *_graph_ms: the same "
-                 "forward replayed from a CUDA graph (two GPUs: NCCL all-reduces inside the graph). Embeddings and "
-                 "LM head replicated on both GPUs. DFlash rounds with the drafter on the second GPU: not measured "
-                 "(no --draft-device yet).",
+        "notes": "*_ms: the engine's forward (the graph runner: fused layers in captured CUDA graphs, all-reduces "
+                 "inside; tp2 with the run's default all-reduce, tp2_all_reduce); tp2_*_nccl_ms: the same with "
+                 "NCCL's all-reduce; *_graph_ms: the model's unfused forward in one CUDA graph (NCCL); *_eager_ms: "
+                 "uncaptured. Embeddings and LM head replicated on both GPUs. DFlash rounds with the drafter on the "
+                 "second GPU: not measured (no --draft-device yet).",
     }
 
     def save() -> None:

@@ -9,6 +9,7 @@ that each load their shard, run scripted forwards and generations, and save what
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from dflash.config import ModelConfig
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import DFlashError, GenerationError
+from dflash.fastpath.dispatch import graph_runner_of
+from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
 from dflash.generation.request import GenerationRequest, GenerationResult
 from dflash.generation.sampling import SamplingParams
 from dflash.models.model import CausalLM
@@ -228,22 +231,40 @@ def rank_program(tp: TensorParallel, payload: dict[str, Any]) -> int:
             model = build_model(config, shard, device=tp.device, tensor_parallel=tp)
             record[family] = scripted_forwards(model, tp.device)
     else:
-        record = engine_program(tp, saved["engine"])
+        record = engine_program(tp, saved["engine"], graphed=payload["part"] == "graphed")
     torch.save(record, folder / f"{payload['part']}_rank{tp.rank}.pt")
     return 0
 
 
-def engine_program(tp: TensorParallel, pair: dict[str, Any]) -> dict[str, Any]:
+def graphed_engine(target: CausalLM, drafter: DFlashDrafter) -> Engine:
+    """An engine whose forwards go through a graph runner: captured CUDA graphs on a GPU (all-reduces inside), the
+    same static forwards run eagerly on the CPU."""
+    if target.embed_tokens.weight.is_cuda:
+        return Engine(target, word_tokenizer(ENGINE_VOCAB), drafter, replace(engine_options(), cuda_graphs=True))
+    engine = Engine(target, word_tokenizer(ENGINE_VOCAB), drafter, engine_options())
+    attach_graph_runner(target, drafter, capacity=engine.max_ctx + 2 * MAX_GRAPH_ROWS + 8, capture=False)
+    return engine
+
+
+def engine_program(tp: TensorParallel, pair: dict[str, Any], *, graphed: bool = False) -> dict[str, Any]:
     config = pair["config"]
     target = build_model(
         config, shard_weights(pair["weights"], config, tp.rank, tp.world), device=tp.device, tensor_parallel=tp
     )
-    engine = Engine(target, word_tokenizer(ENGINE_VOCAB), load_drafter(pair["drafter"], tp.device), engine_options())
+    drafter = load_drafter(pair["drafter"], tp.device)
+    if graphed:
+        engine = graphed_engine(target, drafter)
+    else:
+        engine = Engine(target, word_tokenizer(ENGINE_VOCAB), drafter, engine_options())
     agreement = join_engine(engine, tp)
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"all_reduce": tp.sums.mode}
     if tp.leader:
         leader = LeaderEngine(engine, agreement)
+        if graphed:
+            record["warm_up_served"] = leader.warm_up()
         record["generations"] = run_cases(leader)
+        runner = graph_runner_of(target)
+        record["served"] = runner.served if runner is not None else 0
         leader.close()
         try:
             leader.generate(case_request(generation_cases()[0]))

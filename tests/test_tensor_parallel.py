@@ -106,6 +106,12 @@ def generations(models: dict[str, Any]) -> dict[str, Any]:
     return {"ranks": ranks, "whole": run_cases(engine)}
 
 
+@pytest.fixture(scope="module")
+def graphed_generations(models: dict[str, Any], generations: dict[str, Any]) -> dict[str, Any]:
+    """The same cases with every rank's forwards through a graph runner (captured graphs on GPUs)."""
+    return {"ranks": _launch(models, "graphed"), "whole": generations["whole"]}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_forwards_equal_the_whole_model(models: dict[str, Any], forwards: dict[str, Any], family: str) -> None:
     whole = forwards["whole"][family]
@@ -163,6 +169,26 @@ def test_followers_run_every_handed_out_generation_in_step(generations: dict[str
             continue
         assert by_name[name] == leader[name], name
     assert "shut down" in generations["ranks"][0]["after_close"]
+
+
+def test_graphed_forwards_under_tensor_parallelism_give_the_same_generations(
+    models: dict[str, Any], graphed_generations: dict[str, Any]
+) -> None:
+    whole = graphed_generations["whole"]
+    leader, follower = graphed_generations["ranks"]
+    assert leader["served"] > 20  # the rounds really went through the runner's static forwards (graphs on GPUs)
+    if models["device_type"] == "cuda":
+        assert leader["warm_up_served"] > 0  # the warm-up generation, handed out, captured graphs on both ranks
+    else:
+        assert leader["all_reduce"] == follower["all_reduce"] == "nccl"  # gloo's all_reduce on CPU ranks
+    assert leader["all_reduce"] == follower["all_reduce"]
+    generated = leader["generations"]
+    for name in ("plain", "linear", "ddtree", "constrained", "unconstrained", "after", "cached"):
+        assert generated[name] == whole[name], name
+    assert generated["ddtree"]["accepted"] > 0 and generated["linear"]["rounds"] > 0
+    assert generated["cancelled"]["finish"] == "cancelled"
+    assert generated["callback_fails"] == {"error": "RuntimeError", "message": "client went away"}
+    assert follower["generations"][-1] == generated["cached"]  # still in step after the failures
 
 
 def test_shard_config_refuses_uneven_splits() -> None:

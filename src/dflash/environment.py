@@ -8,6 +8,7 @@
 | `DFLASH_CPU_LAYER_OPS`         | on       | 0/false/no/off: torch operations instead of the fused CPU kernel        |
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
+| `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric (`parallel.collectives`)    |
 | `DFLASH_API_KEY`               | none     | the key `dflash serve` requires (`dflash.cli.api_key`)                  |
 | `DFLASH_MIN_TOKENS`            | off      | agent stall recovery (`dflash.server.stall`): no EOS before N tokens    |
 | `DFLASH_STALL_TOOL_PREFIX`     | off      | agent stall recovery: continue a turn that stops at an action preamble  |
@@ -31,6 +32,7 @@ NO_CACHE = "DFLASH_NO_CACHE"
 CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
 PRODUCTS = "DFLASH_PRODUCTS"
+TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
 API_KEY = "DFLASH_API_KEY"
 MIN_TOKENS = "DFLASH_MIN_TOKENS"
 STALL_TOOL_PREFIX = "DFLASH_STALL_TOOL_PREFIX"
@@ -39,6 +41,7 @@ DEGENERATE_RUN_TOKENS = "DFLASH_DEGENERATE_RUN_TOKENS"
 PREFIX = "DFLASH_"
 ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
 PRODUCTS_CHOICES = ("skinny", "cublas")
+TP_ALLREDUCE_CHOICES = ("auto", "nccl", "symmetric")
 
 _OFF = frozenset({"", "0", "false", "no", "off", "none"})
 _ON = frozenset({"1", "true", "yes", "on"})
@@ -72,6 +75,11 @@ def attention(env: Mapping[str, str] | None = None) -> str:
 def products(env: Mapping[str, str] | None = None) -> str:
     """`DFLASH_PRODUCTS`: "skinny" (the default) or "cublas"; raises `ValueError` for anything else."""
     return _choice(_environ(env), PRODUCTS, PRODUCTS_CHOICES)
+
+
+def tp_allreduce(env: Mapping[str, str] | None = None) -> str:
+    """`DFLASH_TP_ALLREDUCE`: "auto" (the default), "nccl" or "symmetric"; raises `ValueError` for anything else."""
+    return _choice(_environ(env), TP_ALLREDUCE, TP_ALLREDUCE_CHOICES)
 
 
 def api_key(env: Mapping[str, str] | None = None) -> str | None:

@@ -36,7 +36,7 @@ def fused_padded_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_forward` for models that `supports_fused_layers` -> (logits [requests, rows, vocab], features
     [requests, rows, F] or None)."""
-    config = model.config
+    config = model.layer_config  # this rank's heads under tensor parallelism
     requests, rows = batch.tokens.shape
     count = requests * rows
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim

@@ -81,8 +81,7 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
         spec=options.spec if has_drafter else "none",
         ddtree_budget=DEFAULT_DDTREE_BUDGET.get(kind, 16) if options.ddtree_budget is None else options.ddtree_budget,
         num_drafts=DEFAULT_NUM_DRAFTS.get(kind) if options.num_drafts is None else options.num_drafts,
-        # the graphed paths do not run the collectives: tensor-parallel forwards run eagerly
-        cuda_graphs=options.cuda_graphs and not tensor_parallel,
+        cuda_graphs=options.cuda_graphs,  # under tensor parallelism the graphs hold the all-reduces too
         max_batch=DEFAULT_MAX_BATCH.get(kind, 1) if max_batch is None else max_batch,
     )
     if resolved.max_batch is not None and resolved.max_batch < 1:
@@ -165,13 +164,16 @@ class Engine:
         runner = graph_runner_of(self.target)
         if runner is None:
             return 0
-        rows = self.drafter.config.block_size if self.drafter is not None else 1
-        request = GenerationRequest(
-            prompt_ids=self.encode("Hello"), max_new_tokens=4 * rows + 2, ignore_eos=True, use_prefix_cache=False
-        )
-        self.generate(request)
+        self.generate(self.warm_up_request())
         log.info("warm-up: %d CUDA graphs captured", runner.captured)
         return runner.served
+
+    def warm_up_request(self) -> GenerationRequest:
+        """The short generation whose rounds capture the first graphs (`warm_up`)."""
+        rows = self.drafter.config.block_size if self.drafter is not None else 1
+        return GenerationRequest(
+            prompt_ids=self.encode("Hello"), max_new_tokens=4 * rows + 2, ignore_eos=True, use_prefix_cache=False
+        )
 
     # ---- prompts -----------------------------------------------------------------------------------------
     def chat_prompt_ids(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,

@@ -49,7 +49,7 @@ class BatchedDecoder:
         device = model.embed_tokens.weight.device
         self.model, self.batch, self.capacity = model, batch, capacity
         self.capture = device.type == "cuda" if capture is None else capture
-        self.cache = KVCache.matching(model.config, capacity, model.embed_tokens.weight, batch)
+        self.cache = model.new_cache(capacity, batch)
         self.tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)

@@ -103,7 +103,9 @@ class GraphForwards(Forwards):
         capture: tuple[int, ...] = (),
         budget: int | None = None,
     ) -> ResidentDecoder | None:
-        if target is not self.runner.target:
+        if target is not self.runner.target or target.tensor_parallel is not None:
+            # under tensor parallelism every token choice goes through the ranks' agreement (`dflash.parallel.spmd`),
+            # which the resident decoder's on-device choices would bypass
             return None
         from dflash.fastpath.resident import resident_decoder
 

@@ -6,7 +6,9 @@ q/k norm + rotary + cache store, attention (SDPA for one row, the split-key prog
 add+RMSNorm, gate/up product, SiLU*up, down product. The products (and the LM head, `fused_logits`) go through
 `dflash.kernels.triton_skinny.fast_linear`: the skinny program for up to 64 rows, cuBLAS beyond.
 The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
-previous layer's output (what feature capture needs).
+previous layer's output (what feature capture needs). Under tensor parallelism the layers hold this rank's heads
+and MLP width (`CausalLM.layer_config`) and the output and down products are summed across the ranks
+(`RowParallelLinear.reduce`), inside the captured graph.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dflash.kv.cache import KVCache
 from dflash.models.int8_linear import Int8Linear
 from dflash.models.layers import DecoderLayer
 from dflash.models.model import CausalLM
+from dflash.parallel.layers import RowParallelLinear
 
 SPLIT_MAX_ROWS = 128  # the largest forward measured (`benchmarks/gpu_attention_rows.py`): the runner's graph rows
 
@@ -54,9 +57,12 @@ def supports_fused_layers(model: CausalLM) -> bool:
 
 
 def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, or an `Int8Linear` (int8 rows)."""
+    """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, an `Int8Linear` (int8 rows), or a
+    `RowParallelLinear` (this rank's product, then the sum over the ranks)."""
     if isinstance(module, Int8Linear):
         return fast_linear(x, module.values, module.bias, module.scales)
+    if isinstance(module, RowParallelLinear):
+        return module.reduce(fast_linear(x, module.weight))
     assert isinstance(module, nn.Linear)
     return fast_linear(x, module.weight, module.bias)
 
@@ -143,7 +149,7 @@ def fused_layers(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """input_ids, positions: [1, rows]; length: [1] long (the new rows go to slots length..); tree_mask: [rows, rows]
     bool -> (final-normed hidden [1, rows, hidden], features [1, rows, len(capture) * hidden] or None)."""
-    config = model.config
+    config = model.layer_config  # this rank's heads under tensor parallelism
     rows = input_ids.shape[1]
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     slots, additive, cos, sin = forward_setup(model, storage, positions, length, tree_mask, bucket)

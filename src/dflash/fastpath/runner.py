@@ -100,7 +100,7 @@ class GraphRunner:
             self.drafter_weights = fuse_drafter_weights(drafter)
         self.capacity = capacity
         self.max_rows = max_rows
-        self.target_storage = KVCache.matching(target.config, capacity, target.embed_tokens.weight)
+        self.target_storage = target.new_cache(capacity)  # this rank's key/value heads under tensor parallelism
         if fused:  # the fused forwards gather their rotary rows (positions stay below capacity + a graph's rows)
             target.rotary.prepare_table(capacity + 2 * max_rows, target.embed_tokens.weight.dtype, self.device)
             if drafter is not None and self.drafter_weights is not None:

@@ -11,6 +11,7 @@ from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
 from dflash.models.rope import Rotary
 from dflash.parallel.group import TensorParallel
+from dflash.parallel.layers import prepare_sums
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -39,4 +40,6 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(weights, source)
+    if tensor_parallel is not None and tensor_parallel.world > 1:
+        prepare_sums(model, tensor_parallel)  # the all-reduce's buffers, for the model's rows (a collective)
     return model.eval().requires_grad_(False)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.errors import DFlashError
+from dflash.parallel.collectives import PartialSums
 
 __all__ = ["IDLE_TIMEOUT", "TensorParallel", "multicast_off", "start_tensor_parallel", "stop_tensor_parallel"]
 
@@ -40,6 +41,7 @@ class TensorParallel:
     device: torch.device
     group: dist.ProcessGroup  # collectives of the forward and of each round (NCCL on GPUs, gloo on CPUs)
     control: dist.ProcessGroup  # requests and shutdown (gloo)
+    sums: PartialSums  # the all-reduce of the row-parallel projections (`dflash.parallel.collectives`)
 
     @property
     def leader(self) -> bool:
@@ -73,7 +75,9 @@ def start_tensor_parallel(
     group = dist.group.WORLD
     assert group is not None
     control = dist.new_group(backend="gloo", timeout=timeout or IDLE_TIMEOUT)
-    return TensorParallel(rank=rank, world=world, device=device, group=group, control=control)
+    return TensorParallel(
+        rank=rank, world=world, device=device, group=group, control=control, sums=PartialSums(group, device)
+    )
 
 
 def stop_tensor_parallel() -> None:

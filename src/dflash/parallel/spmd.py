@@ -147,9 +147,16 @@ class LeaderEngine:
         return self.engine.encode(text, guard)
 
     def warm_up(self) -> int:
-        """Nothing to capture: tensor-parallel forwards run eagerly (a warm-up generation would also have to be
-        handed out)."""
-        return 0
+        """`Engine.warm_up` on every rank: the warm-up generation is handed out like any other, so each rank
+        captures the same graphs, with their all-reduces, at the same point. Returns the forwards the leader's
+        graph runner served (0 without graphs)."""
+        from dflash.fastpath.dispatch import graph_runner_of
+
+        runner = graph_runner_of(self.engine.target)
+        if runner is None:
+            return 0
+        self.generate(self.engine.warm_up_request())
+        return runner.served
 
     def generate(
         self,
