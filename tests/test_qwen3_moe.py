@@ -17,8 +17,11 @@ from safetensors.torch import load_file, save_file
 from dflash.config import ModelConfig
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import EngineOptions, resolve_options
+from dflash.engine.loading import load_engine
 from dflash.errors import ModelLoadError
 from dflash.fastpath import fused_layers
+from dflash.generation.request import GenerationRequest
+from dflash.models import gguf_loader
 from dflash.models.checkpoint import Checkpoint
 from dflash.models.gguf_loader import load_gguf
 from dflash.models.hf_loader import load_hf_dir
@@ -227,12 +230,43 @@ def test_gguf_loads_and_matches_transformers(gguf_path: Path, hf_folder: Path) -
     _assert_matches_transformers(build_model(config, checkpoint.weights))
 
 
+def test_gguf_cache_keeps_the_expert_settings(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second load from the dequantised cache gives the same config (dense-layer list included) and experts."""
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DFLASH_NO_CACHE")
+    monkeypatch.setattr(gguf_loader, "CACHE_MIN_SECONDS", 0.0)
+    first = load_gguf(gguf_path)
+    assert any(tmp_path.rglob("*.safetensors"))
+    monkeypatch.setattr(gguf_loader, "GGUFFile", None)  # a second parse would fail
+    second = load_gguf(gguf_path)
+    assert second.config == first.config and second.config.mlp_only_layers == (DENSE_LAYER,)
+    name = "model.layers.3.mlp.experts.down_proj"
+    assert torch.equal(second.weights[name], first.weights[name])
+
+
 def test_quantized_cpu_path_declines_experts(gguf_path: Path) -> None:
     """`auto` falls back to dense weights with the reason; `quantized` asked for is an error."""
     choice = choose_weights("auto", gguf_path, torch.device("cpu"), torch.float32)
     assert choice.kind == "dense" and "mixture of experts" in choice.reason
     with pytest.raises(ModelLoadError, match="mixture of experts"):
         choose_weights("quantized", gguf_path, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_engine_serves_the_gguf_with_its_greedy_tokens(gguf_path: Path, max_batch: int) -> None:
+    """Through `load_engine` (`--weights auto` settles on dense weights), one at a time and in the engine loop."""
+    engine = load_engine(
+        str(gguf_path), draft="none", options=EngineOptions(max_batch=max_batch, prefill_chunk=CHUNK)
+    )
+    try:
+        assert engine.batched == (max_batch > 1) and isinstance(engine.target, Qwen3MoeForCausalLM)
+        prompt = _prompt(6, 21)[0].tolist()
+        result = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True))
+        assert result.token_ids == run(target(), None, prompt, 16, prefill_chunk=CHUNK)[0]
+    finally:
+        engine.close()
 
 
 # ---- fast paths that cannot run experts ----------------------------------------------------------------------
