@@ -47,7 +47,7 @@ PROMPT_LEN, CHUNK = 40, 16  # the prompt spans three prefill chunks
 
 
 @cache
-def hf_moe() -> Any:
+def hf_moe(**overrides: Any) -> Any:
     """4 layers (layer 2 dense through `mlp_only_layers`), 8 experts of width 32, top-2 with renormalisation."""
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
@@ -55,6 +55,7 @@ def hf_moe() -> Any:
         moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[DENSE_LAYER], max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0,
+        **overrides,
     )
     model = transformers.Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():
@@ -90,10 +91,10 @@ def _prompt(seed: int, length: int = PROMPT_LEN) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _assert_matches_transformers(ours: CausalLM) -> None:
+def _assert_matches_transformers(ours: CausalLM, hf: Any = None) -> None:
     """Chunked prefill then one-token steps through the cache give transformers' logits within 1e-4."""
     ids = _prompt(1)
-    reference = hf_moe()(ids).logits  # [1, seq, vocab]
+    reference = (hf or hf_moe())(ids).logits  # [1, seq, vocab]
     kv = ours.new_cache(PROMPT_LEN)
     chunks = [ours(ids[:, lo : lo + CHUNK], cache=kv).logits for lo in range(0, PROMPT_LEN - 6, CHUNK)]
     for t in range(kv.length, PROMPT_LEN):
@@ -151,6 +152,14 @@ def test_fused_parameters_load_and_match_transformers() -> None:
     """transformers' in-memory names (gate_up_proj [experts, 2 * width, hidden]) are accepted too."""
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf_moe().state_dict()
     _assert_matches_transformers(target())
+
+
+def test_sliding_window_covers_every_layer() -> None:
+    """With `use_sliding_window`, transformers windows all Qwen3-MoE layers (no `max_window_layers` rule)."""
+    hf = hf_moe(use_sliding_window=True, sliding_window=8)
+    ours = ours_from_hf(hf)
+    assert ours.config.sliding_window == 8 and all(ours.sliding)
+    _assert_matches_transformers(ours, hf)
 
 
 def test_greedy_continuation_equals_transformers_generate() -> None:

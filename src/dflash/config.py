@@ -195,6 +195,9 @@ def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]
     if arch == "gemma3":
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers))
+    if arch == "qwen3_moe":  # transformers' Qwen3-MoE windows every layer when it windows at all
+        sliding = bool(raw.get("use_sliding_window") and raw.get("sliding_window"))
+        return (SLIDING_ATTENTION if sliding else FULL_ATTENTION,) * layers
     if raw.get("use_sliding_window") and raw.get("sliding_window"):
         first_full = int(raw.get("max_window_layers", layers))
         return tuple(SLIDING_ATTENTION if i >= first_full else FULL_ATTENTION for i in range(layers))
