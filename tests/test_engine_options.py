@@ -54,11 +54,12 @@ def test_without_a_drafter_decoding_is_plain() -> None:
     assert resolved.spec == "none"
 
 
-def test_tensor_parallel_runs_one_request_eagerly() -> None:
+def test_tensor_parallel_runs_one_request_with_graphs() -> None:
     given = EngineOptions(max_batch=8, cuda_graphs=True)
     resolved = resolve_options(given, device=CPU, has_drafter=True, tensor_parallel=True)
-    assert resolved.max_batch == 1 and not resolved.cuda_graphs
+    assert resolved.max_batch == 1 and resolved.cuda_graphs  # every rank captures its graphs, all-reduces inside
     assert given.max_batch == 8 and given.cuda_graphs
+    assert not resolve_options(given, device=CPU, has_drafter=True, tensor_parallel=True, capturable=False).cuda_graphs
 
 
 @pytest.mark.parametrize(

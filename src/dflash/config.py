@@ -12,7 +12,7 @@ from typing import Any
 
 from dflash.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_moe")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -22,7 +22,7 @@ SLIDING_ATTENTION = "sliding_attention"
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, normalised across families."""
 
-    architecture: str  # "llama" | "qwen3" | "gemma3"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,6 +47,13 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE): 0 experts means every layer has the dense MLP of `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # width of one expert's gated MLP
+    norm_topk_prob: bool = False  # rescale the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +64,26 @@ class ModelConfig:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"{self.num_heads} attention heads do not divide into {self.num_kv_heads} KV heads")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ModelLoadError(
+                    f"{self.num_experts_per_tok} experts per token is not within 1..{self.num_experts} experts"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ModelLoadError("a mixture-of-experts model needs a positive expert width and sparse step")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any decoder layer routes tokens to experts instead of one dense MLP."""
+        return any(self.sparse_layer(i) for i in range(self.num_layers))
+
+    def sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` has the mixture-of-experts block (the rule of transformers' Qwen3-MoE)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def attention_scale(self) -> float:
@@ -74,9 +101,11 @@ class ModelConfig:
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k in ("eos_token_id", "bos_token_id")}}
         model_type = str(raw.get("model_type", ""))
-        arch = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
+        arch = _MODEL_TYPES.get(model_type)
         if arch is None:
-            raise ModelLoadError(f"{source}: unknown model_type {model_type!r}; supported: llama, qwen3, gemma3")
+            raise ModelLoadError(
+                f"{source}: unknown model_type {model_type!r}; supported: {', '.join(sorted(_MODEL_TYPES))}"
+            )
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -106,16 +135,41 @@ class ModelConfig:
                 rope_local_theta=local_theta if is_gemma else None,
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=arch in ("qwen3", "gemma3"),
+                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
                 query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
                 embed_scale=math.sqrt(hidden) if is_gemma else 1.0,
                 final_logit_softcapping=_opt_float(raw.get("final_logit_softcapping")),
                 attn_logit_softcapping=_opt_float(raw.get("attn_logit_softcapping")),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **_moe_fields(raw),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
+
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+}
+
+
+def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (transformers 5 saves the expert count as `num_local_experts`)."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
 
 
 def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
@@ -141,6 +195,9 @@ def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]
     if arch == "gemma3":
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers))
+    if arch == "qwen3_moe":  # transformers' Qwen3-MoE windows every layer when it windows at all
+        sliding = bool(raw.get("use_sliding_window") and raw.get("sliding_window"))
+        return (SLIDING_ATTENTION if sliding else FULL_ATTENTION,) * layers
     if raw.get("use_sliding_window") and raw.get("sliding_window"):
         first_full = int(raw.get("max_window_layers", layers))
         return tuple(SLIDING_ATTENTION if i >= first_full else FULL_ATTENTION for i in range(layers))

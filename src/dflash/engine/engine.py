@@ -70,7 +70,7 @@ class EngineOptions:
 
 
 def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
-                    tensor_parallel: bool) -> EngineOptions:
+                    tensor_parallel: bool, capturable: bool = True) -> EngineOptions:
     """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
@@ -81,7 +81,9 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
         spec=options.spec if has_drafter else "none",
         ddtree_budget=DEFAULT_DDTREE_BUDGET.get(kind, 16) if options.ddtree_budget is None else options.ddtree_budget,
         num_drafts=DEFAULT_NUM_DRAFTS.get(kind) if options.num_drafts is None else options.num_drafts,
-        cuda_graphs=options.cuda_graphs,  # under tensor parallelism the graphs hold the all-reduces too
+        # under tensor parallelism the graphs hold the all-reduces too; a target whose work depends on the data
+        # (`CausalLM.capturable`: mixture-of-experts routing) cannot be captured
+        cuda_graphs=options.cuda_graphs and capturable,
         max_batch=DEFAULT_MAX_BATCH.get(kind, 1) if max_batch is None else max_batch,
     )
     if resolved.max_batch is not None and resolved.max_batch < 1:
@@ -105,6 +107,7 @@ class Engine:
             device=self.device,
             has_drafter=drafter is not None,
             tensor_parallel=getattr(target, "tensor_parallel", None) is not None,
+            capturable=getattr(target, "capturable", True),
         )
         self.model_name = model_name
         self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader

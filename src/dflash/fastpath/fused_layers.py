@@ -47,6 +47,7 @@ def supports_fused_layers(model: CausalLM) -> bool:
     return (
         triton_available()
         and all(type(layer) is DecoderLayer for layer in model.layers)
+        and not config.is_moe  # experts have no fused kernels (their layers are not `DecoderLayer`s either)
         and config.hidden_act == "silu"
         and not config.norm_adds_one
         and not any(model.sliding)

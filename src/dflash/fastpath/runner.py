@@ -89,7 +89,7 @@ class GraphRunner:
         self._target = weakref.ref(target)
         self.drafter = drafter
         self.device = target.embed_tokens.weight.device
-        self.capture = capture and self.device.type == "cuda"
+        self.capture = capture and self.device.type == "cuda" and target.capturable
         if fused is None:
             fused = self.device.type == "cuda" and supports_fused_layers(target)
         elif fused and not supports_fused_layers(target):

@@ -2,7 +2,8 @@
 
 Every loader (Hugging Face directory, GGUF file) produces a `Checkpoint` in the same convention:
 parameter names as in transformers (`model.layers.0.self_attn.q_proj.weight`), RoPE in the
-rotate-half layout, Gemma norms stored as HF stores them (the layer multiplies by `1 + weight`), and
+rotate-half layout, Gemma norms stored as HF stores them (the layer multiplies by `1 + weight`), the
+experts of mixture-of-experts layers stacked per projection (`dflash.models.moe_weights`), and
 no `lm_head.weight` when the embeddings are tied. `expected_shapes` is the list of tensors a model
 needs; `validate_weights` checks a weight dictionary against it.
 """
@@ -53,9 +54,16 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        if config.sparse_layer(i):  # experts stacked per projection (`dflash.models.moe_weights`)
+            experts, width = config.num_experts, config.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (experts, hidden)
+            shapes[p + "mlp.experts.gate_proj"] = (experts, width, hidden)
+            shapes[p + "mlp.experts.up_proj"] = (experts, width, hidden)
+            shapes[p + "mlp.experts.down_proj"] = (experts, hidden, width)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+            shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
         for norm in norms:
             shapes[p + norm + ".weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)

@@ -2,23 +2,26 @@
 
 Values GGUF does not store are filled in as the Hugging Face configs of the same families have them
 (Gemma 3: local RoPE base 10000, GELU-tanh, sqrt(hidden) embedding scale, a full-attention layer
-every sixth). Llama 3.1-style RoPE scaling is stored by llama.cpp only as a per-frequency factor
+every sixth; Qwen3-MoE: dense layers are those without a router). Llama 3.1-style RoPE scaling is stored by llama.cpp only as a per-frequency factor
 tensor (`rope_freqs.weight`); `llama3_rope_scaling` recovers the HF parameters from it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, ModelConfig
+from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
 
-__all__ = ["config_from_gguf", "llama3_factors", "llama3_rope_scaling"]
+__all__ = ["GGUF_ARCHITECTURES", "config_from_gguf", "llama3_factors", "llama3_rope_scaling"]
+
+# llama.cpp's architecture name -> ours (the Hugging Face model_type family)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe"}
 
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -32,9 +35,9 @@ def config_from_gguf(
 ) -> ModelConfig:
     """Build the configuration; `tensor_shapes` are in torch order (rows first)."""
     arch = str(metadata.get("general.architecture", ""))
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
-            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -65,11 +68,15 @@ def config_from_gguf(
     is_gemma = arch == "gemma3"
     sliding = get("attention.sliding_window")
     softcap_final, softcap_attn = get("final_logit_softcapping"), get("attn_logit_softcapping")
+    moe = _moe_fields(arch, layers, get, need, tensor_shapes, source)
+    dense_width = get("feed_forward_length", moe.get("moe_intermediate_size"))  # MoE files may have no dense MLP
+    if dense_width is None:
+        dense_width = need("feed_forward_length")
     return ModelConfig(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_uniform(need("feed_forward_length"), f"{arch}.feed_forward_length", source),
+        intermediate_size=_uniform(dense_width, f"{arch}.feed_forward_length", source),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -91,7 +98,34 @@ def config_from_gguf(
         attn_logit_softcapping=float(softcap_attn) if softcap_attn else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=(int(eos),) if eos is not None else (),
+        **moe,
     )
+
+
+def _moe_fields(
+    arch: str,
+    layers: int,
+    get: Callable[..., Any],
+    need: Callable[[str], Any],
+    tensor_shapes: Mapping[str, tuple[int, ...]],
+    source: Path,
+) -> dict[str, Any]:
+    """Mixture-of-experts settings of a `qwen3moe` file. llama.cpp records no list of dense layers: a layer is
+    sparse exactly when it has a router (`ffn_gate_inp`). It always rescales the top-k routing weights for this
+    architecture, unless `expert_weights_norm` says otherwise."""
+    if arch != "qwen3moe":
+        return {}
+    dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes)
+    return {
+        "num_experts": int(need("expert_count")),
+        "num_experts_per_tok": int(need("expert_used_count")),
+        "moe_intermediate_size": _uniform(
+            need("expert_feed_forward_length"), f"{arch}.expert_feed_forward_length", source
+        ),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense,
+    }
 
 
 def _uniform(value: Any, key: str, source: Path) -> int:

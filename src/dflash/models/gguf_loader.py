@@ -1,4 +1,4 @@
-"""Loading a GGUF file (llama, qwen3, gemma3) into a `Checkpoint` in the Hugging Face convention.
+"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe) into a `Checkpoint` in the Hugging Face convention.
 
 Steps: parse the header (`GGUFFile`), build the config (`config_from_gguf`) and tokenizer, map
 llama.cpp tensor names to transformers names, check every shape before doing any work, dequantise
@@ -8,6 +8,7 @@ with `gguf.quants.dequantize`, then undo what llama.cpp's converter did to the w
   instead of HF's halves (i, i + d/2)); they are put back.
 * gemma3: 1 was added to every RMSNorm weight (llama.cpp multiplies by `weight`, HF by `1 + weight`);
   it is subtracted again.
+* qwen3moe: nothing to undo; the 3-D expert tensors are dequantised whole, to dense stacked experts.
 
 The result is cached as fp32 safetensors (see `gguf_cache`) when dequantising took long enough.
 """
@@ -65,6 +66,13 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_QWEN3_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.gate"}
+# Stacked experts [experts, out, in] keep transformers' suffix-less names (`dflash.models.moe_weights`).
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors that hold configuration rather than parameters.
 _NON_PARAMETERS = {"rope_freqs.weight"}
@@ -78,7 +86,9 @@ def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None:
         return None
-    table = _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _LAYER_NAMES
+    if architecture == "qwen3_moe" and match.group(2) in _EXPERT_NAMES and match.group(3) == "weight":
+        return f"model.layers.{match.group(1)}.{_EXPERT_NAMES[match.group(2)]}"
+    table = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3_moe": _QWEN3_MOE_LAYER_NAMES}.get(architecture, _LAYER_NAMES)
     part = table.get(match.group(2))
     return f"model.layers.{match.group(1)}.{part}.{match.group(3)}" if part else None
 

@@ -18,7 +18,13 @@ from dflash.models.gguf_file import GGUFFile
 from dflash.models.gguf_loader import open_gguf_model, undo_conversion
 from dflash.models.quantized_weights import QuantizedCheckpoint, QuantizedMatrix, is_supported_type
 
-__all__ = ["describe_unsupported", "load_gguf_quantized", "tensor_type_counts", "unsupported_matrices"]
+__all__ = [
+    "describe_unsupported",
+    "load_gguf_quantized",
+    "mixture_of_experts_obstacle",
+    "tensor_type_counts",
+    "unsupported_matrices",
+]
 
 # Tensors that hold configuration rather than parameters (never quantized matrices).
 _NON_PARAMETERS = {"rope_freqs.weight"}
@@ -31,6 +37,17 @@ def unsupported_matrices(gguf: GGUFFile) -> dict[str, str]:
         for name, info in gguf.tensors.items()
         if len(info.shape) == 2 and name not in _NON_PARAMETERS and not is_supported_type(info.qtype)
     }
+
+
+def mixture_of_experts_obstacle(gguf: GGUFFile) -> str | None:
+    """Why the quantized path declines this file's experts, or None when it has none."""
+    experts = [name for name, info in gguf.tensors.items() if len(info.shape) == 3]
+    if not experts:
+        return None
+    return (
+        f"the model is a mixture of experts ({len(experts)} stacked expert tensors such as {experts[0]}); "
+        "the quantized CPU kernel has no expert product, so they run as dense weights"
+    )
 
 
 def tensor_type_counts(gguf: GGUFFile) -> dict[str, int]:
@@ -56,6 +73,9 @@ def load_gguf_quantized(path: Path) -> QuantizedCheckpoint:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     gguf, config, names, tokenizer = open_gguf_model(path)
+    moe = mixture_of_experts_obstacle(gguf)
+    if moe is not None:
+        raise ModelLoadError(f"{path}: cannot keep the weights quantized: {moe} (use --weights dense)")
     unsupported = unsupported_matrices(gguf)
     if unsupported:
         raise ModelLoadError(f"{path}: cannot keep the weights quantized: {describe_unsupported(unsupported)}")

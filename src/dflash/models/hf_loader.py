@@ -1,6 +1,7 @@
 """Loading a Hugging Face model directory (config.json + safetensors + tokenizer) into a `Checkpoint`.
 
-Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`. A tensor-parallel
+Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`; experts of
+mixture-of-experts models are stacked per projection as they are read in (`dflash.models.moe_weights`). A tensor-parallel
 rank reads only its part of each split tensor (`dflash.parallel.sharding`), so no process holds the whole model.
 EOS ids are merged from `config.json`, `generation_config.json` and the tokenizer's EOS token, so a
 chat model stops on its end-of-turn token whichever file declares it.
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from dflash.config import ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import Checkpoint, expected_shapes, validate_weights
+from dflash.models.moe_weights import is_expert_tensor, stack_expert_weights
 from dflash.parallel.sharding import shard_config, shard_span
 from dflash.tokenizer import Tokenizer
 
@@ -61,10 +63,13 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32, *, shard: tuple[
             with safe_open(str(file), framework="pt") as tensors:
                 names = tensors.keys()  # a safetensors handle is not iterable
                 for name in names:
-                    if name in wanted:  # drops rotary buffers, a tied lm_head written anyway, etc.
+                    # drops rotary buffers, a tied lm_head written anyway, etc.; experts are stacked below
+                    if name in wanted or (config.is_moe and is_expert_tensor(name)):
                         weights[name] = _read_part(tensors, name, shard_span(name, config, rank, world)).to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot be read as safetensors: {exc}") from None
+    if config.is_moe:
+        weights = stack_expert_weights(local, weights, path)
     validate_weights(local, weights, path)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=path)
 

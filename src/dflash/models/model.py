@@ -2,7 +2,8 @@
 
 A forward takes token ids and their RoPE positions, writes K/V into an optional `KVCache`, and can return the
 residual stream after chosen decoder layers (before the final norm): DFlash drafters are conditioned on them.
-Family files (`llama.py`, `qwen3.py`, `gemma3.py`) only choose the decoder layer and the RoPE bases.
+Family files (`llama.py`, `qwen3.py`, `gemma3.py`, `qwen3_moe.py`) only choose the decoder layer and the RoPE
+bases.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class CausalLM(nn.Module):
     rank. `config` always describes the whole model."""
 
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+    # Whether a forward's work is fixed by its shapes, so CUDA graphs can capture it (not so with host-side routing).
+    capturable: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()

@@ -2,7 +2,8 @@
 
 `auto` picks quantized when all of these hold, dense otherwise:
   * the device is the CPU and the dtype float32 (GPUs, and other dtypes, stay dense);
-  * the model is a GGUF file whose every matrix is Q4_1 or Q8_0;
+  * the model is a GGUF file whose every matrix is Q4_1 or Q8_0, and not a mixture of experts (its 3-D expert
+    tensors are dequantised to dense weights: the kernel has no grouped expert product yet);
   * the CPU kernel builds (or was built before) and loads.
 A kernel that fails to build is logged as a warning naming the reason; the other cases are expected and
 logged at info level. `quantized` requested explicitly raises `ModelLoadError` with the reason instead.
@@ -70,7 +71,15 @@ def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> s
     if path.is_dir() or path.suffix.lower() != ".gguf":
         return "the model is not a GGUF file"
     from dflash.models.gguf_file import GGUFFile
-    from dflash.models.gguf_quantized import describe_unsupported, unsupported_matrices
+    from dflash.models.gguf_quantized import (
+        describe_unsupported,
+        mixture_of_experts_obstacle,
+        unsupported_matrices,
+    )
 
-    unsupported = unsupported_matrices(GGUFFile(path))
+    gguf = GGUFFile(path)
+    moe = mixture_of_experts_obstacle(gguf)
+    if moe is not None:
+        return moe
+    unsupported = unsupported_matrices(gguf)
     return describe_unsupported(unsupported) if unsupported else None

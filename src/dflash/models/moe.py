@@ -1,0 +1,88 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE: a router picks k experts per token, whose gated MLPs are mixed.
+
+Routing follows transformers' Qwen3-MoE exactly: router logits -> softmax in float32 -> top-k -> (optionally)
+rescaled to sum to 1 -> cast back to the hidden dtype. Experts are stored stacked, [experts, out, in] per
+projection (gate and up joined as in the dense MLP), so that a grouped GPU kernel can take them as they are.
+The eager compute groups tokens by expert and runs only the experts that received tokens: a decode step of one
+row touches k experts' weights, not all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import ModelConfig
+from dflash.kernels.fused_cpu import layer_ops
+from dflash.models.layers import activation
+
+
+class StackedExperts(nn.Module):
+    """Every expert's gated MLP, stacked: gate_up_proj [experts, 2 * width, hidden], down_proj [experts, hidden,
+    width]."""
+
+    def __init__(self, experts: int, hidden: int, width: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+        self.act = activation(act)
+        self.num_experts = experts
+        self.width = width
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, hidden]; chosen: [tokens, k] expert ids; weights: [tokens, k] routing weights in x's dtype
+        -> [tokens, hidden], the routing-weighted sum of each token's experts."""
+        k = chosen.shape[1]
+        out = torch.zeros_like(x)
+        flat = chosen.reshape(-1)  # [tokens * k]: entry j is token j // k's choice number j % k
+        order = torch.argsort(flat, stable=True)  # grouped by expert, token order within an expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
+        tokens = order // k  # [tokens * k]: the token of each grouped entry
+        scales = weights.reshape(-1)[order]  # [tokens * k]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]  # [count]
+            gate_up = F.linear(x.index_select(0, rows), self.gate_up_proj[expert])  # [count, 2 * width]
+            mixed = F.linear(self._gated(gate_up), self.down_proj[expert])  # [count, hidden]
+            out.index_add_(0, rows, mixed * scales[start : start + count, None])
+            start += count
+        return out
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up of [rows, 2 * width] -> [rows, width]."""
+        ops = layer_ops(gate_up) if isinstance(self.act, nn.SiLU) else None
+        if ops is not None:
+            return ops.silu_mul(gate_up)
+        gate, up = gate_up.split(self.width, dim=-1)
+        return self.act(gate) * up
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, weight [experts, hidden]) and experts; replaces the dense MLP of a sparse layer."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = StackedExperts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act
+        )
+        self.top_k = config.num_experts_per_tok
+        self.normalise = config.norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [tokens, hidden] -> (expert ids [tokens, k], routing weights [tokens, k] in x's dtype)."""
+        logits = self.gate(x)  # [tokens, experts]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # the softmax runs in float32 whatever the dtype
+        top, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalise:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return chosen, top.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden]."""
+        flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
+        chosen, weights = self.route(flat)
+        return self.experts(flat, chosen, weights).view(x.shape)

@@ -1,0 +1,60 @@
+"""Qwen3-MoE family (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3 attention, with the dense MLP replaced by a sparse
+mixture of experts (`dflash.models.moe`) in the layers `ModelConfig.sparse_layer` names."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from dflash.config import ModelConfig
+from dflash.kv.cache import AttentionBackend, CacheWriter
+from dflash.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
+from dflash.models.model import CausalLM
+from dflash.models.moe import SparseMoeBlock
+from dflash.models.moe_weights import stack_expert_weights
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    """Pre-norm block as in Qwen3; its MLP is a `SparseMoeBlock` or, in the dense layers, a `GatedMLP`."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, layer_index)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(config)
+            if config.sparse_layer(layer_index)
+            else GatedMLP(dim, config.intermediate_size, config.hidden_act)
+        )
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+        cache: CacheWriter | AttentionBackend | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    """The expert loop decides on the host which experts run, so a forward cannot be captured as a CUDA graph."""
+
+    layer_class: ClassVar[type[nn.Module]] = Qwen3MoeDecoderLayer
+    capturable: ClassVar[bool] = False
+
+    def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """Experts in any checkpoint form (`dflash.models.moe_weights`); gate and up joined per expert."""
+        weights = stack_expert_weights(self.config, weights, source)
+        for layer in range(self.config.num_layers):
+            prefix = f"model.layers.{layer}.mlp.experts."
+            gate, up = weights.pop(prefix + "gate_proj", None), weights.pop(prefix + "up_proj", None)
+            if gate is not None and up is not None:
+                weights[prefix + "gate_up_proj"] = torch.cat((gate, up), dim=1)  # [experts, 2 * width, hidden]
+        super().load_weights(weights, source)
