@@ -37,6 +37,14 @@ SHAPES = {  # model -> matrix kind -> (N, K, copies)
         "fc": (4096, 20480, 1), "qkv": (6144, 4096, 5), "o": (4096, 4096, 5), "gate_up": (24576, 4096, 5),
         "down": (4096, 12288, 5), "head": (32768, 4096, 1),
     },
+    "qwen3-32b": {  # eight copies of each layer matrix: enough to stay out of L2 (the whole model is 64 layers)
+        "qkv": (10240, 5120, 8), "o": (5120, 8192, 8), "gate_up": (51200, 5120, 8), "down": (5120, 25600, 8),
+        "head": (151936, 5120, 1),
+    },
+    "qwen3-32b-tp2": {  # one rank's share under two-way tensor parallelism (heads, MLP width and vocabulary halved)
+        "qkv": (5120, 5120, 8), "o": (5120, 4096, 8), "gate_up": (25600, 5120, 8), "down": (5120, 12800, 8),
+        "head": (75968, 5120, 1),
+    },
     "smollm2-135m": {
         "qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
         "head": (49152, 576, 1),
