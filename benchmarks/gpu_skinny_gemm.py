@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash.kernels.triton_skinny import SkinnyConfig, skinny_config, skinny_linear, skinny_usable
+from dflash.kernels.triton_skinny import SkinnyConfig, gpu_model, skinny_config, skinny_linear, skinny_usable
 from dflash.models.int8_linear import int8_rows
 
 DTYPE = torch.bfloat16
@@ -124,7 +124,7 @@ def main() -> None:
             entry: dict[str, object] = {"cublas_ms": round(cublas, 4), "cublas_TBps": round(bytes_of[kind] / cublas / 1e9, 3)}
             best: tuple[float, SkinnyConfig] | None = None
             tried = {}
-            chosen = skinny_config(rows, x.shape[1])  # the configuration in use, measured in the same run
+            chosen = skinny_config(rows, x.shape[1], gpu=gpu_model(device))  # the one in use, measured too
             grid = config_grid(rows, tiles)
             for config in grid + ([chosen] if chosen is not None and chosen not in grid else []):
                 if not skinny_usable(rows, config):

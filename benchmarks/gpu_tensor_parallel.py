@@ -274,7 +274,7 @@ def run_tp1(config: ModelConfig, device: torch.device, dtype: torch.dtype, conte
     model = random_target(config, device, dtype, None, seed=0)
     built = time.perf_counter() - started
     cache = filled_cache(model, context + 64, context)
-    kinds = ("engine", "graph", "eager") if device.type == "cuda" else ("eager",)
+    kinds = ("engine", "graph", "eager") if device.type == "cuda" else ("engine", "eager")
     out = measure(model, cache, context, device, None, "tp1", kinds)
     out["tp1_build_s"] = round(built, 2)
     if device.type == "cuda":
@@ -315,10 +315,11 @@ def tp2_rank(tp: TensorParallel, payload: dict[str, Any]) -> int:
         nccl = measure(model, cache, context, tp.device, tp, "tp2", ("engine",))
         out.update({key.replace("_ms", "_nccl_ms").replace("_error", "_nccl_error"): v for key, v in nccl.items()})
         _save_part(tp, payload, out)
-        tp.sums.use(default_mode)
-        out.update(measure(model, cache, context, tp.device, tp, "tp2", ("engine",)))
+    tp.sums.use(default_mode)
+    out.update(measure(model, cache, context, tp.device, tp, "tp2", ("engine",)))
+    if tp.device.type == "cuda":
         out["tp2_peak_gib"] = round(torch.cuda.max_memory_allocated(tp.device) / 2**30, 2)
-        _save_part(tp, payload, out)
+    _save_part(tp, payload, out)
     return 0
 
 

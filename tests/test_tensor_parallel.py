@@ -10,6 +10,7 @@ in step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,12 @@ def test_shard_spans_cover_each_split_tensor_once() -> None:
         assert torch.equal(torch.cat([p[name] for p in parts], dim=dim), tensor), name
     assert shard_span("model.layers.0.self_attn.o_proj.weight", config, 1, WORLD) == (1, 32, 32)
     assert shard_span("model.layers.3.mlp.gate_proj.weight", config, 1, WORLD) == (0, 64, 64)
-    assert shard_span("model.embed_tokens.weight", config, 1, WORLD) is None
+    # the vocabulary's rows are split where they divide evenly (512 ids: 256 per rank), replicated otherwise
+    assert shard_span("model.embed_tokens.weight", config, 1, WORLD) == (0, 256, 256)
+    assert shard_span("model.norm.weight", config, 1, WORLD) is None
+    odd = replace(config, vocab_size=513)
+    assert shard_span("model.embed_tokens.weight", odd, 1, WORLD) is None
+    assert shard_config(odd, WORLD).vocab_size == 513 and shard_config(config, WORLD).vocab_size == 256
 
 
 def test_a_rank_reads_only_its_part_of_a_hugging_face_folder(tmp_path: Path) -> None:

@@ -158,6 +158,10 @@ def _attach_draft_vocab(drafter: DFlashDrafter, target: CausalLM, draft: str, ch
 
     if choice == "off":
         return
+    if target.tensor_parallel is not None and target.layer_config.vocab_size != target.config.vocab_size:
+        if choice != "auto":  # the shortlist would index rows of the LM head that this rank does not hold
+            raise ModelLoadError("--draft-vocab: not with --tensor-parallel (the vocabulary is split across ranks)")
+        return
     if choice == "auto":  # the folder's shortlist where the drafter runs on the CPU (measured there only)
         path = resolve_drafter_path(draft) / DRAFT_VOCAB_FILE
         if not path.is_file() or drafter.fc.weight.device.type != "cpu":

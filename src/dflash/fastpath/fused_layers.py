@@ -29,7 +29,7 @@ from dflash.kv.cache import KVCache
 from dflash.models.int8_linear import Int8Linear
 from dflash.models.layers import DecoderLayer
 from dflash.models.model import CausalLM
-from dflash.parallel.layers import RowParallelLinear
+from dflash.parallel.layers import RowParallelLinear, VocabParallelHead
 
 SPLIT_MAX_ROWS = 128  # the largest forward measured (`benchmarks/gpu_attention_rows.py`): the runner's graph rows
 
@@ -59,11 +59,14 @@ def supports_fused_layers(model: CausalLM) -> bool:
 
 def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, an `Int8Linear` (int8 rows), or a
-    `RowParallelLinear` (this rank's product, then the sum over the ranks)."""
+    `RowParallelLinear` (this rank's product, then the sum over the ranks), or a `VocabParallelHead` (this rank's
+    logits, then every rank's gathered)."""
     if isinstance(module, Int8Linear):
         return fast_linear(x, module.values, module.bias, module.scales)
     if isinstance(module, RowParallelLinear):
         return module.reduce(fast_linear(x, module.weight))
+    if isinstance(module, VocabParallelHead):
+        return module.gather(fast_linear(x, module.weight))
     assert isinstance(module, nn.Linear)
     return fast_linear(x, module.weight, module.bias)
 

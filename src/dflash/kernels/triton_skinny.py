@@ -91,13 +91,18 @@ def skinny_usable(rows: int, config: SkinnyConfig) -> bool:
     return rows <= MAX_ROWS if config.use_dot else rows == 1
 
 
-def skinny_config(rows: int, k: int, int8: bool = False) -> SkinnyConfig | None:
+def skinny_config(rows: int, k: int, int8: bool = False, gpu: str = "") -> SkinnyConfig | None:
     """The configuration for x [rows, k], from the H100 grids (`results/gpu_skinny_gemm_h100_*.json`): one row
     multiplies and sums on the CUDA cores in long steps; 2-64 rows go through tensor cores, in longer steps for a
     wide reduction; int8 rows past 16 in narrower tiles (`..._qwen3_8b_drafter_int8.json`). None past `MAX_ROWS`
-    rows (cuBLAS's tiles win there)."""
+    rows (cuBLAS's tiles win there). `gpu` "H200" (`gpu_model`): one row of a wide reduction in shorter steps with
+    fewer warps, the best single choice over Qwen3-8B, Qwen3-32B and a 32B rank's shapes on an H200 (5% less time
+    over the three chains than the H100's choice, within 3% of the best per matrix;
+    `results/gpu_skinny_gemm_one_row_h200.json`); its more bandwidth wants more, smaller loads in flight."""
     wide = k >= 4096
     if rows == 1:
+        if wide and gpu == "H200":
+            return SkinnyConfig(4, 1024, 4, 2, False)
         return SkinnyConfig(8, 2048, 16, 2, False) if wide else SkinnyConfig(4, 1024, 8, 2, False)
     if rows <= 16:
         return SkinnyConfig(32, 512 if wide else 128, 4, 4)
@@ -106,6 +111,16 @@ def skinny_config(rows: int, k: int, int8: bool = False) -> SkinnyConfig | None:
             return SkinnyConfig(16, 256, 4, 3)
         return SkinnyConfig(32, 256 if wide else 128, 4, 4)
     return None
+
+
+def gpu_model(device: torch.device) -> str:
+    """"H200" on an H200, "" elsewhere (the H100's configurations apply)."""
+    return _gpu_model(device.index or 0) if device.type == "cuda" else ""
+
+
+@cache
+def _gpu_model(index: int) -> str:
+    return "H200" if "H200" in torch.cuda.get_device_name(index) else ""
 
 
 def skinny_products_enabled() -> bool:
@@ -120,7 +135,7 @@ def fast_linear(
     contiguous operands, at most `MAX_ROWS` rows; any device and float type under TRITON_INTERPRET=1, for the CPU
     tests), else cuBLAS. With `scales` [N] (float32), `weight` is int8 and the product is
     x @ (weight * scales[:, None])^T; where the program does not serve, the int8 matrix is widened for the call."""
-    config = skinny_config(x.shape[0], x.shape[1], int8=scales is not None)
+    config = skinny_config(x.shape[0], x.shape[1], int8=scales is not None, gpu=gpu_model(x.device))
     on_device = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     weight_dtype = torch.int8 if scales is not None else x.dtype
     if (

@@ -20,7 +20,7 @@ from dflash.errors import ModelLoadError
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm
 from dflash.models.rope import Rotary
-from dflash.parallel.layers import split_layers
+from dflash.parallel.layers import VocabParallelEmbedding, VocabParallelHead, split_layers
 from dflash.parallel.sharding import shard_config
 
 if TYPE_CHECKING:
@@ -49,9 +49,10 @@ class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head; subclasses pick the layer type.
 
     With `tensor_parallel` this process holds one rank's share of the decoder layers (`dflash.parallel`): a
-    world-th of the heads and MLP width (`layer_config`), with row-parallel output projections; embeddings, norms
-    and LM head stay whole, so the residual stream, the captured features and the logits are the same on every
-    rank. `config` always describes the whole model."""
+    world-th of the heads and MLP width (`layer_config`), with row-parallel output projections, and of the
+    vocabulary's rows of the embeddings and LM head where it divides evenly; their outputs are combined across the
+    ranks, so the residual stream, the captured features and the logits are the same on every rank. `config`
+    always describes the whole model."""
 
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer
     # Whether a forward's work is fixed by its shapes, so CUDA graphs can capture it (not so with host-side routing).
@@ -62,12 +63,19 @@ class CausalLM(nn.Module):
         self.config = config
         self.tensor_parallel = tensor_parallel
         self.layer_config = config if tensor_parallel is None else shard_config(config, tensor_parallel.world)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        vocab_rows = self.layer_config.vocab_size  # a world-th of the vocabulary where it is split across ranks
+        self.embed_tokens: nn.Embedding
+        self.lm_head: nn.Linear
+        if tensor_parallel is not None and vocab_rows != config.vocab_size:
+            self.embed_tokens = VocabParallelEmbedding(vocab_rows, config.hidden_size, tensor_parallel)
+            self.lm_head = VocabParallelHead(config.hidden_size, vocab_rows, tensor_parallel)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.layers = nn.ModuleList(self.layer_class(self.layer_config, i) for i in range(config.num_layers))
         if tensor_parallel is not None and tensor_parallel.world > 1:
             split_layers(self.layers, tensor_parallel)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)

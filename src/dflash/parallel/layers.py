@@ -1,19 +1,26 @@
-"""The row-parallel projections: each rank multiplies its slice of the inputs, then the ranks sum the parts.
+"""The layers whose weights are split across ranks and whose outputs the ranks then combine.
 
-Attention's output projection and the MLP's down projection end each sub-layer; with their input columns split
-across ranks (`dflash.parallel.sharding`) their outputs are partial sums, and one all-reduce per sub-layer
-(`dflash.parallel.collectives`) makes the residual stream whole and identical on every rank again.
+Row-parallel projections: attention's output projection and the MLP's down projection end each sub-layer; with
+their input columns split across ranks (`dflash.parallel.sharding`) their outputs are partial sums, and one
+all-reduce per sub-layer (`dflash.parallel.collectives`) makes the residual stream whole and identical on every
+rank again.
+
+Vocabulary-parallel embedding and LM head: each rank keeps a world-th of the vocabulary's rows. A rank embeds the
+ids in its range (zero elsewhere) and the all-reduce adds the ranks' rows (one non-zero term: exact); the head
+gives each rank the logits of its range and an all-gather puts the whole rows together on every rank. The head is
+a large matrix (a 152K vocabulary at hidden 5120 is 1.6 GB in bf16): split, each rank reads half of it per token.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dflash.parallel.group import TensorParallel
 
-__all__ = ["RowParallelLinear", "prepare_sums", "split_layers"]
+__all__ = ["RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead", "prepare_sums", "split_layers"]
 
 
 class RowParallelLinear(nn.Linear):
@@ -30,6 +37,46 @@ class RowParallelLinear(nn.Linear):
         """This rank's product x @ weight.T -> the whole projection (the sum over the ranks); for callers that
         compute the product their own way (`dflash.fastpath.fused_layers`)."""
         return self.tensor_parallel.sums(partial)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding holding rows [rank * rows, (rank + 1) * rows) of the vocabulary; its output is whole on every
+    rank. weight: [rows, hidden]."""
+
+    def __init__(self, rows: int, hidden: int, tensor_parallel: TensorParallel) -> None:
+        super().__init__(rows, hidden)
+        self.tensor_parallel = tensor_parallel
+        self.first = tensor_parallel.rank * rows
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [...] -> [..., hidden]."""
+        local = input_ids - self.first
+        inside = (local >= 0) & (local < self.num_embeddings)
+        rows = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.tensor_parallel.sums(rows * inside.unsqueeze(-1).to(rows.dtype))
+
+
+class VocabParallelHead(nn.Linear):
+    """An LM head holding the vocabulary rows of `VocabParallelEmbedding`; its logits are whole on every rank.
+    weight: [rows, hidden]."""
+
+    def __init__(self, hidden: int, rows: int, tensor_parallel: TensorParallel) -> None:
+        super().__init__(hidden, rows, bias=False)
+        self.tensor_parallel = tensor_parallel
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.gather(F.linear(hidden, self.weight))
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        """This rank's logits [..., rows] -> every rank's, in vocabulary order [..., world * rows]; for callers that
+        compute the product their own way (`dflash.fastpath.fused_layers`)."""
+        tp = self.tensor_parallel
+        rows = part.shape[-1]
+        flat = part.reshape(-1, rows)  # [n, rows]
+        parts = torch.empty((tp.world * flat.shape[0], rows), dtype=part.dtype, device=part.device)  # [world * n, rows]
+        dist.all_gather_into_tensor(parts, flat.contiguous(), group=tp.group)
+        whole = parts.view(tp.world, flat.shape[0], rows).transpose(0, 1)  # [n, world, rows]
+        return whole.reshape(*part.shape[:-1], tp.world * rows)
 
 
 def split_layers(layers: nn.ModuleList, tensor_parallel: TensorParallel) -> None:

@@ -4,9 +4,9 @@ Column-parallel (output rows split): q, k, v (weights and biases) and gate, up. 
 o and down, whose partial outputs are summed across ranks (`dflash.parallel.layers`). Rank r keeps attention heads
 [r * H/N, (r+1) * H/N) and key/value heads [r * KV/N, (r+1) * KV/N); with grouped queries a query head j reads key/
 value head j // (H/KV), so every rank's query heads read only its own key/value heads, and its KV cache holds only
-those. Embeddings, norms and the LM head are replicated (every rank computes the full logits, which keeps token
-choice local and simple; a vocabulary split would save memory at the cost of one more collective per forward).
-Weights are named as in Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`), which every loader
+those. The embeddings and the LM head are split by vocabulary rows where the vocabulary divides evenly (rank r
+keeps ids [r * V/N, (r+1) * V/N); `VocabParallelEmbedding` / `VocabParallelHead` make their outputs whole again),
+replicated otherwise; norms are replicated. Weights are named as in Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`), which every loader
 produces.
 """
 
@@ -19,7 +19,7 @@ import torch
 from dflash.config import ModelConfig
 from dflash.errors import ModelLoadError
 
-__all__ = ["ShardSpan", "shard_config", "shard_span", "shard_weights"]
+__all__ = ["ShardSpan", "shard_config", "shard_span", "shard_weights", "vocab_split"]
 
 ShardSpan = tuple[int, int, int]  # (dimension, start, length) of a rank's part of a tensor
 
@@ -39,7 +39,8 @@ _SPLITS: dict[str, tuple[int, str]] = {
 
 
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:
-    """The configuration of one rank's decoder layers: a world-th of the heads, key/value heads and MLP width."""
+    """The configuration of one rank's share: a world-th of the heads, key/value heads and MLP width, and of the
+    vocabulary's rows where they divide evenly (`vocab_split`)."""
     if world == 1:
         return config
     if config.is_moe:
@@ -59,12 +60,25 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
         num_heads=config.num_heads // world,
         num_kv_heads=config.num_kv_heads // world,
         intermediate_size=config.intermediate_size // world,
+        vocab_size=config.vocab_size // world if vocab_split(config, world) else config.vocab_size,
     )
+
+
+def vocab_split(config: ModelConfig, world: int) -> bool:
+    """Whether the embeddings and the LM head are split by vocabulary rows across `world` ranks."""
+    return world > 1 and config.vocab_size % world == 0
 
 
 def shard_span(name: str, config: ModelConfig, rank: int, world: int) -> ShardSpan | None:
     """Rank `rank`'s part of the tensor `name` (HF naming), or None when every rank keeps all of it."""
-    if world == 1 or not name.startswith("model.layers."):
+    if world == 1:
+        return None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if not vocab_split(config, world):
+            return None
+        rows = config.vocab_size // world
+        return 0, rank * rows, rows
+    if not name.startswith("model.layers."):
         return None
     for ending, (dim, kind) in _SPLITS.items():
         if name.endswith(ending):
