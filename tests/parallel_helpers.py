@@ -8,6 +8,7 @@ that each load their shard, run scripted forwards and generations, and save what
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from dflash.fastpath.dispatch import graph_runner_of
 from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
 from dflash.generation.request import GenerationRequest, GenerationResult
 from dflash.generation.sampling import SamplingParams
+from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.models.registry import build_model
 from dflash.parallel.group import TensorParallel
@@ -260,10 +262,19 @@ def engine_program(tp: TensorParallel, pair: dict[str, Any], *, graphed: bool = 
     record: dict[str, Any] = {"all_reduce": tp.sums.mode}
     if tp.leader:
         leader = LeaderEngine(engine, agreement)
+        runner = graph_runner_of(target)
         if graphed:
             record["warm_up_served"] = leader.warm_up()
+            if runner is not None:
+                # the leader alone still holds a view of the runner's cache (as a lingering traceback could): every
+                # rank must then run this generation eagerly, or their collectives fall out of step. (Leasing is a
+                # collective itself, so the view is made and recorded here directly.)
+                held = KVCache.view_of(runner.target_storage, 64)
+                runner._leases["target"] = weakref.ref(held)
+                record["held_lease"] = summary(leader.generate(case_request(generation_cases()[0]), spec="none"))
+                record["served_while_held"] = runner.served - record["warm_up_served"]
+                del held
         record["generations"] = run_cases(leader)
-        runner = graph_runner_of(target)
         record["served"] = runner.served if runner is not None else 0
         leader.close()
         try:

@@ -190,6 +190,8 @@ def test_graphed_forwards_under_tensor_parallelism_give_the_same_generations(
     assert generated["cancelled"]["finish"] == "cancelled"
     assert generated["callback_fails"] == {"error": "RuntimeError", "message": "client went away"}
     assert follower["generations"][-1] == generated["cached"]  # still in step after the failures
+    # a generation while the leader alone could not lease the runner's cache ran eagerly on every rank, in step
+    assert leader["held_lease"] == whole["plain"] and leader["served_while_held"] == 0
 
 
 def test_shard_config_refuses_uneven_splits() -> None:

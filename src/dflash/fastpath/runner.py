@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.dispatch import GraphForwards
@@ -138,13 +139,28 @@ class GraphRunner:
         return None if self.drafter_storage is None else self._lease("drafter", self.drafter_storage, capacity)
 
     def _lease(self, name: str, storage: KVCache, capacity: int) -> KVCache | None:
-        """A view of `storage` unless the previous one is still alive (then the caller allocates its own)."""
+        """A view of `storage` unless the previous one is still alive (then the caller allocates its own).
+
+        Under tensor parallelism the ranks agree: a view only if every rank can lease one. A rank whose previous
+        view lives on (a traceback holding it, say) would otherwise run this generation eagerly while the others
+        replay graphs, and their collectives would no longer match (an eager prefill gathers the last row's
+        logits, a graph all of its rows')."""
         previous = self._leases.get(name)
-        if capacity > storage.capacity or (previous is not None and previous() is not None):
+        free = capacity <= storage.capacity and (previous is None or previous() is None)
+        if not self._all_ranks_agree(free):
             return None
         view = KVCache.view_of(storage, capacity)
         self._leases[name] = weakref.ref(view)
         return view
+
+    def _all_ranks_agree(self, yes: bool) -> bool:
+        """`yes` on every rank of the target's tensor-parallel run (just `yes` without one); a collective."""
+        tensor_parallel = self.target.tensor_parallel
+        if tensor_parallel is None or tensor_parallel.world == 1:
+            return yes
+        flag = torch.tensor([int(yes)], dtype=torch.int32, device=tensor_parallel.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tensor_parallel.group)
+        return bool(flag.item())
 
     def bucket_for(self, slots: int) -> int:
         return min(round_up_pow2(slots, MIN_BUCKET), self.capacity)
