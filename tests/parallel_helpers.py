@@ -8,6 +8,7 @@ that each load their shard, run scripted forwards and generations, and save what
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,6 +18,7 @@ from typing import Any
 import tokenizers
 import torch
 
+from dflash import environment
 from dflash.config import ModelConfig
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import Engine, EngineOptions
@@ -228,10 +230,14 @@ def rank_program(tp: TensorParallel, payload: dict[str, Any]) -> int:
     record: dict[str, Any] = {}
     if payload["part"] == "forwards":
         for family in FAMILIES:
-            config: ModelConfig = saved[family]["config"]
-            shard = shard_weights(saved[family]["weights"], config, tp.rank, tp.world)
-            model = build_model(config, shard, device=tp.device, tensor_parallel=tp)
-            record[family] = scripted_forwards(model, tp.device)
+            for split in ("", "1"):  # the embeddings and LM head replicated, then split by vocabulary rows
+                os.environ[environment.TP_VOCAB_SPLIT] = split
+                config: ModelConfig = saved[family]["config"]
+                shard = shard_weights(saved[family]["weights"], config, tp.rank, tp.world)
+                model = build_model(config, shard, device=tp.device, tensor_parallel=tp)
+                record[family + ("_vocab_split" if split else "")] = scripted_forwards(model, tp.device)
+                record[family + ("_vocab_split" if split else "")]["head_rows"] = int(model.lm_head.weight.shape[0])
+        os.environ.pop(environment.TP_VOCAB_SPLIT)
     else:
         record = engine_program(tp, saved["engine"], graphed=payload["part"] == "graphed")
     torch.save(record, folder / f"{payload['part']}_rank{tp.rank}.pt")

@@ -113,19 +113,24 @@ def graphed_generations(models: dict[str, Any], generations: dict[str, Any]) -> 
     return {"ranks": _launch(models, "graphed"), "whole": generations["whole"]}
 
 
+@pytest.mark.parametrize("split", ["", "_vocab_split"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sharded_forwards_equal_the_whole_model(models: dict[str, Any], forwards: dict[str, Any], family: str) -> None:
+def test_sharded_forwards_equal_the_whole_model(
+    models: dict[str, Any], forwards: dict[str, Any], family: str, split: str
+) -> None:
     whole = forwards["whole"][family]
     config: ModelConfig = models["saved"][family]["config"]
+    vocab = config.vocab_size
     for rank in forwards["ranks"]:
-        mine = rank[family]
+        mine = rank[family + split]
+        assert mine["head_rows"] == (vocab // WORLD if split else vocab)
         assert mine["kv_heads"] == config.num_kv_heads // WORLD  # each rank caches only its key/value heads
         for key in ("prefill", "step", "verify", "tree", "features"):
             assert mine[key].shape == whole[key].shape
             torch.testing.assert_close(mine[key], whole[key], rtol=1e-5, atol=1e-5, msg=f"{family} {key}")
     # the all-reduced residual stream is the same on both ranks, bit for bit
     for key in ("prefill", "step", "verify", "tree", "features"):
-        assert torch.equal(forwards["ranks"][0][family][key], forwards["ranks"][1][family][key])
+        assert torch.equal(forwards["ranks"][0][family + split][key], forwards["ranks"][1][family + split][key])
 
 
 def test_greedy_generations_equal_one_process(generations: dict[str, Any]) -> None:
@@ -201,7 +206,8 @@ def test_shard_config_refuses_uneven_splits() -> None:
         shard_config(config, 4)
 
 
-def test_shard_spans_cover_each_split_tensor_once() -> None:
+def test_shard_spans_cover_each_split_tensor_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_TP_VOCAB_SPLIT", "1")
     model = ours_from_hf(hf_tiny("qwen3"))
     weights = hf_named(model)
     config = model.config
@@ -221,6 +227,9 @@ def test_shard_spans_cover_each_split_tensor_once() -> None:
     odd = replace(config, vocab_size=513)
     assert shard_span("model.embed_tokens.weight", odd, 1, WORLD) is None
     assert shard_config(odd, WORLD).vocab_size == 513 and shard_config(config, WORLD).vocab_size == 256
+    monkeypatch.delenv("DFLASH_TP_VOCAB_SPLIT")  # the default: replicated
+    assert shard_span("model.embed_tokens.weight", config, 1, WORLD) is None
+    assert shard_config(config, WORLD).vocab_size == 512
 
 
 def test_a_rank_reads_only_its_part_of_a_hugging_face_folder(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
 | `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric (`parallel.collectives`)    |
+| `DFLASH_TP_VOCAB_SPLIT`        | off      | 1: split embeddings and LM head by vocabulary rows across ranks         |
 | `DFLASH_API_KEY`               | none     | the key `dflash serve` requires (`dflash.cli.api_key`)                  |
 | `DFLASH_MIN_TOKENS`            | off      | agent stall recovery (`dflash.server.stall`): no EOS before N tokens    |
 | `DFLASH_STALL_TOOL_PREFIX`     | off      | agent stall recovery: continue a turn that stops at an action preamble  |
@@ -33,6 +34,7 @@ CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
 PRODUCTS = "DFLASH_PRODUCTS"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
+TP_VOCAB_SPLIT = "DFLASH_TP_VOCAB_SPLIT"
 API_KEY = "DFLASH_API_KEY"
 MIN_TOKENS = "DFLASH_MIN_TOKENS"
 STALL_TOOL_PREFIX = "DFLASH_STALL_TOOL_PREFIX"
@@ -80,6 +82,11 @@ def products(env: Mapping[str, str] | None = None) -> str:
 def tp_allreduce(env: Mapping[str, str] | None = None) -> str:
     """`DFLASH_TP_ALLREDUCE`: "auto" (the default), "nccl" or "symmetric"; raises `ValueError` for anything else."""
     return _choice(_environ(env), TP_ALLREDUCE, TP_ALLREDUCE_CHOICES)
+
+
+def tp_vocab_split(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_TP_VOCAB_SPLIT`: on only when 1/true/yes/on (`dflash.parallel.sharding.vocab_split`)."""
+    return env_flag(_environ(env), TP_VOCAB_SPLIT)
 
 
 def api_key(env: Mapping[str, str] | None = None) -> str | None:
