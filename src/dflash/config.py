@@ -12,17 +12,29 @@ from typing import Any
 
 from dflash.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_5")
+# Families whose layers keep a recurrent state besides (or instead of) K/V: see `dflash.kv.recurrent`.
+HYBRID_ARCHITECTURES = ("qwen3_5",)
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet (Qwen3.5): a convolution window and a recurrent state
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, normalised across families."""
 
-    architecture: str  # "llama" | "qwen3" | "gemma3"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_5"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,7 +46,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    layer_types: tuple[str, ...]  # one of FULL_ATTENTION / SLIDING_ATTENTION per layer
+    layer_types: tuple[str, ...]  # one of FULL_ATTENTION / SLIDING_ATTENTION / LINEAR_ATTENTION per layer
     sliding_window: int | None = None
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
@@ -47,6 +59,15 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3.5 hybrid: full-attention layers rotate only the first head_dim * partial_rotary_factor channels of a
+    # head and gate their output by sigmoid(a second query projection); linear-attention layers are Gated DeltaNet
+    partial_rotary_factor: float = 1.0
+    attention_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v projections
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -57,6 +78,26 @@ class ModelConfig:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"{self.num_heads} attention heads do not divide into {self.num_kv_heads} KV heads")
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION})
+        if unknown:
+            raise ModelLoadError(f"unsupported layer type {unknown[0]!r} in layer_types")
+        if LINEAR_ATTENTION in self.layer_types:
+            self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        if self.architecture not in HYBRID_ARCHITECTURES:
+            raise ModelLoadError(f"{self.architecture} models have no linear-attention layers")
+        sizes = (
+            self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+            self.linear_value_head_dim, self.linear_conv_kernel,
+        )
+        if min(sizes) <= 0:
+            raise ModelLoadError("linear-attention layers need positive head counts, head dims and conv kernel size")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelLoadError(
+                f"{self.linear_num_value_heads} linear-attention value heads do not divide into "
+                f"{self.linear_num_key_heads} key heads"
+            )
 
     @property
     def attention_scale(self) -> float:
@@ -66,7 +107,17 @@ class ModelConfig:
     @property
     def norm_adds_one(self) -> bool:
         """Gemma's RMSNorm multiplies by (1 + weight) in the HF convention."""
-        return self.architecture == "gemma3"
+        return self.architecture in ("gemma3", "qwen3_5")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a recurrent state (linear attention): rollback and batching need that state too."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the rest pass through unrotated)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -74,9 +125,11 @@ class ModelConfig:
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             raw = {**raw["text_config"], **{k: v for k, v in raw.items() if k in ("eos_token_id", "bos_token_id")}}
         model_type = str(raw.get("model_type", ""))
-        arch = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "gemma3_text": "gemma3"}.get(model_type)
+        arch = _MODEL_TYPES.get(model_type)
         if arch is None:
-            raise ModelLoadError(f"{source}: unknown model_type {model_type!r}; supported: llama, qwen3, gemma3")
+            raise ModelLoadError(
+                f"{source}: unknown model_type {model_type!r}; supported: {', '.join(sorted(_MODEL_TYPES))}"
+            )
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -106,13 +159,14 @@ class ModelConfig:
                 rope_local_theta=local_theta if is_gemma else None,
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=arch in ("qwen3", "gemma3"),
+                qk_norm=arch in ("qwen3", "gemma3", "qwen3_5"),
                 query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
                 embed_scale=math.sqrt(hidden) if is_gemma else 1.0,
                 final_logit_softcapping=_opt_float(raw.get("final_logit_softcapping")),
                 attn_logit_softcapping=_opt_float(raw.get("attn_logit_softcapping")),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **(_hybrid_fields(raw) if arch in HYBRID_ARCHITECTURES else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
@@ -131,6 +185,21 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, f
     return theta, scaling, local_theta
 
 
+def _hybrid_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's gated attention and Gated DeltaNet sizes (transformers' defaults where a field is absent)."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    assert isinstance(params, dict)
+    return {
+        "partial_rotary_factor": float(raw.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25),
+        "attention_output_gate": True,
+        "linear_num_key_heads": int(raw.get("linear_num_key_heads", 16)),
+        "linear_num_value_heads": int(raw.get("linear_num_value_heads", 32)),
+        "linear_key_head_dim": int(raw.get("linear_key_head_dim", 128)),
+        "linear_value_head_dim": int(raw.get("linear_value_head_dim", 128)),
+        "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
+    }
+
+
 def _opt_float(value: Any) -> float | None:
     return float(value) if value is not None else None
 
@@ -138,6 +207,9 @@ def _opt_float(value: Any) -> float | None:
 def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]:
     if raw.get("layer_types"):
         return tuple(str(t) for t in raw["layer_types"])
+    if arch == "qwen3_5":  # every `full_attention_interval`-th layer is full attention, the others linear
+        interval = int(raw.get("full_attention_interval", 4))
+        return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers))
     if arch == "gemma3":
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers))

@@ -67,7 +67,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = Rotary(config.rotary_dim, config.rope_theta, config.rope_scaling)
         local_theta = config.rope_local_theta
         self.rotary_local = Rotary(config.head_dim, local_theta) if local_theta is not None else self.rotary
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types]

@@ -9,6 +9,7 @@ from dflash.models.gemma3 import Gemma3ForCausalLM
 from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
+from dflash.models.qwen3_5 import Qwen35ForCausalLM
 from dflash.models.rope import Rotary
 from dflash.parallel.group import TensorParallel
 
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    "qwen3_5": Qwen35ForCausalLM,
 }
 
 

@@ -42,6 +42,8 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     """The configuration of one rank's decoder layers: a world-th of the heads, key/value heads and MLP width."""
     if world == 1:
         return config
+    if config.is_hybrid:
+        raise ModelLoadError(f"--tensor-parallel {world}: linear-attention (hybrid) models are not split across ranks")
     for what, count in (
         ("attention heads", config.num_heads),
         ("key/value heads", config.num_kv_heads),
