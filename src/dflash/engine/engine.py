@@ -70,8 +70,12 @@ class EngineOptions:
 
 
 def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
-                    tensor_parallel: bool) -> EngineOptions:
-    """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch."""
+                    tensor_parallel: bool, hybrid: bool = False) -> EngineOptions:
+    """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
+
+    `hybrid` (a target with linear-attention layers, whose recurrent state follows one sequence): tree verification
+    becomes linear verification, and requests run one at a time through the single-request loops, without CUDA
+    graphs or prefix cache, until those paths carry the recurrent state."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
     kind = device.type
@@ -87,7 +91,30 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
     )
     if resolved.max_batch is not None and resolved.max_batch < 1:
         raise DFlashError(f"max batch must be at least 1, got {resolved.max_batch}")
+    if hybrid:
+        resolved = _for_hybrid(resolved)
     return resolved
+
+
+def _for_hybrid(options: EngineOptions) -> EngineOptions:
+    """The options a hybrid (linear-attention) target can run, each change logged once at start-up."""
+    hybrid = replace(
+        options,
+        spec="linear" if options.spec == "ddtree" else options.spec,
+        max_batch=1,
+        cuda_graphs=False,
+        prefix_cache_mb=0.0,
+    )
+    reasons = {
+        "spec": "tree verification cannot follow a recurrent state: verifying drafts linearly",
+        "max_batch": "the batched engine core keeps no recurrent state: one request at a time (max batch 1)",
+        "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
+        "prefix_cache_mb": "the prefix cache stores no recurrent state: prefix cache off",
+    }
+    for field, reason in reasons.items():
+        if getattr(options, field) != getattr(hybrid, field):
+            log.info("hybrid model (linear-attention layers): %s", reason)
+    return hybrid
 
 
 class Engine:
@@ -106,6 +133,7 @@ class Engine:
             device=self.device,
             has_drafter=drafter is not None,
             tensor_parallel=getattr(target, "tensor_parallel", None) is not None,
+            hybrid=target.config.is_hybrid,
         )
         self.model_name = model_name
         self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader
@@ -215,12 +243,14 @@ class Engine:
             raise GenerationError(f"unknown spec mode {mode!r}")
         if self.drafter is None or request.sampling.penalised:
             return "none"  # penalties depend on every earlier token: plain decoding applies them exactly
+        if mode == "ddtree" and self.target.config.is_hybrid:
+            return "linear"  # a recurrent state follows one sequence, not a tree (`resolve_options` logged it)
         return mode
 
     def cached_prompt_tokens(self, request: GenerationRequest) -> int:
         """Leading prompt tokens of `request` the prefix cache could restore now (0 when it has none or the request
         opts out): what a stream reports before generation starts; the generation's stats carry the exact figure."""
-        prefix_cache = self.prefix_cache if request.use_prefix_cache else None
+        prefix_cache = self.prefix_cache if request.use_prefix_cache and not self.target.config.is_hybrid else None
         return cached_prefix_length(prefix_cache, request.prompt_ids, chunk=self.options.prefill_chunk)
 
     def generate(

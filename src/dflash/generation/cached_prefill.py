@@ -68,8 +68,9 @@ def prefill_prompt(
     forwards: Forwards | None = None,
 ) -> PromptPrefill | None:
     """prompt: [1, length] into an empty `cache`. Returns None when `should_stop` abandoned the prefill (after
-    storing the full blocks of the chunks it completed). `forwards` runs the model (`chunked_prefill`)."""
-    if not prefix_cache_usable(prefix_cache, chunk, capture):
+    storing the full blocks of the chunks it completed). `forwards` runs the model (`chunked_prefill`). A cache
+    with linear-attention state neither reads nor fills the prefix cache: its blocks hold K/V only."""
+    if cache.recurrent is not None or not prefix_cache_usable(prefix_cache, chunk, capture):
         logits, captured = chunked_prefill(
             model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop, forwards=forwards
         )
