@@ -47,3 +47,33 @@ def hf_tiny_hybrid(seed: int = 0, **overrides: Any) -> Any:
 def ours_from_hf_hybrid(hf_model: Any) -> CausalLM:
     config = ModelConfig.from_hf(hf_model.config.to_dict())
     return build_model(config, {k: v.detach().clone() for k, v in hf_model.state_dict().items()})
+
+
+TINY_NEXT: dict[str, Any] = {
+    **{k: v for k, v in TINY_HYBRID.items() if k != "layer_types"},
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "mlp_only_layers": [2],  # one dense MLP among the mixtures
+}
+
+
+def hf_tiny_next(seed: int = 0, **overrides: Any) -> Any:
+    """transformers' Qwen3NextForCausalLM with random weights; norms, dt_bias and the router perturbed (the router
+    starts at zero, which would tie every expert's score), experts scaled up."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3NextConfig(**{**TINY_NEXT, **overrides})
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn_like(param))
+            if ".experts." in name:  # large enough that a wrong routing shows in the logits
+                param.mul_(10)
+    return model

@@ -12,9 +12,9 @@ from typing import Any
 
 from dflash.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_5")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_5", "qwen3_next")
 # Families whose layers keep a recurrent state besides (or instead of) K/V: see `dflash.kv.recurrent`.
-HYBRID_ARCHITECTURES = ("qwen3_5",)
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_next")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -27,6 +27,7 @@ _MODEL_TYPES = {
     "gemma3_text": "gemma3",
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "qwen3_next": "qwen3_next",
 }
 
 
@@ -34,7 +35,7 @@ _MODEL_TYPES = {
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, normalised across families."""
 
-    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_5"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_5" | "qwen3_next"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -68,6 +69,14 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v projections
+    # Mixture of experts (Qwen3-Next): the layers listed in `moe_layers` replace the MLP by `num_experts` experts
+    # (top `num_experts_per_tok` per token) plus a gated shared expert
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -83,6 +92,8 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported layer type {unknown[0]!r} in layer_types")
         if LINEAR_ATTENTION in self.layer_types:
             self._check_linear_attention()
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"{self.num_experts_per_tok} experts per token out of {self.num_experts} experts")
 
     def _check_linear_attention(self) -> None:
         if self.architecture not in HYBRID_ARCHITECTURES:
@@ -107,7 +118,7 @@ class ModelConfig:
     @property
     def norm_adds_one(self) -> bool:
         """Gemma's RMSNorm multiplies by (1 + weight) in the HF convention."""
-        return self.architecture in ("gemma3", "qwen3_5")
+        return self.architecture in ("gemma3", "qwen3_5", "qwen3_next")
 
     @property
     def is_hybrid(self) -> bool:
@@ -159,7 +170,7 @@ class ModelConfig:
                 rope_local_theta=local_theta if is_gemma else None,
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=arch in ("qwen3", "gemma3", "qwen3_5"),
+                qk_norm=arch in ("qwen3", "gemma3", "qwen3_5", "qwen3_next"),
                 query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
                 embed_scale=math.sqrt(hidden) if is_gemma else 1.0,
                 final_logit_softcapping=_opt_float(raw.get("final_logit_softcapping")),
@@ -167,6 +178,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **(_hybrid_fields(raw) if arch in HYBRID_ARCHITECTURES else {}),
+                **(_moe_fields(raw, layers) if arch == "qwen3_next" else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
@@ -200,6 +212,21 @@ def _hybrid_fields(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _moe_fields(raw: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Qwen3-Next's experts: every `decoder_sparse_step`-th layer not in `mlp_only_layers` is a mixture."""
+    experts = int(raw.get("num_experts", 512))
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    return {
+        "moe_layers": tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0),
+        "num_experts": experts,
+        "num_experts_per_tok": int(raw.get("num_experts_per_tok", 10)),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size", 512)),
+        "shared_expert_intermediate_size": int(raw.get("shared_expert_intermediate_size", 512)),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+    }
+
+
 def _opt_float(value: Any) -> float | None:
     return float(value) if value is not None else None
 
@@ -207,7 +234,7 @@ def _opt_float(value: Any) -> float | None:
 def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]:
     if raw.get("layer_types"):
         return tuple(str(t) for t in raw["layer_types"])
-    if arch == "qwen3_5":  # every `full_attention_interval`-th layer is full attention, the others linear
+    if arch in HYBRID_ARCHITECTURES:  # every `full_attention_interval`-th layer is full attention, the others linear
         interval = int(raw.get("full_attention_interval", 4))
         return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers))
     if arch == "gemma3":

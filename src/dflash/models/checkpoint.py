@@ -44,9 +44,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes.update(_linear_attention_shapes(config, p + "linear_attn."))
         else:
             _add_attention_shapes(shapes, config, p + "self_attn.")
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        if i in config.moe_layers:
+            shapes.update(_moe_shapes(config, p + "mlp."))
+        else:
+            shapes.update(_mlp_shapes(hidden, inter, p + "mlp."))
         for norm in norms:
             shapes[p + norm + ".weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
@@ -73,17 +74,40 @@ def _add_attention_shapes(shapes: dict[str, tuple[int, ...]], config: ModelConfi
         shapes[p + "k_norm.weight"] = (hd,)
 
 
+def _mlp_shapes(hidden: int, width: int, p: str) -> dict[str, tuple[int, ...]]:
+    return {p + "gate_proj.weight": (width, hidden), p + "up_proj.weight": (width, hidden), p + "down_proj.weight": (hidden, width)}
+
+
+def _moe_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """Router, experts (one tensor per expert, as checkpoints store them) and the gated shared expert."""
+    hidden = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (config.num_experts, hidden)}
+    shapes[p + "shared_expert_gate.weight"] = (1, hidden)
+    shapes.update(_mlp_shapes(hidden, config.shared_expert_intermediate_size, p + "shared_expert."))
+    for e in range(config.num_experts):
+        shapes.update(_mlp_shapes(hidden, config.moe_intermediate_size, p + f"experts.{e}."))
+    return shapes
+
+
 def _linear_attention_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """A Gated DeltaNet layer's tensors (transformers' names)."""
+    """A Gated DeltaNet layer's tensors (transformers' names; Qwen3-Next fuses the projections per key head)."""
     hidden, kernel = config.hidden_size, config.linear_conv_kernel
     keys = config.linear_num_key_heads * config.linear_key_head_dim
     values = config.linear_num_value_heads * config.linear_value_head_dim
     heads = config.linear_num_value_heads
-    return {
+    projections: dict[str, tuple[int, ...]] = {
         p + "in_proj_qkv.weight": (2 * keys + values, hidden),
         p + "in_proj_z.weight": (values, hidden),
         p + "in_proj_b.weight": (heads, hidden),
         p + "in_proj_a.weight": (heads, hidden),
+    }
+    if config.architecture == "qwen3_next":
+        projections = {
+            p + "in_proj_qkvz.weight": (2 * keys + 2 * values, hidden),
+            p + "in_proj_ba.weight": (2 * heads, hidden),
+        }
+    return {
+        **projections,
         p + "conv1d.weight": (2 * keys + values, 1, kernel),
         p + "dt_bias": (heads,),
         p + "A_log": (heads,),

@@ -25,6 +25,7 @@ from dflash.kv.recurrent import RecurrentStates
 from dflash.models.gated_deltanet import GatedDeltaNet, recurrent_shape
 from dflash.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
+from dflash.models.moe import SparseMoE
 from dflash.models.rope import apply_rotary
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ class GatedAttention(Attention):
 
 
 class Qwen35DecoderLayer(nn.Module):
-    """Pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`)."""
+    """Pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`), and whose
+    MLP is a mixture of experts in the layers the configuration lists (Qwen3-Next)."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -86,7 +88,10 @@ class Qwen35DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config, kind_slot(config, layer_index))
         else:
             self.self_attn = GatedAttention(config, kind_slot(config, layer_index))
-        self.mlp = GatedMLP(dim, config.intermediate_size, config.hidden_act)
+        self.mlp: nn.Module = (
+            SparseMoE(config) if layer_index in config.moe_layers
+            else GatedMLP(dim, config.intermediate_size, config.hidden_act)
+        )
         self.input_layernorm = RMSNorm(dim, eps, adds_one=True)
         self.post_attention_layernorm = RMSNorm(dim, eps, adds_one=True)
 

@@ -10,6 +10,7 @@ from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
 from dflash.models.qwen3_5 import Qwen35ForCausalLM
+from dflash.models.qwen3_next import Qwen3NextForCausalLM
 from dflash.models.rope import Rotary
 from dflash.parallel.group import TensorParallel
 
@@ -18,6 +19,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "qwen3_5": Qwen35ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 
