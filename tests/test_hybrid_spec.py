@@ -121,3 +121,24 @@ def test_fast_paths_decline_hybrid_models(target: CausalLM) -> None:
     with pytest.raises(ModelLoadError, match="not split"):
         shard_config(target.config, 2)
 
+
+
+def test_prefix_cache_declines_hybrid_caches(target: CausalLM) -> None:
+    """Handed a prefix cache anyway, the loops neither store nor restore blocks (they hold K/V, not the recurrent
+    state), and the tokens stay the plain ones."""
+    from dflash.generation.autoregressive import decode_autoregressive
+    from dflash.generation.output import OutputSink
+    from dflash.generation.sampling import SamplingParams
+    from dflash.generation.selection import TokenChooser
+    from dflash.kv.prefix_cache import PrefixCache
+
+    prefix_cache = PrefixCache(2**24, block_tokens=8)
+    prompt = random_prompts(1, VOCAB, seed=12, lengths=(30,))[0]
+    plain, _ = run(target, None, prompt, 10)
+    for _ in range(2):
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=10)
+        sink = OutputSink(lambda ids: "", eos_ids=(), max_new_tokens=10)
+        chooser = TokenChooser(SamplingParams(), eos_ids=(), min_tokens=0, vocab_size=VOCAB, device="cpu")
+        stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
+        assert sink.token_ids == plain and stats.cached_tokens == 0
+    assert prefix_cache.stats().blocks == 0
