@@ -172,4 +172,5 @@ def _config_from_json(raw: dict[str, Any]) -> ModelConfig:
     raw = dict(raw)
     raw["layer_types"] = tuple(raw["layer_types"])
     raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
+    raw["moe_layers"] = tuple(raw.get("moe_layers", ()))
     return ModelConfig(**raw)

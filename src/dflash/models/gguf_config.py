@@ -17,6 +17,7 @@ import numpy as np
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, SUPPORTED_ARCHITECTURES, ModelConfig
 from dflash.errors import ModelLoadError
+from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES, hybrid_config_from_gguf, is_refused_hybrid
 
 __all__ = ["config_from_gguf", "llama3_factors", "llama3_rope_scaling"]
 
@@ -32,7 +33,12 @@ def config_from_gguf(
 ) -> ModelConfig:
     """Build the configuration; `tensor_shapes` are in torch order (rows first)."""
     arch = str(metadata.get("general.architecture", ""))
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch in GGUF_HYBRID_ARCHITECTURES:
+        return hybrid_config_from_gguf(arch, metadata, tensor_shapes, source)
+    refused = is_refused_hybrid(arch)
+    if refused is not None:
+        raise ModelLoadError(f"{source}: {refused} GGUF files ({arch!r}) are not supported yet; use its HF folder")
+    if arch not in SUPPORTED_ARCHITECTURES or arch in GGUF_HYBRID_ARCHITECTURES.values():
         raise ModelLoadError(
             f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )

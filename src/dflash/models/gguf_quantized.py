@@ -56,6 +56,8 @@ def load_gguf_quantized(path: Path) -> QuantizedCheckpoint:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     gguf, config, names, tokenizer = open_gguf_model(path)
+    if config.is_hybrid:
+        raise ModelLoadError(f"{path}: linear-attention (hybrid) models run dense weights, not quantized blocks")
     unsupported = unsupported_matrices(gguf)
     if unsupported:
         raise ModelLoadError(f"{path}: cannot keep the weights quantized: {describe_unsupported(unsupported)}")

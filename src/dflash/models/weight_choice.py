@@ -70,7 +70,11 @@ def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> s
     if path.is_dir() or path.suffix.lower() != ".gguf":
         return "the model is not a GGUF file"
     from dflash.models.gguf_file import GGUFFile
+    from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES
     from dflash.models.gguf_quantized import describe_unsupported, unsupported_matrices
 
-    unsupported = unsupported_matrices(GGUFFile(path))
+    gguf = GGUFFile(path)
+    if str(gguf.metadata.get("general.architecture", "")) in GGUF_HYBRID_ARCHITECTURES:
+        return "linear-attention (hybrid) models run dense weights"
+    unsupported = unsupported_matrices(gguf)
     return describe_unsupported(unsupported) if unsupported else None
