@@ -91,14 +91,14 @@ def _engine(target: CausalLM, tmp_path: Path, options: EngineOptions) -> Engine:
 def test_engine_falls_back_for_hybrid_models(
     target: CausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """DDTree becomes linear verification, the batched core and prefix cache are off (each logged), and every
-    strategy a request asks for gives the plain tokens."""
+    """DDTree becomes linear verification and the prefix cache is off (each logged); with max batch 1 (the
+    single-request loops) every strategy a request asks for gives the plain tokens."""
     with caplog.at_level(logging.INFO, logger="dflash.engine"):
-        engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=4, prefix_cache_mb=16))
+        engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1, prefix_cache_mb=16))
     options = engine.options
     assert (options.spec, options.max_batch, options.prefix_cache_mb) == ("linear", 1, 0.0)
     assert engine.prefix_cache is None and not engine.batched
-    assert "verifying drafts linearly" in caplog.text and "max batch 1" in caplog.text
+    assert "verifying drafts linearly" in caplog.text and "prefix cache off" in caplog.text
     prompt = random_prompts(1, VOCAB, seed=9, lengths=(17,))[0]
     results = {
         spec: engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=20, ignore_eos=True), spec=spec)
@@ -142,3 +142,36 @@ def test_prefix_cache_declines_hybrid_caches(target: CausalLM) -> None:
         stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
         assert sink.token_ids == plain and stats.cached_tokens == 0
     assert prefix_cache.stats().blocks == 0
+
+
+def test_batched_core_keeps_each_requests_state(target: CausalLM, tmp_path: Path) -> None:
+    """Requests decoding together through the batched core (prefill chunks packed with other requests'
+    verification blocks, each with its own linear-attention state and rollback) give the tokens each gives alone."""
+    from tests.batch_helpers import drain, make_core, make_sequence
+
+    drafter = _drafter()
+    prompts = random_prompts(4, VOCAB, seed=13, lengths=(9, 40, 75, 17))
+    alone = [run(target, None, prompt, 24)[0] for prompt in prompts]
+    core = make_core(target, drafter, max_batch=4, prefill_chunk=32, linear_drafts=BLOCK - 1)
+    sequences = [
+        make_sequence(target, prompt, 24, "linear" if i % 3 else "none") for i, prompt in enumerate(prompts)
+    ]
+    for seq in sequences:
+        core.add(seq)
+    drain(core)
+    assert [seq.sink.token_ids for seq in sequences] == alone
+    assert sum(seq.stats.rounds for seq in sequences) > 0
+    with pytest.raises(GenerationError, match="tree verification"):
+        core.add(make_sequence(target, prompts[0], 4, "ddtree"))
+
+
+def test_engine_batches_hybrid_requests(target: CausalLM, tmp_path: Path) -> None:
+    engine = _engine(target, tmp_path, EngineOptions(spec="linear", max_batch=4))
+    assert engine.batched
+    try:
+        prompt = random_prompts(1, VOCAB, seed=14, lengths=(20,))[0]
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
+        plain, _ = run(target, None, prompt, 16)
+        assert engine.generate(request, spec="ddtree").token_ids == plain
+    finally:
+        engine.close()

@@ -24,12 +24,14 @@ from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
+from dflash.config import LINEAR_ATTENTION
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
+from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
 from dflash.speculative.ddtree import tree_choices
@@ -92,8 +94,10 @@ class BatchCore:
         weight = target.embed_tokens.weight
         blocks = -(-settings.pool_tokens // POOL_BLOCK_TOKENS)
         config = target.layer_config
+        # a hybrid's linear layers keep no K/V: its attention layers are numbered among themselves
+        attention_layers = config.num_layers - config.layer_types.count(LINEAR_ATTENTION)
         self.target_pool = BlockPool(
-            config.num_layers, config.num_kv_heads, config.head_dim, blocks, POOL_BLOCK_TOKENS,
+            attention_layers, config.num_kv_heads, config.head_dim, blocks, POOL_BLOCK_TOKENS,
             dtype=weight.dtype, device=weight.device,
         )
         self.drafter_pool: BlockPool | None = None
@@ -132,6 +136,8 @@ class BatchCore:
 
     def add_check(self, seq: Sequence) -> None:
         """Refuse a sequence that could never be admitted (it needs more memory than the whole pool)."""
+        if seq.mode == "ddtree" and self.target.config.is_hybrid:
+            raise GenerationError("tree verification cannot follow a linear-attention state: use linear")
         needed = self.target_pool.blocks_for(self.positions_needed(seq))
         if needed > self.target_pool.num_blocks:
             raise GenerationError(
@@ -153,6 +159,8 @@ class BatchCore:
             self.waiting.popleft()
             seq.target = SlotTable(self.target_pool)
             seq.target.reserve(positions)
+            if self.target.config.is_hybrid:
+                seq.target.recurrent = new_recurrent_states(self.target.config, self.target.embed_tokens.weight)
             if seq.speculative and self.drafter_pool is not None:
                 seq.drafter = SlotTable(self.drafter_pool)
                 seq.drafter.reserve(positions)
@@ -284,7 +292,10 @@ class BatchCore:
         return bool(self.capture) and (seq.speculative or self._cache_for(seq) is not None)
 
     def _cache_for(self, seq: Sequence) -> PrefixCache | None:
-        cache = self.prefix_cache if seq.request.use_prefix_cache else None
+        # the prefix cache's blocks hold K/V, not a hybrid's linear-attention state: such a model neither reads
+        # nor fills it
+        use = seq.request.use_prefix_cache and not self.target.config.is_hybrid
+        cache = self.prefix_cache if use else None
         capture = self.capture if seq.speculative else ()
         return cache if prefix_cache_usable(cache, self.settings.prefill_chunk, capture) else None
 

@@ -74,8 +74,8 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
     """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
 
     `hybrid` (a target with linear-attention layers, whose recurrent state follows one sequence): tree verification
-    becomes linear verification, and requests run one at a time through the single-request loops, without CUDA
-    graphs or prefix cache, until those paths carry the recurrent state."""
+    becomes linear verification, without CUDA graphs or prefix cache, until those paths carry the recurrent
+    state."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
     kind = device.type
@@ -101,13 +101,11 @@ def _for_hybrid(options: EngineOptions) -> EngineOptions:
     hybrid = replace(
         options,
         spec="linear" if options.spec == "ddtree" else options.spec,
-        max_batch=1,
         cuda_graphs=False,
         prefix_cache_mb=0.0,
     )
     reasons = {
         "spec": "tree verification cannot follow a recurrent state: verifying drafts linearly",
-        "max_batch": "the batched engine core keeps no recurrent state: one request at a time (max batch 1)",
         "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
         "prefix_cache_mb": "the prefix cache stores no recurrent state: prefix cache off",
     }

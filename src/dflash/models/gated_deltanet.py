@@ -5,20 +5,24 @@ Per token: project to q, k, v (one matrix), run them through a causal depthwise 
 g = -exp(A_log) * softplus(a + dt_bias) and a write strength beta = sigmoid(b). The read-out of each value head is
 RMS-normalised, gated by SiLU(z) and projected back to the hidden size.
 
-The past lives in the cache's `RecurrentStates` (convolution window plus state matrix per head), indexed by this
-layer's position among the linear layers (`slot`). Parameter names follow transformers' checkpoints.
+The past lives in a `RecurrentStates` (convolution window plus state matrix per head), indexed by this layer's
+position among the linear layers (`slot`): the `KVCache`'s of a single sequence, or one per request of a packed
+batch (the batched core's attention backend lists them with their rows). Parameter names follow transformers'
+checkpoints.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import ModelConfig
+from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import GenerationError
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
-from dflash.kv.recurrent import DeltaRows, RecurrentShape
+from dflash.kv.recurrent import DeltaRows, RecurrentShape, RecurrentStates
 from dflash.models.delta_rule import RECURRENT_MAX_ROWS, chunked_delta_rule, recurrent_delta_rule
 
 
@@ -33,6 +37,12 @@ def recurrent_shape(config: ModelConfig) -> RecurrentShape:
         key_dim=config.linear_key_head_dim,
         value_dim=config.linear_value_head_dim,
     )
+
+
+def new_recurrent_states(config: ModelConfig, like: torch.Tensor, batch: int = 1) -> RecurrentStates:
+    """Empty states for every linear layer of `config`, windows in the dtype and on the device of `like`."""
+    layers = config.layer_types.count(LINEAR_ATTENTION)
+    return RecurrentStates(layers, recurrent_shape(config), batch=batch, dtype=like.dtype, device=like.device)
 
 
 class GatedRMSNorm(nn.Module):
@@ -75,19 +85,49 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_size, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cache: CacheWriter | AttentionBackend | None) -> torch.Tensor:
-        """x: [batch, seq, hidden] -> [batch, seq, hidden]; reads and updates the cache's recurrent state."""
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]; reads and updates the recurrent state of each sequence
+        (one per `KVCache`, or one per request of a packed batch: the backend's `recurrent_segments`)"""
         batch, seq, _ = x.shape
-        states = None
-        if cache is not None:
-            states = cache.recurrent if isinstance(cache, KVCache) else None
-            if states is None:
-                raise GenerationError("this cache keeps no linear-attention state (hybrid models run one sequence)")
         conv_inputs = self.in_proj_qkv(x)  # [batch, seq, channels]
+        write_strength = self.in_proj_b(x)  # [batch, seq, value_heads]
+        decay_input = self.in_proj_a(x)  # [batch, seq, value_heads]
+        parts = [
+            self._mix(conv_inputs[:, rows], write_strength[:, rows], decay_input[:, rows], states)
+            for rows, states in self._sequences(seq, cache)
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [batch, value_heads, seq, value_dim]
+        z = self.in_proj_z(x).view(batch, seq, self.value_heads, self.value_dim)
+        out = self.norm(out.transpose(1, 2).to(x.dtype), z)  # [batch, seq, value_heads, value_dim]
+        return self.out_proj(out.reshape(batch, seq, -1))
+
+    @staticmethod
+    def _sequences(
+        seq: int, cache: CacheWriter | AttentionBackend | None
+    ) -> list[tuple[slice, RecurrentStates | None]]:
+        """Which rows belong to which sequence's state (None: no cache, start from zero and keep nothing)."""
+        if cache is None:
+            return [(slice(0, seq), None)]
+        if isinstance(cache, KVCache):
+            if cache.recurrent is None:
+                raise GenerationError("this cache keeps no linear-attention state (make it with the model's new_cache)")
+            return [(slice(0, seq), cache.recurrent)]
+        packed = getattr(cache, "recurrent_segments", None)
+        if packed is None:
+            raise GenerationError("this attention backend keeps no linear-attention state")
+        return cast(list[tuple[slice, RecurrentStates | None]], packed)
+
+    def _mix(
+        self, conv_inputs: torch.Tensor, write_strength: torch.Tensor, decay_input: torch.Tensor,
+        states: RecurrentStates | None,
+    ) -> torch.Tensor:
+        """One sequence's rows: convolution and delta rule from its state -> [batch, value_heads, rows, value_dim]."""
+        batch, seq, _ = conv_inputs.shape
         if states is not None:
             window, state = states.read(self.slot)
         else:
             window = conv_inputs.new_zeros(batch, self.shape.conv_kernel - 1, self.shape.conv_channels)
-            state = x.new_zeros(batch, self.value_heads, self.key_dim, self.value_dim, dtype=torch.float32)
+            size = (batch, self.value_heads, self.key_dim, self.value_dim)
+            state = torch.zeros(size, dtype=torch.float32, device=conv_inputs.device)
         extended = torch.cat((window, conv_inputs), dim=1)  # [batch, kernel - 1 + seq, channels]
         mixed = F.silu(F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=self.shape.conv_channels))
         q, k, v = mixed.transpose(1, 2).split(self.split_sizes, dim=-1)  # each [batch, seq, heads * dim]
@@ -97,17 +137,15 @@ class GatedDeltaNet(nn.Module):
         v = self._heads(v, self.value_heads, self.value_dim)  # [batch, value_heads, seq, value_dim]
         q = l2_normalise(q) * self.key_dim**-0.5
         k = l2_normalise(k)
-        beta = self.in_proj_b(x).float().sigmoid().transpose(1, 2)  # [batch, value_heads, seq]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = write_strength.float().sigmoid().transpose(1, 2)  # [batch, value_heads, seq]
+        g = -self.A_log.float().exp() * F.softplus(decay_input.float() + self.dt_bias.float())
         g = g.transpose(1, 2)  # [batch, value_heads, seq], log decay <= 0
         rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else chunked_delta_rule
-        out, state = rule(q, k, v, g, beta, state)  # [batch, value_heads, seq, value_dim]
+        out, state = rule(q, k, v, g, beta, state)
         if states is not None:
             new_window = extended[:, extended.shape[1] - (self.shape.conv_kernel - 1) :]
             states.write(self.slot, new_window, state, DeltaRows(conv_inputs, k, v, g, beta))
-        z = self.in_proj_z(x).view(batch, seq, self.value_heads, self.value_dim)
-        out = self.norm(out.transpose(1, 2).to(x.dtype), z)  # [batch, seq, value_heads, value_dim]
-        return self.out_proj(out.reshape(batch, seq, -1))
+        return out
 
     @staticmethod
     def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

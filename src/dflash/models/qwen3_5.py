@@ -21,8 +21,7 @@ from torch import nn
 from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import GenerationError, ModelLoadError
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
-from dflash.kv.recurrent import RecurrentStates
-from dflash.models.gated_deltanet import GatedDeltaNet, recurrent_shape
+from dflash.models.gated_deltanet import GatedDeltaNet, new_recurrent_states
 from dflash.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
 from dflash.models.moe import SparseMoE
@@ -129,9 +128,7 @@ class Qwen35ForCausalLM(CausalLM):
             config.num_layers - linear, config.num_kv_heads, config.head_dim, capacity,
             batch=batch, dtype=like.dtype, device=like.device,
         )
-        cache.recurrent = RecurrentStates(
-            linear, recurrent_shape(config), batch=batch, dtype=like.dtype, device=like.device
-        )
+        cache.recurrent = new_recurrent_states(config, like, batch)
         return cache
 
     def forward(
