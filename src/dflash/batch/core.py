@@ -114,7 +114,7 @@ class BatchCore:
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
-        if settings.cuda_graphs and weight.is_cuda:
+        if settings.cuda_graphs and weight.is_cuda and not target.config.is_hybrid:  # graphs keep no recurrent state
             from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
             memory = torch.cuda.graph_pool_handle()

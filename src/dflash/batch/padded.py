@@ -138,7 +138,7 @@ def padded_forward(
     """The target pass over a loaded batch -> (logits [requests, rows, vocab], features [requests, rows, F] or
     None). The pool's rows past each table's length are written; nothing is committed."""
     if model.config.is_hybrid:
-        raise GenerationError("the batched engine core keeps no linear-attention state: hybrid models run max batch 1")
+        raise GenerationError("the padded (CUDA graph) passes keep no linear-attention state: hybrids run packed")
     backend = PaddedAttention(pool, batch, model.sliding)
     hidden, features = model.run_layers(batch.tokens, batch.positions, None, None, backend, capture)
     logits = model.finish(hidden, None, "all").logits
