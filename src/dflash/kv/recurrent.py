@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import GenerationError
-from dflash.models.delta_rule import recurrent_delta_rule
+from dflash.models.delta_rule import delta_rule_state
 
 # Forwards of at most this many rows keep their per-row inputs so that a crop can replay a prefix of them
 # (verification blocks are one pending token plus at most block_size - 1 drafts).
@@ -114,10 +114,10 @@ class RecurrentStates:
                 raise GenerationError(f"the last forward was too long to roll back ({self.length - self._base_length} rows)")
             window = torch.cat((self._base_windows[slot], rows.conv_inputs[:, :keep]), dim=1)[:, -(kernel - 1) :]
             part = slice(0, keep)
-            _, state = recurrent_delta_rule(
-                rows.k[:, :, part], rows.k[:, :, part], rows.v[:, :, part], rows.g[:, :, part],
-                rows.beta[:, :, part], self._base_states[slot],
-            )  # the outputs (read with k in place of q) are discarded
+            state = delta_rule_state(
+                rows.k[:, :, part], rows.v[:, :, part], rows.g[:, :, part], rows.beta[:, :, part],
+                self._base_states[slot],
+            )
             self.windows[slot], self.states[slot] = window, state
             self._rows[slot] = DeltaRows(
                 rows.conv_inputs[:, :keep], rows.k[:, :, part], rows.v[:, :, part], rows.g[:, :, part],

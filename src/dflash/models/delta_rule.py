@@ -35,12 +35,30 @@ def recurrent_delta_rule(
     batch, heads, _, value_dim = v.shape
     outputs = [v.new_zeros(batch, heads, 0, value_dim)]  # so that zero rows give an empty output
     for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
-        predicted = torch.einsum("bhkv,bhk->bhv", state, k[:, :, t])  # [batch, heads, value_dim]
-        write = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k[:, :, t, :, None] * write[:, :, None, :]
+        state = _step(state, k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
         outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t])[:, :, None])
     return torch.cat(outputs, dim=2), state
+
+
+def delta_rule_state(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The state after the rows alone (no read-out), with the same operations as `recurrent_delta_rule`, so the
+    result equals the state that function reaches over the same rows."""
+    for t in range(k.shape[2]):
+        state = _step(state, k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
+    return state
+
+
+def _step(
+    state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """One token: forget, then write the part of v the state does not predict. k [b, h, key_dim], v [b, h,
+    value_dim], g and beta [b, h]."""
+    state = state * g[:, :, None, None].exp()
+    predicted = torch.einsum("bhkv,bhk->bhv", state, k)  # [batch, heads, value_dim]
+    write = (v - predicted) * beta[:, :, None]
+    return state + k[:, :, :, None] * write[:, :, None, :]
 
 
 def chunked_delta_rule(
