@@ -85,10 +85,13 @@ class RecurrentStates:
         return self.windows[slot], self.states[slot]
 
     def write(self, slot: int, window: torch.Tensor, state: torch.Tensor, rows: DeltaRows) -> None:
-        """The layer's window and state after this forward's rows (the previous ones become the rollback base)."""
+        """The layer's window and state after this forward's rows (the previous ones become the rollback base).
+        The window and the kept convolution inputs are copied: as views they would keep the whole forward's
+        projections (a prefill chunk, or every request of a packed batch) alive."""
         self._base_windows[slot], self._base_states[slot] = self.windows[slot], self.states[slot]
-        self.windows[slot], self.states[slot] = window, state
-        self._rows[slot] = rows if rows.k.shape[2] <= ROLLBACK_MAX_ROWS else None
+        self.windows[slot], self.states[slot] = window.clone(), state
+        keep = rows.k.shape[2] <= ROLLBACK_MAX_ROWS
+        self._rows[slot] = DeltaRows(rows.conv_inputs.clone(), rows.k, rows.v, rows.g, rows.beta) if keep else None
 
     def advance(self, new_tokens: int) -> None:
         """The forward that wrote every layer covered `new_tokens` positions."""
