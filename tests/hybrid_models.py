@@ -31,7 +31,8 @@ TINY_HYBRID: dict[str, Any] = dict(
 
 def hf_tiny_hybrid(seed: int = 0, **overrides: Any) -> Any:
     """transformers' Qwen3_5ForCausalLM with random weights (float32, eager attention). Norm weights and the
-    DeltaNet's dt_bias are perturbed so that a (1 + w) / w mix-up or a missing bias shows in the logits."""
+    DeltaNet's dt_bias are perturbed so that a (1 + w) / w mix-up or a missing bias shows in the logits, and its
+    decays are slow (`_long_memory`)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -41,7 +42,16 @@ def hf_tiny_hybrid(seed: int = 0, **overrides: Any) -> Any:
         for name, param in model.named_parameters():
             if "norm" in name or "dt_bias" in name:
                 param.add_(torch.randn_like(param) * 0.2)
+        _long_memory(model)
     return model
+
+
+def _long_memory(model: Any) -> None:
+    """Slow decays (A in 0.02 .. 0.3 instead of up to 16): the state then carries over many tokens, so a state
+    that is lost or left wrong changes the tokens that follow."""
+    for name, param in model.named_parameters():
+        if name.endswith("A_log"):
+            param.copy_(torch.empty_like(param).uniform_(0.02, 0.3).log())
 
 
 def ours_from_hf_hybrid(hf_model: Any) -> CausalLM:
@@ -76,4 +86,5 @@ def hf_tiny_next(seed: int = 0, **overrides: Any) -> Any:
                 param.copy_(torch.randn_like(param))
             if ".experts." in name:  # large enough that a wrong routing shows in the logits
                 param.mul_(10)
+        _long_memory(model)
     return model

@@ -91,14 +91,14 @@ def _engine(target: CausalLM, tmp_path: Path, options: EngineOptions) -> Engine:
 def test_engine_falls_back_for_hybrid_models(
     target: CausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """DDTree becomes linear verification and the prefix cache is off (each logged); with max batch 1 (the
-    single-request loops) every strategy a request asks for gives the plain tokens."""
+    """DDTree becomes linear verification (logged); with max batch 1 (the single-request loops) every strategy a
+    request asks for gives the plain tokens."""
     with caplog.at_level(logging.INFO, logger="dflash.engine"):
-        engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1, prefix_cache_mb=16))
+        engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1))
     options = engine.options
-    assert (options.spec, options.max_batch, options.prefix_cache_mb) == ("linear", 1, 0.0)
-    assert engine.prefix_cache is None and not engine.batched
-    assert "verifying drafts linearly" in caplog.text and "prefix cache off" in caplog.text
+    assert (options.spec, options.max_batch, options.cuda_graphs) == ("linear", 1, False)
+    assert not engine.batched
+    assert "verifying drafts linearly" in caplog.text
     prompt = random_prompts(1, VOCAB, seed=9, lengths=(17,))[0]
     results = {
         spec: engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=20, ignore_eos=True), spec=spec)
@@ -123,44 +123,68 @@ def test_fast_paths_decline_hybrid_models(target: CausalLM) -> None:
 
 
 
-def test_prefix_cache_declines_hybrid_caches(target: CausalLM) -> None:
-    """Handed a prefix cache anyway, the loops neither store nor restore blocks (they hold K/V, not the recurrent
-    state), and the tokens stay the plain ones."""
+def _with_prefix_cache(
+    target: CausalLM, drafter: DFlashDrafter | None, prompt: list[int], prefix_cache: Any, max_new: int
+) -> tuple[list[int], int]:
+    """(tokens, prompt positions restored) of one generation through `prefix_cache`, prefill chunk 8."""
     from dflash.generation.autoregressive import decode_autoregressive
     from dflash.generation.output import OutputSink
     from dflash.generation.sampling import SamplingParams
     from dflash.generation.selection import TokenChooser
+    from dflash.speculative.linear import decode_linear
+
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new)
+    sink = OutputSink(lambda ids: "", eos_ids=(), max_new_tokens=max_new)
+    chooser = TokenChooser(SamplingParams(), eos_ids=(), min_tokens=0, vocab_size=VOCAB, device="cpu")
+    if drafter is None:
+        stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
+    else:
+        stats = decode_linear(target, drafter, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
+    return sink.token_ids, stats.cached_tokens
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prefix_cache_resumes_the_recurrent_state(target: CausalLM, speculative: bool) -> None:
+    """Blocks keep the linear-attention state at their end: a prompt sharing a cached prefix resumes from the
+    deepest shared block and decodes exactly as a cold prefill does."""
     from dflash.kv.prefix_cache import PrefixCache
 
-    prefix_cache = PrefixCache(2**24, block_tokens=8)
-    prompt = random_prompts(1, VOCAB, seed=12, lengths=(30,))[0]
-    plain, _ = run(target, None, prompt, 10)
-    for _ in range(2):
-        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=10)
-        sink = OutputSink(lambda ids: "", eos_ids=(), max_new_tokens=10)
-        chooser = TokenChooser(SamplingParams(), eos_ids=(), min_tokens=0, vocab_size=VOCAB, device="cpu")
-        stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
-        assert sink.token_ids == plain and stats.cached_tokens == 0
-    assert prefix_cache.stats().blocks == 0
+    drafter = _drafter() if speculative else None
+    layers = drafter.config.target_layer_ids if drafter is not None else ()
+    prefix_cache = PrefixCache(2**24, block_tokens=8, feature_layers=layers)
+    first = random_prompts(1, VOCAB, seed=12, lengths=(30,))[0]
+    second = first[:21] + random_prompts(1, VOCAB, seed=15, lengths=(12,))[0]  # shares 2 blocks and 5 tokens
+    cold = {tuple(p): run(target, None, p, 12)[0] for p in (first, second)}
+    assert _with_prefix_cache(target, drafter, first, prefix_cache, 12) == (cold[tuple(first)], 0)
+    assert prefix_cache.stats().blocks == 3  # positions 0 .. 23
+    assert _with_prefix_cache(target, drafter, first, prefix_cache, 12) == (cold[tuple(first)], 24)
+    assert _with_prefix_cache(target, drafter, second, prefix_cache, 12) == (cold[tuple(second)], 16)
 
 
 def test_batched_core_keeps_each_requests_state(target: CausalLM, tmp_path: Path) -> None:
     """Requests decoding together through the batched core (prefill chunks packed with other requests'
     verification blocks, each with its own linear-attention state and rollback) give the tokens each gives alone."""
+    from dflash.kv.prefix_cache import PrefixCache
     from tests.batch_helpers import drain, make_core, make_sequence
 
     drafter = _drafter()
     prompts = random_prompts(4, VOCAB, seed=13, lengths=(9, 40, 75, 17))
     alone = [run(target, None, prompt, 24)[0] for prompt in prompts]
-    core = make_core(target, drafter, max_batch=4, prefill_chunk=32, linear_drafts=BLOCK - 1)
-    sequences = [
-        make_sequence(target, prompt, 24, "linear" if i % 3 else "none") for i, prompt in enumerate(prompts)
-    ]
-    for seq in sequences:
-        core.add(seq)
-    drain(core)
-    assert [seq.sink.token_ids for seq in sequences] == alone
-    assert sum(seq.stats.rounds for seq in sequences) > 0
+    prefix_cache = PrefixCache(2**24, block_tokens=16, feature_layers=drafter.config.target_layer_ids)
+    core = make_core(
+        target, drafter, max_batch=4, prefill_chunk=16, linear_drafts=BLOCK - 1, prefix_cache=prefix_cache
+    )
+    for attempt in range(2):  # the second time, prompts resume from the prefix cache's blocks and their states
+        sequences = [
+            make_sequence(target, prompt, 24, "linear" if i % 3 else "none") for i, prompt in enumerate(prompts)
+        ]
+        for seq in sequences:
+            core.add(seq)
+        drain(core)
+        assert [seq.sink.token_ids for seq in sequences] == alone
+        assert sum(seq.stats.rounds for seq in sequences) > 0
+        cached = [seq.stats.cached_tokens for seq in sequences]
+        assert cached == ([0, 0, 0, 0] if attempt == 0 else [0, 32, 64, 16])
     with pytest.raises(GenerationError, match="tree verification"):
         core.add(make_sequence(target, prompts[0], 4, "ddtree"))
 

@@ -30,7 +30,7 @@ from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
-from dflash.kv.prefix_cache import PrefixCache
+from dflash.kv.prefix_cache import PrefixCache, restorable
 from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
@@ -292,10 +292,7 @@ class BatchCore:
         return bool(self.capture) and (seq.speculative or self._cache_for(seq) is not None)
 
     def _cache_for(self, seq: Sequence) -> PrefixCache | None:
-        # the prefix cache's blocks hold K/V, not a hybrid's linear-attention state: such a model neither reads
-        # nor fills it
-        use = seq.request.use_prefix_cache and not self.target.config.is_hybrid
-        cache = self.prefix_cache if use else None
+        cache = self.prefix_cache if seq.request.use_prefix_cache else None
         capture = self.capture if seq.speculative else ()
         return cache if prefix_cache_usable(cache, self.settings.prefill_chunk, capture) else None
 
@@ -303,8 +300,11 @@ class BatchCore:
         cache = self._cache_for(seq)
         if cache is None:
             return
-        blocks = cache.lookup(seq.request.prompt_ids, limit=seq.prompt_length - 1)
         assert seq.target is not None
+        recurrent = seq.target.recurrent
+        blocks = restorable(cache.lookup(seq.request.prompt_ids, limit=seq.prompt_length - 1), recurrent is not None)
+        if recurrent is not None:  # keep the state at every block boundary of the prefill, for `_store_prefix`
+            recurrent.checkpoint_every = cache.block_tokens
         start = 0
         for block in blocks:
             end = start + len(block.tokens)
@@ -314,6 +314,9 @@ class BatchCore:
             if self._keeps_features(seq) and block.features is not None:
                 seq.prompt_features.append(block.features)
             start = end
+        last = blocks[-1].recurrent if blocks else None
+        if recurrent is not None and last is not None:
+            recurrent.restore(last, start)
         seq.target.crop(start)
         seq.prefilled = start
         seq.stats.cached_tokens = start
@@ -329,6 +332,9 @@ class BatchCore:
         if hi < seq.prompt_length:
             return
         self._store_prefix(seq)
+        if seq.target.recurrent is not None:  # decoding rows may be rolled back: no snapshots of them
+            seq.target.recurrent.checkpoint_every = 0
+            seq.target.recurrent.checkpoints = {}
         seq.stats.prefill_s = time.perf_counter() - seq.prefill_started
         seq.decode_started = time.perf_counter()
         first = int(seq.chooser.choose(logits, 0)[0])
@@ -351,7 +357,8 @@ class BatchCore:
         keys = self.target_pool.keys[:, :, slots]  # [layers, kv_heads, length, head_dim]
         values = self.target_pool.values[:, :, slots]
         features = torch.cat(seq.prompt_features)[None] if cache.feature_layers and seq.prompt_features else None
-        cache.store_rows(seq.request.prompt_ids, keys, values, features)
+        recurrent = seq.target.recurrent.checkpoints if seq.target.recurrent is not None else None
+        cache.store_rows(seq.request.prompt_ids, keys, values, features, recurrent=recurrent)
 
     # ---- decoding rounds ---------------------------------------------------------------------------------
     def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:

@@ -74,8 +74,7 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
     """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
 
     `hybrid` (a target with linear-attention layers, whose recurrent state follows one sequence): tree verification
-    becomes linear verification, without CUDA graphs or prefix cache, until those paths carry the recurrent
-    state."""
+    becomes linear verification, without CUDA graphs, until those paths carry the recurrent state."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
     kind = device.type
@@ -102,12 +101,10 @@ def _for_hybrid(options: EngineOptions) -> EngineOptions:
         options,
         spec="linear" if options.spec == "ddtree" else options.spec,
         cuda_graphs=False,
-        prefix_cache_mb=0.0,
     )
     reasons = {
         "spec": "tree verification cannot follow a recurrent state: verifying drafts linearly",
         "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
-        "prefix_cache_mb": "the prefix cache stores no recurrent state: prefix cache off",
     }
     for field, reason in reasons.items():
         if getattr(options, field) != getattr(hybrid, field):
@@ -248,7 +245,7 @@ class Engine:
     def cached_prompt_tokens(self, request: GenerationRequest) -> int:
         """Leading prompt tokens of `request` the prefix cache could restore now (0 when it has none or the request
         opts out): what a stream reports before generation starts; the generation's stats carry the exact figure."""
-        prefix_cache = self.prefix_cache if request.use_prefix_cache and not self.target.config.is_hybrid else None
+        prefix_cache = self.prefix_cache if request.use_prefix_cache else None
         return cached_prefix_length(prefix_cache, request.prompt_ids, chunk=self.options.prefill_chunk)
 
     def generate(

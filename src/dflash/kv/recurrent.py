@@ -10,6 +10,10 @@ state from before the forward (`base`) and, for short forwards, what each row fe
 inside the last forward replays the kept rows from `base` with the token-by-token rule, which gives the state after
 exactly those rows, the convolution window included. A long forward (a prefill chunk) keeps no rows, and cropping
 into it is an error, as is cropping before the last forward: the loops never do either.
+
+No tensor here is ever written in place (each forward, crop or reset makes new ones), so holding the current
+tensors is a snapshot (`RecurrentSnapshot`): during a prefill the states at every prefix-cache block boundary are
+kept that way (`checkpoint_every`), and a cached prefix restores the state at its end.
 """
 
 from __future__ import annotations
@@ -49,6 +53,18 @@ class DeltaRows:
     beta: torch.Tensor  # [batch, value_heads, rows]
 
 
+@dataclass(frozen=True)
+class RecurrentSnapshot:
+    """Every linear layer's window and state after some number of positions."""
+
+    windows: tuple[torch.Tensor, ...]  # each [batch, kernel - 1, conv_channels]
+    states: tuple[torch.Tensor, ...]  # each [batch, heads, key_dim, value_dim]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.windows, *self.states))
+
+
 class RecurrentStates:
     """Window and state of every linear layer of one (batch of) sequence(s), indexed by the layer's linear slot."""
 
@@ -70,6 +86,8 @@ class RecurrentStates:
         self._rows: list[DeltaRows | None] = [None] * layers
         self.length = 0  # positions the states have absorbed
         self._base_length = 0  # positions before the last forward
+        self.checkpoint_every = 0  # when > 0, `advance` keeps a snapshot at every multiple of it in `checkpoints`
+        self.checkpoints: dict[int, RecurrentSnapshot] = {}
 
     def _empty_window(self) -> torch.Tensor:
         s = self.shape
@@ -97,6 +115,21 @@ class RecurrentStates:
         """The forward that wrote every layer covered `new_tokens` positions."""
         self._base_length = self.length
         self.length += new_tokens
+        if self.checkpoint_every and self.length % self.checkpoint_every == 0:
+            self.checkpoints[self.length] = self.snapshot()
+
+    def snapshot(self) -> RecurrentSnapshot:
+        """The current windows and states (shared, not copied: they are never modified)."""
+        return RecurrentSnapshot(tuple(self.windows), tuple(self.states))
+
+    def restore(self, snapshot: RecurrentSnapshot, length: int) -> None:
+        """Continue from `snapshot`, the state after `length` positions (a cached prefix); no rollback before it."""
+        if len(snapshot.windows) != len(self.windows):
+            raise ValueError(f"a snapshot of {len(snapshot.windows)} linear layers for {len(self.windows)}")
+        self.windows, self.states = list(snapshot.windows), list(snapshot.states)
+        self._base_windows, self._base_states = list(self.windows), list(self.states)
+        self._rows = [None] * len(self.windows)
+        self.length = self._base_length = length
 
     def crop(self, length: int) -> None:
         """Keep the states after the first `length` positions: a prefix of the last forward, or nothing at all."""
@@ -135,4 +168,5 @@ class RecurrentStates:
         self.states = [self._empty_state() for _ in range(count)]
         self._base_windows, self._base_states = list(self.windows), list(self.states)
         self._rows = [None] * count
+        self.checkpoints = {}
         self.length = self._base_length = 0
