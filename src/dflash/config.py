@@ -12,17 +12,33 @@ from typing import Any
 
 from dflash.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next")
+# Families whose layers keep a recurrent state besides (or instead of) K/V: see `dflash.kv.recurrent`.
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_next")
+# Families with a mixture of experts in (some of) their layers: `ModelConfig.sparse_layer` says which.
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_next")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet (Qwen3.5): a convolution window and a recurrent state
+
+_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_next": "qwen3_next",
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, normalised across families."""
 
-    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe" | "qwen3_5" | "qwen3_next"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,7 +50,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    layer_types: tuple[str, ...]  # one of FULL_ATTENTION / SLIDING_ATTENTION per layer
+    layer_types: tuple[str, ...]  # one of FULL_ATTENTION / SLIDING_ATTENTION / LINEAR_ATTENTION per layer
     sliding_window: int | None = None
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     rope_local_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
@@ -47,13 +63,25 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture of experts (Qwen3-MoE): 0 experts means every layer has the dense MLP of `intermediate_size`.
+    # Mixture of experts (Qwen3-MoE, Qwen3-Next): 0 experts means every layer has the dense MLP of
+    # `intermediate_size`.
     num_experts: int = 0
     num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
     moe_intermediate_size: int = 0  # width of one expert's gated MLP
     norm_topk_prob: bool = False  # rescale the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # Qwen3-Next adds to every sparse layer a shared gated MLP of this width, scaled by a sigmoid gate (0: none)
+    shared_expert_intermediate_size: int = 0
+    # Qwen3.5 hybrid: full-attention layers rotate only the first head_dim * partial_rotary_factor channels of a
+    # head and gate their output by sigmoid(a second query projection); linear-attention layers are Gated DeltaNet
+    partial_rotary_factor: float = 1.0
+    attention_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v projections
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,6 +99,11 @@ class ModelConfig:
                 )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ModelLoadError("a mixture-of-experts model needs a positive expert width and sparse step")
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION})
+        if unknown:
+            raise ModelLoadError(f"unsupported layer type {unknown[0]!r} in layer_types")
+        if LINEAR_ATTENTION in self.layer_types:
+            self._check_linear_attention()
 
     @property
     def is_moe(self) -> bool:
@@ -78,12 +111,28 @@ class ModelConfig:
         return any(self.sparse_layer(i) for i in range(self.num_layers))
 
     def sparse_layer(self, index: int) -> bool:
-        """Whether decoder layer `index` has the mixture-of-experts block (the rule of transformers' Qwen3-MoE)."""
+        """Whether decoder layer `index` has the mixture-of-experts block (the rule of transformers' Qwen3-MoE
+        and Qwen3-Next)."""
         return (
             self.num_experts > 0
             and index not in self.mlp_only_layers
             and (index + 1) % self.decoder_sparse_step == 0
         )
+
+    def _check_linear_attention(self) -> None:
+        if self.architecture not in HYBRID_ARCHITECTURES:
+            raise ModelLoadError(f"{self.architecture} models have no linear-attention layers")
+        sizes = (
+            self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+            self.linear_value_head_dim, self.linear_conv_kernel,
+        )
+        if min(sizes) <= 0:
+            raise ModelLoadError("linear-attention layers need positive head counts, head dims and conv kernel size")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelLoadError(
+                f"{self.linear_num_value_heads} linear-attention value heads do not divide into "
+                f"{self.linear_num_key_heads} key heads"
+            )
 
     @property
     def attention_scale(self) -> float:
@@ -93,7 +142,17 @@ class ModelConfig:
     @property
     def norm_adds_one(self) -> bool:
         """Gemma's RMSNorm multiplies by (1 + weight) in the HF convention."""
-        return self.architecture == "gemma3"
+        return self.architecture in ("gemma3", "qwen3_5", "qwen3_next")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a recurrent state (linear attention): rollback and batching need that state too."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (the rest pass through unrotated)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -135,41 +194,54 @@ class ModelConfig:
                 rope_local_theta=local_theta if is_gemma else None,
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
+                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next"),
                 query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
                 embed_scale=math.sqrt(hidden) if is_gemma else 1.0,
                 final_logit_softcapping=_opt_float(raw.get("final_logit_softcapping")),
                 attn_logit_softcapping=_opt_float(raw.get("attn_logit_softcapping")),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                **_moe_fields(raw),
+                **(_hybrid_fields(raw) if arch in HYBRID_ARCHITECTURES else {}),
+                **(_moe_fields(raw, arch) if arch in MOE_ARCHITECTURES else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
 
 
-_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen3": "qwen3",
-    "gemma3": "gemma3",
-    "gemma3_text": "gemma3",
-    "qwen3_moe": "qwen3_moe",
-}
+def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (transformers 5 saves Qwen3-MoE's expert count as
+    `num_local_experts`).
 
+    Qwen3-Next's configuration class has a default for every expert field (512 experts, 10 per token, width 512,
+    normalised routing, shared expert of width 512) that a config.json may leave out; Qwen3-MoE's must state its
+    experts' sizes."""
+    defaults: dict[str, Any] = (
+        {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "norm_topk_prob": True}
+        if arch == "qwen3_next"
+        else {"num_experts": 0, "norm_topk_prob": False}
+    )
 
-def _moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a config (transformers 5 saves the expert count as `num_local_experts`)."""
-    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    def field(key: str) -> Any:
+        if raw.get(key) is not None:
+            return raw[key]
+        return defaults[key]  # a KeyError names the missing field
+
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    experts = int(defaults["num_experts"] if experts is None else experts)
     if not experts:
         return {}
-    return {
+    fields: dict[str, Any] = {
         "num_experts": experts,
-        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
-        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
-        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "num_experts_per_tok": int(field("num_experts_per_tok")),
+        "moe_intermediate_size": int(field("moe_intermediate_size")),
+        "norm_topk_prob": bool(field("norm_topk_prob")),
         "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
         "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
     }
+    if arch == "qwen3_next":
+        shared = raw.get("shared_expert_intermediate_size")
+        fields["shared_expert_intermediate_size"] = int(512 if shared is None else shared)
+    return fields
 
 
 def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
@@ -185,6 +257,21 @@ def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, f
     return theta, scaling, local_theta
 
 
+def _hybrid_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's gated attention and Gated DeltaNet sizes (transformers' defaults where a field is absent)."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    assert isinstance(params, dict)
+    return {
+        "partial_rotary_factor": float(raw.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25),
+        "attention_output_gate": True,
+        "linear_num_key_heads": int(raw.get("linear_num_key_heads", 16)),
+        "linear_num_value_heads": int(raw.get("linear_num_value_heads", 32)),
+        "linear_key_head_dim": int(raw.get("linear_key_head_dim", 128)),
+        "linear_value_head_dim": int(raw.get("linear_value_head_dim", 128)),
+        "linear_conv_kernel": int(raw.get("linear_conv_kernel_dim", 4)),
+    }
+
+
 def _opt_float(value: Any) -> float | None:
     return float(value) if value is not None else None
 
@@ -192,6 +279,9 @@ def _opt_float(value: Any) -> float | None:
 def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]:
     if raw.get("layer_types"):
         return tuple(str(t) for t in raw["layer_types"])
+    if arch in HYBRID_ARCHITECTURES:  # every `full_attention_interval`-th layer is full attention, the others linear
+        interval = int(raw.get("full_attention_interval", 4))
+        return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers))
     if arch == "gemma3":
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.kernels.fused_cpu import layer_ops
+from dflash.kv.recurrent import RecurrentStates
 from dflash.models.layers import fits_attention_kernel
 
 
@@ -66,11 +67,23 @@ def segment(
 
 
 class PackedAttention:
-    """`AttentionBackend` of one packed forward over `pool` (`sliding[layer]`: that layer uses the window)."""
+    """`AttentionBackend` of one packed forward over `pool` (`sliding[layer]`: that layer uses the window).
 
-    def __init__(self, pool: BlockPool, segments: Sequence[Segment], sliding: Sequence[bool]) -> None:
+    For a hybrid model, `recurrent_segments` pairs each request's rows with its linear-attention state, which the
+    linear layers read and update (`dflash.models.gated_deltanet`)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        segments: Sequence[Segment],
+        sliding: Sequence[bool],
+        recurrent: Sequence[RecurrentStates | None] = (),
+    ) -> None:
         self.pool, self.segments, self.sliding = pool, list(segments), list(sliding)
         self.write_slots = torch.cat([s.write_slots for s in self.segments])  # [rows]
+        self.recurrent_segments: list[tuple[slice, RecurrentStates | None]] | None = None
+        if any(state is not None for state in recurrent):
+            self.recurrent_segments = [(s.rows, state) for s, state in zip(self.segments, recurrent, strict=True)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [1, heads, rows, head_dim]; k, v: [1, kv_heads, rows, head_dim] -> [1, rows, heads * head_dim]."""

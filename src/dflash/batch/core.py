@@ -24,12 +24,14 @@ from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
+from dflash.config import LINEAR_ATTENTION
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
-from dflash.kv.prefix_cache import PrefixCache
+from dflash.kv.prefix_cache import PrefixCache, restorable
+from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
 from dflash.speculative.ddtree import tree_choices
@@ -92,8 +94,10 @@ class BatchCore:
         weight = target.embed_tokens.weight
         blocks = -(-settings.pool_tokens // POOL_BLOCK_TOKENS)
         config = target.layer_config
+        # a hybrid's linear layers keep no K/V: its attention layers are numbered among themselves
+        attention_layers = config.num_layers - config.layer_types.count(LINEAR_ATTENTION)
         self.target_pool = BlockPool(
-            config.num_layers, config.num_kv_heads, config.head_dim, blocks, POOL_BLOCK_TOKENS,
+            attention_layers, config.num_kv_heads, config.head_dim, blocks, POOL_BLOCK_TOKENS,
             dtype=weight.dtype, device=weight.device,
         )
         self.drafter_pool: BlockPool | None = None
@@ -110,7 +114,8 @@ class BatchCore:
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
-        if settings.cuda_graphs and weight.is_cuda and target.capturable:
+        # graphs keep no recurrent state (hybrids) and cannot replay data-dependent work (`CausalLM.capturable`)
+        if settings.cuda_graphs and weight.is_cuda and target.capturable and not target.config.is_hybrid:
             from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
             memory = torch.cuda.graph_pool_handle()
@@ -132,6 +137,8 @@ class BatchCore:
 
     def add_check(self, seq: Sequence) -> None:
         """Refuse a sequence that could never be admitted (it needs more memory than the whole pool)."""
+        if seq.mode == "ddtree" and self.target.config.is_hybrid:
+            raise GenerationError("tree verification cannot follow a linear-attention state: use linear")
         needed = self.target_pool.blocks_for(self.positions_needed(seq))
         if needed > self.target_pool.num_blocks:
             raise GenerationError(
@@ -153,6 +160,8 @@ class BatchCore:
             self.waiting.popleft()
             seq.target = SlotTable(self.target_pool)
             seq.target.reserve(positions)
+            if self.target.config.is_hybrid:
+                seq.target.recurrent = new_recurrent_states(self.target.config, self.target.embed_tokens.weight)
             if seq.speculative and self.drafter_pool is not None:
                 seq.drafter = SlotTable(self.drafter_pool)
                 seq.drafter.reserve(positions)
@@ -292,8 +301,11 @@ class BatchCore:
         cache = self._cache_for(seq)
         if cache is None:
             return
-        blocks = cache.lookup(seq.request.prompt_ids, limit=seq.prompt_length - 1)
         assert seq.target is not None
+        recurrent = seq.target.recurrent
+        blocks = restorable(cache.lookup(seq.request.prompt_ids, limit=seq.prompt_length - 1), recurrent is not None)
+        if recurrent is not None:  # keep the state at every block boundary of the prefill, for `_store_prefix`
+            recurrent.checkpoint_every = cache.block_tokens
         start = 0
         for block in blocks:
             end = start + len(block.tokens)
@@ -303,6 +315,9 @@ class BatchCore:
             if self._keeps_features(seq) and block.features is not None:
                 seq.prompt_features.append(block.features)
             start = end
+        last = blocks[-1].recurrent if blocks else None
+        if recurrent is not None and last is not None:
+            recurrent.restore(last, start)
         seq.target.crop(start)
         seq.prefilled = start
         seq.stats.cached_tokens = start
@@ -318,6 +333,9 @@ class BatchCore:
         if hi < seq.prompt_length:
             return
         self._store_prefix(seq)
+        if seq.target.recurrent is not None:  # decoding rows may be rolled back: no snapshots of them
+            seq.target.recurrent.checkpoint_every = 0
+            seq.target.recurrent.checkpoints = {}
         seq.stats.prefill_s = time.perf_counter() - seq.prefill_started
         seq.decode_started = time.perf_counter()
         first = int(seq.chooser.choose(logits, 0)[0])
@@ -340,7 +358,8 @@ class BatchCore:
         keys = self.target_pool.keys[:, :, slots]  # [layers, kv_heads, length, head_dim]
         values = self.target_pool.values[:, :, slots]
         features = torch.cat(seq.prompt_features)[None] if cache.feature_layers and seq.prompt_features else None
-        cache.store_rows(seq.request.prompt_ids, keys, values, features)
+        recurrent = seq.target.recurrent.checkpoints if seq.target.recurrent is not None else None
+        cache.store_rows(seq.request.prompt_ids, keys, values, features, recurrent=recurrent)
 
     # ---- decoding rounds ---------------------------------------------------------------------------------
     def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:

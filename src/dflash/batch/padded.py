@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import TargetRows
+from dflash.errors import GenerationError
 from dflash.models.model import CausalLM
 
 ROW_BUCKETS = (1, 4, 8, 16, 24, 40, 64, 128)  # few shapes, few graphs: a 32-node tree takes 40
@@ -136,6 +137,8 @@ def padded_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target pass over a loaded batch -> (logits [requests, rows, vocab], features [requests, rows, F] or
     None). The pool's rows past each table's length are written; nothing is committed."""
+    if model.config.is_hybrid:
+        raise GenerationError("the padded (CUDA graph) passes keep no linear-attention state: hybrids run packed")
     backend = PaddedAttention(pool, batch, model.sliding)
     hidden, features = model.run_layers(batch.tokens, batch.positions, None, None, backend, capture)
     logits = model.finish(hidden, None, "all").logits

@@ -12,10 +12,14 @@ that the next step overwrites, so rejecting drafts is `crop` and keeping a tree 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from dflash.errors import GenerationError
+
+if TYPE_CHECKING:
+    from dflash.kv.recurrent import RecurrentStates
 
 
 class PoolExhausted(GenerationError):
@@ -96,6 +100,9 @@ class SlotTable:
         self.pool = pool
         self.blocks: list[int] = []
         self.length = 0  # committed positions
+        # a hybrid model's linear-attention state for this request: advanced by the target pass, cropped with the
+        # table (a rejected draft's effect is undone where the table forgets its slots)
+        self.recurrent: RecurrentStates | None = None
         self._slots = torch.empty(0, dtype=torch.long, device=pool.device)  # [capacity]: slot of each position
         self._host_slots = torch.empty(0, dtype=torch.long)  # the same on the host (fixed-shape passes fill from it)
 
@@ -132,11 +139,15 @@ class SlotTable:
         """Keep positions [0, length) committed (rejected drafts after them are forgotten)."""
         if not 0 <= length <= self.capacity:
             raise ValueError(f"cannot set a table of capacity {self.capacity} to length {length}")
+        if self.recurrent is not None:
+            self.recurrent.crop(length)
         self.length = length
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move the rows at positions `keep` (ascending, all >= start) to start, start+1, ... in every layer, and
         commit up to them (a tree's accepted path after verification)."""
+        if self.recurrent is not None:
+            raise GenerationError("tree verification cannot keep a path of a linear-attention state")
         count = int(keep.numel())
         if count:
             dest = self._slots[start : start + count]
@@ -151,5 +162,7 @@ class SlotTable:
             self.pool.release(self.blocks)
         self.blocks = []
         self.length = 0
+        if self.recurrent is not None:
+            self.recurrent.reset()
         self._slots = self._slots[:0]
         self._host_slots = self._host_slots[:0]

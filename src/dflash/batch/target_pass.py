@@ -14,6 +14,7 @@ import torch
 
 from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
+from dflash.errors import GenerationError
 from dflash.models.model import CausalLM
 
 
@@ -41,6 +42,8 @@ def run_target(model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], ca
     row = 0
     for item in items:
         n = int(item.tokens.numel())
+        if item.table.recurrent is not None and item.visibility is not None:
+            raise GenerationError("a linear-attention state follows one chain of rows, not a tree")
         item.table.reserve(item.table.length + n)
         bounds.append(slice(row, row + n))
         row += n
@@ -51,8 +54,11 @@ def run_target(model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], ca
     ]
     tokens = torch.cat([item.tokens for item in items])[None]  # [1, rows]
     positions = torch.cat([item.positions for item in items])[None]  # [1, rows]
-    backend = PackedAttention(pool, segments, model.sliding)
+    backend = PackedAttention(pool, segments, model.sliding, [item.table.recurrent for item in items])
     hidden, features = model.run_layers(tokens, positions, None, None, backend, capture)  # [1, rows, hidden]
+    for item, rows in zip(items, bounds, strict=True):
+        if item.table.recurrent is not None:  # its state took in every row; the table's crop keeps the accepted
+            item.table.recurrent.advance(rows.stop - rows.start)
     picks = [torch.arange(b.start + i.logit_rows.start, b.start + i.logit_rows.stop) for i, b in zip(items, bounds, strict=True)]
     picked = torch.cat(picks).to(hidden.device)  # [wanted]
     logits = model.finish(hidden[:, picked], None, "all").logits

@@ -70,8 +70,11 @@ class EngineOptions:
 
 
 def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
-                    tensor_parallel: bool, capturable: bool = True) -> EngineOptions:
-    """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch."""
+                    tensor_parallel: bool, capturable: bool = True, hybrid: bool = False) -> EngineOptions:
+    """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
+
+    `hybrid` (a target with linear-attention layers, whose recurrent state follows one sequence): tree verification
+    becomes linear verification, without CUDA graphs, until those paths carry the recurrent state."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
     kind = device.type
@@ -88,7 +91,26 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
     )
     if resolved.max_batch is not None and resolved.max_batch < 1:
         raise DFlashError(f"max batch must be at least 1, got {resolved.max_batch}")
+    if hybrid:
+        resolved = _for_hybrid(resolved)
     return resolved
+
+
+def _for_hybrid(options: EngineOptions) -> EngineOptions:
+    """The options a hybrid (linear-attention) target can run, each change logged once at start-up."""
+    hybrid = replace(
+        options,
+        spec="linear" if options.spec == "ddtree" else options.spec,
+        cuda_graphs=False,
+    )
+    reasons = {
+        "spec": "tree verification cannot follow a recurrent state: verifying drafts linearly",
+        "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
+    }
+    for field, reason in reasons.items():
+        if getattr(options, field) != getattr(hybrid, field):
+            log.info("hybrid model (linear-attention layers): %s", reason)
+    return hybrid
 
 
 class Engine:
@@ -108,6 +130,7 @@ class Engine:
             has_drafter=drafter is not None,
             tensor_parallel=getattr(target, "tensor_parallel", None) is not None,
             capturable=getattr(target, "capturable", True),
+            hybrid=target.config.is_hybrid,
         )
         self.model_name = model_name
         self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader
@@ -220,6 +243,8 @@ class Engine:
             raise GenerationError(f"unknown spec mode {mode!r}")
         if self.drafter is None or request.sampling.penalised:
             return "none"  # penalties depend on every earlier token: plain decoding applies them exactly
+        if mode == "ddtree" and self.target.config.is_hybrid:
+            return "linear"  # a recurrent state follows one sequence, not a tree (`resolve_options` logged it)
         return mode
 
     def cached_prompt_tokens(self, request: GenerationRequest) -> int:

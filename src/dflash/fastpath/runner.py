@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.drafter.model import DFlashDrafter
+from dflash.errors import GenerationError
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.generation.forwards import register_forwards
@@ -313,6 +314,8 @@ def attach_graph_runner(
     fused: bool | None = None,
 ) -> GraphRunner:
     """Route the decoding loops' forwards of `target` and `drafter` through a new `GraphRunner`."""
+    if target.config.is_hybrid:
+        raise GenerationError("CUDA graphs do not carry linear-attention state: run hybrid models without them")
     runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused)
     register_forwards(target, GraphForwards(runner))
     return runner

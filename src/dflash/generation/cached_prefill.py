@@ -20,7 +20,7 @@ import torch
 from dflash.generation.forwards import Forwards
 from dflash.generation.prefill import chunked_prefill
 from dflash.kv.cache import KVCache
-from dflash.kv.prefix_cache import PrefixCache, restore_prefix
+from dflash.kv.prefix_cache import CachedBlock, PrefixCache, restorable, restore_prefix
 from dflash.models.model import CausalLM
 
 
@@ -68,7 +68,9 @@ def prefill_prompt(
     forwards: Forwards | None = None,
 ) -> PromptPrefill | None:
     """prompt: [1, length] into an empty `cache`. Returns None when `should_stop` abandoned the prefill (after
-    storing the full blocks of the chunks it completed). `forwards` runs the model (`chunked_prefill`)."""
+    storing the full blocks of the chunks it completed). `forwards` runs the model (`chunked_prefill`). A hybrid
+    model's linear-attention state is kept at every block boundary while it prefills, stored with the blocks and
+    restored from the deepest reused one."""
     if not prefix_cache_usable(prefix_cache, chunk, capture):
         logits, captured = chunked_prefill(
             model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop, forwards=forwards
@@ -76,8 +78,34 @@ def prefill_prompt(
         return None if logits is None else PromptPrefill(logits, captured, 0)
     assert prefix_cache is not None
     token_ids = prompt[0].tolist()
-    blocks = prefix_cache.lookup(token_ids, limit=_restorable(token_ids))
+    blocks = restorable(prefix_cache.lookup(token_ids, limit=_restorable(token_ids)), cache.recurrent is not None)
     reused = restore_prefix(cache, blocks)
+    if cache.recurrent is not None:
+        cache.recurrent.checkpoint_every = prefix_cache.block_tokens
+    try:
+        return _prefill_and_store(
+            model, cache, prompt, blocks, reused, prefix_cache, chunk, capture, should_stop, forwards
+        )
+    finally:
+        if cache.recurrent is not None:  # decoding rows may be rolled back: no snapshots of them
+            cache.recurrent.checkpoint_every = 0
+            cache.recurrent.checkpoints = {}
+
+
+def _prefill_and_store(
+    model: CausalLM,
+    cache: KVCache,
+    prompt: torch.Tensor,
+    blocks: list[CachedBlock],
+    reused: int,
+    prefix_cache: PrefixCache,
+    chunk: int,
+    capture: Sequence[int],
+    should_stop: Callable[[], bool] | None,
+    forwards: Forwards | None,
+) -> PromptPrefill | None:
+    """The rest of `prefill_prompt` after `blocks` restored `reused` positions."""
+    token_ids = prompt[0].tolist()
     layers = prefix_cache.feature_layers
     logits, suffix_features = chunked_prefill(
         model, cache, prompt[:, reused:], chunk=chunk, capture=layers, should_stop=should_stop, forwards=forwards

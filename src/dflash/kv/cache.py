@@ -4,15 +4,21 @@ One tensor pair holds every layer: `keys`/`values` are [layers, batch, kv_heads,
 also records the RoPE position of the token stored there (`positions`, [batch, capacity]), so attention masks are
 built from positions: this lets tree verification place sibling nodes at the same position in different slots.
 All rows of a batch share one `length` (the number of valid slots).
+
+Models with linear-attention layers attach their per-sequence recurrent state (`recurrent`, see
+`dflash.kv.recurrent`): it advances and crops with the slots, so a rollback never leaves a rejected row's effect.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from dflash.errors import GenerationError
+
+if TYPE_CHECKING:
+    from dflash.kv.recurrent import RecurrentStates
 
 
 class CacheShape(Protocol):
@@ -62,6 +68,7 @@ class KVCache:
         self.positions = torch.zeros((batch, capacity), dtype=torch.long, device=device)
         self.capacity = capacity
         self.length = 0
+        self.recurrent: RecurrentStates | None = None  # linear-attention layers' state, when the model has some
 
     @classmethod
     def matching(cls, config: CacheShape, capacity: int, like: torch.Tensor, batch: int = 1) -> KVCache:
@@ -88,6 +95,7 @@ class KVCache:
         view.positions = storage.positions[:, :capacity]
         view.capacity = capacity
         view.length = 0
+        view.recurrent = None
         return view
 
     def shares_memory_with(self, storage: KVCache) -> bool:
@@ -122,11 +130,15 @@ class KVCache:
 
     def advance(self, new_tokens: int) -> None:
         self.length += new_tokens
+        if self.recurrent is not None:
+            self.recurrent.advance(new_tokens)
 
     def crop(self, length: int) -> None:
         """Forget every slot from `length` on (rejected draft tokens)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+        if self.recurrent is not None:
+            self.recurrent.crop(length)
         self.length = length
 
     def compact(self, start: int, keep_slots: torch.Tensor) -> None:
@@ -134,6 +146,8 @@ class KVCache:
 
         Used after tree verification: the accepted path's rows become contiguous after the committed prefix.
         """
+        if self.recurrent is not None:
+            raise GenerationError("tree verification cannot keep a path of a linear-attention state")
         count = int(keep_slots.numel())
         if count:
             dest = slice(start, start + count)

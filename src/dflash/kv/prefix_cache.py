@@ -5,7 +5,9 @@ its own tokens, so a key names the whole prefix up to the block's end and any sh
 template produced it. Only full blocks are cached; a prompt that shares part of a block reuses the blocks before it.
 
 What a block holds, for each of its positions: the target's K/V of every layer and, when the engine has a
-drafter, the target features the drafter reads (the captured layer outputs). The drafter's own context K/V is
+drafter, the target features the drafter reads (the captured layer outputs). For a hybrid model (linear-attention
+layers) it also holds those layers' state after its last position (`dflash.kv.recurrent`), which a hit restores
+from its deepest block; a prefix whose blocks lack it is not restored. The drafter's own context K/V is
 not stored: it is a per-position function of the features, recomputed on the first draft exactly as after a
 cold prefill.
 
@@ -25,12 +27,13 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dflash.kv.cache import KVCache
+from dflash.kv.recurrent import RecurrentSnapshot
 
 _ROOT = b"dflash-prefix-cache-v1"
 
@@ -42,10 +45,11 @@ class CachedBlock:
     keys: torch.Tensor  # [layers, kv_heads, block, head_dim]
     values: torch.Tensor  # [layers, kv_heads, block, head_dim]
     features: torch.Tensor | None  # [block, n*hidden], None when the engine has no drafter
+    recurrent: RecurrentSnapshot | None = None  # a hybrid's linear-attention state after the block's last position
 
     @property
     def nbytes(self) -> int:
-        total = self.keys.nbytes + self.values.nbytes
+        total = self.keys.nbytes + self.values.nbytes + (self.recurrent.nbytes if self.recurrent is not None else 0)
         return total + (self.features.nbytes if self.features is not None else 0)
 
 
@@ -124,13 +128,23 @@ class PrefixCache:
         if cache.batch != 1:
             raise ValueError("the prefix cache stores batch-1 caches only")
         length = cache.length
-        return self.store_rows(token_ids, cache.keys[:, 0, :, :length], cache.values[:, 0, :, :length], features)
+        recurrent = cache.recurrent.checkpoints if cache.recurrent is not None else None
+        keys, values = cache.keys[:, 0, :, :length], cache.values[:, 0, :, :length]
+        return self.store_rows(token_ids, keys, values, features, recurrent=recurrent)
 
     def store_rows(
-        self, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor, features: torch.Tensor | None
+        self,
+        token_ids: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        features: torch.Tensor | None,
+        *,
+        recurrent: Mapping[int, RecurrentSnapshot] | None = None,
     ) -> int:
         """`store` from the K/V of the first positions of `token_ids`: keys/values [layers, kv_heads, length,
-        head_dim] (any storage: the blocks are copied), features [1, length or more, n*hidden] or None."""
+        head_dim] (any storage: the blocks are copied), features [1, length or more, n*hidden] or None. A hybrid
+        model gives its linear-attention states by position (`RecurrentStates.checkpoints`): blocks are stored up
+        to the first whose end has none."""
         if bool(self.feature_layers) != (features is not None):
             raise ValueError("features must be given exactly when the cache stores feature layers")
         count = min(len(token_ids), keys.shape[2]) // self.block_tokens
@@ -141,7 +155,11 @@ class PrefixCache:
             for index, key in enumerate(digests):
                 block = self._blocks.get(key)
                 if block is None:
-                    block = self._copy_block(key, token_ids, keys, values, features, index)
+                    end = (index + 1) * self.block_tokens
+                    if recurrent is not None and end not in recurrent:
+                        break  # a hybrid block without its state could not be resumed from, nor could its children
+                    state = recurrent[end] if recurrent is not None else None
+                    block = self._copy_block(key, token_ids, keys, values, features, index, state)
                     self._blocks[key] = block
                     self._bytes += block.nbytes
                     added += 1
@@ -158,7 +176,7 @@ class PrefixCache:
     # ---- internals ---------------------------------------------------------------------------------------
     def _copy_block(
         self, key: bytes, token_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor,
-        features: torch.Tensor | None, index: int,
+        features: torch.Tensor | None, index: int, recurrent: RecurrentSnapshot | None,
     ) -> CachedBlock:
         lo, hi = index * self.block_tokens, (index + 1) * self.block_tokens
         return CachedBlock(
@@ -167,6 +185,7 @@ class PrefixCache:
             keys=keys[:, :, lo:hi].clone(),  # [layers, kv_heads, block, head_dim]
             values=values[:, :, lo:hi].clone(),
             features=features[0, lo:hi].clone() if features is not None else None,  # [block, n*hidden]
+            recurrent=recurrent,
         )
 
     def _chain(self, token_ids: Sequence[int], limit: int) -> list[CachedBlock]:
@@ -193,10 +212,23 @@ class PrefixCache:
             self._evictions += 1
 
 
+def restorable(blocks: Sequence[CachedBlock], hybrid: bool) -> list[CachedBlock]:
+    """The blocks of a lookup a model can resume from: all of them, or for a hybrid model (linear-attention state)
+    the longest chain that ends in a block holding that state."""
+    chain = list(blocks)
+    if hybrid:
+        while chain and chain[-1].recurrent is None:
+            chain.pop()
+    return chain
+
+
 def restore_prefix(cache: KVCache, blocks: Sequence[CachedBlock]) -> int:
-    """Write cached blocks into an empty batch-1 target cache at slots 0..; returns the positions restored."""
+    """Write cached blocks into an empty batch-1 target cache at slots 0..; returns the positions restored. A
+    hybrid model's cache also takes the linear-attention state of the last block (`restorable` blocks only)."""
     if cache.length != 0 or cache.batch != 1:
         raise ValueError("restore_prefix needs an empty batch-1 cache")
+    if cache.recurrent is not None and blocks and blocks[-1].recurrent is None:
+        raise ValueError("the last block holds no linear-attention state to resume from")
     start = 0
     for block in blocks:
         end = start + len(block.tokens)
@@ -204,5 +236,8 @@ def restore_prefix(cache: KVCache, blocks: Sequence[CachedBlock]) -> int:
         cache.values[:, 0, :, start:end] = block.values
         start = end
     cache.positions[:, :start] = torch.arange(start, device=cache.positions.device)
+    last = blocks[-1].recurrent if blocks else None
+    if cache.recurrent is not None and last is not None:
+        cache.recurrent.restore(last, start)
     cache.length = start
     return start

@@ -1,4 +1,4 @@
-"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe) into a `Checkpoint` in the Hugging Face convention.
+"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe, qwen35) into a `Checkpoint` in the Hugging Face convention.
 
 Steps: parse the header (`GGUFFile`), build the config (`config_from_gguf`) and tokenizer, map
 llama.cpp tensor names to transformers names, check every shape before doing any work, dequantise
@@ -9,6 +9,7 @@ with `gguf.quants.dequantize`, then undo what llama.cpp's converter did to the w
 * gemma3: 1 was added to every RMSNorm weight (llama.cpp multiplies by `weight`, HF by `1 + weight`);
   it is subtracted again.
 * qwen3moe: nothing to undo; the 3-D expert tensors are dequantised whole, to dense stacked experts.
+* qwen35: names and conversions of its own (`gguf_hybrid`).
 
 The result is cached as fp32 safetensors (see `gguf_cache`) when dequantising took long enough.
 """
@@ -32,6 +33,7 @@ from dflash.models import gguf_cache
 from dflash.models.checkpoint import Checkpoint, validate_weights
 from dflash.models.gguf_config import config_from_gguf
 from dflash.models.gguf_file import GGUFFile, GGUFTensorInfo
+from dflash.models.gguf_hybrid import hybrid_hf_shape, hybrid_tensor_name, undo_hybrid_conversion
 from dflash.tokenizer import Tokenizer
 
 __all__ = ["ProgressCallback", "hf_tensor_name", "load_gguf", "open_gguf_model", "undo_conversion"]
@@ -93,6 +95,11 @@ def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
     return f"model.layers.{match.group(1)}.{part}.{match.group(3)}" if part else None
 
 
+def _global_tensor_name(gguf_name: str) -> str | None:
+    """The transformers name of a tensor outside the decoder blocks (embedding, final norm, LM head), else None."""
+    return hf_tensor_name("", gguf_name) if not gguf_name.startswith("blk.") else None
+
+
 def load_gguf(
     path: Path,
     dtype: torch.dtype = torch.float32,
@@ -130,9 +137,10 @@ def open_gguf_model(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, str], 
     rope_info = gguf.tensors.get("rope_freqs.weight")
     rope_freqs = gguf.dequantize(rope_info) if rope_info is not None else None
     config = config_from_gguf(gguf.metadata, shapes, path, rope_freqs)
-    names = _name_map(config.architecture, gguf.tensors, path)
+    names = _name_map(config, gguf.tensors, path)
+    shape_of = hybrid_hf_shape if config.is_hybrid else (lambda name, shape: shape)
     validate_weights(
-        config, {hf: torch.empty(gguf.tensors[g].shape, device="meta") for g, hf in names.items()}, path
+        config, {hf: torch.empty(shape_of(g, gguf.tensors[g].shape), device="meta") for g, hf in names.items()}, path
     )
     tokenizer = None
     if isinstance(gguf.metadata.get("tokenizer.ggml.tokens"), list):
@@ -143,16 +151,20 @@ def open_gguf_model(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, str], 
     return gguf, config, names, tokenizer
 
 
-def _name_map(arch: str, tensors: dict[str, GGUFTensorInfo], path: Path) -> dict[str, str]:
+def _name_map(config: ModelConfig, tensors: dict[str, GGUFTensorInfo], path: Path) -> dict[str, str]:
+    arch = config.architecture
     names: dict[str, str] = {}
     unknown: list[str] = []
     for gguf_name in tensors:
         if gguf_name in _NON_PARAMETERS:
             continue
-        hf = hf_tensor_name(arch, gguf_name)
+        if config.is_hybrid:
+            hf = _global_tensor_name(gguf_name) or hybrid_tensor_name(gguf_name, config.num_layers)
+        else:
+            hf = hf_tensor_name(arch, gguf_name)
         if hf is None:
             unknown.append(gguf_name)
-        else:
+        elif hf:  # "" = a tensor the model does not use (multi-token-prediction blocks)
             names[gguf_name] = hf
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
@@ -178,7 +190,10 @@ def _dequantize_all(
 
 def undo_conversion(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
     """Undo llama.cpp's conversion-time changes to one tensor. The Q/K change is a permutation of rows, so it
-    applies unchanged to a matrix kept as raw quantised blocks ([rows, bytes per row])."""
+    applies unchanged to a matrix kept as raw quantised blocks ([rows, bytes per row]); the hybrids' changes do
+    not (their quantized loading is refused)."""
+    if config.is_hybrid:
+        return undo_hybrid_conversion(tensor, gguf_name, config)
     if config.architecture == "llama":
         if ".attn_q." in gguf_name:
             return _unpermute_rope_rows(tensor, config.num_heads)

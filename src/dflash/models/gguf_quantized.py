@@ -73,6 +73,8 @@ def load_gguf_quantized(path: Path) -> QuantizedCheckpoint:
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     gguf, config, names, tokenizer = open_gguf_model(path)
+    if config.is_hybrid:
+        raise ModelLoadError(f"{path}: linear-attention (hybrid) models run dense weights, not quantized blocks")
     moe = mixture_of_experts_obstacle(gguf)
     if moe is not None:
         raise ModelLoadError(f"{path}: cannot keep the weights quantized: {moe} (use --weights dense)")

@@ -62,16 +62,25 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32, *, shard: tuple[
         try:
             with safe_open(str(file), framework="pt") as tensors:
                 names = tensors.keys()  # a safetensors handle is not iterable
-                for name in names:
-                    # drops rotary buffers, a tied lm_head written anyway, etc.; experts are stacked below
+                for stored in names:
+                    name = _text_model_name(stored)
+                    # drops rotary buffers, a tied lm_head written anyway, vision towers, etc.; experts are
+                    # stacked below
                     if name in wanted or (config.is_moe and is_expert_tensor(name)):
-                        weights[name] = _read_part(tensors, name, shard_span(name, config, rank, world)).to(dtype)
+                        weights[name] = _read_part(tensors, stored, shard_span(name, config, rank, world)).to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot be read as safetensors: {exc}") from None
     if config.is_moe:
         weights = stack_expert_weights(local, weights, path)
     validate_weights(local, weights, path)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def _text_model_name(name: str) -> str:
+    """Multimodal checkpoints (Qwen3.5) keep the language model under `model.language_model.`: use the text
+    model's names."""
+    prefix = "model.language_model."
+    return "model." + name.removeprefix(prefix) if name.startswith(prefix) else name
 
 
 def _read_part(tensors: Any, name: str, span: tuple[int, int, int] | None) -> torch.Tensor:

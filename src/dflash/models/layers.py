@@ -124,22 +124,35 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [batch, heads, seq, head_dim]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [batch, kv_heads, seq, head_dim]
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return self.o_proj(self.attend(q, k, v, mask, cache))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask,
+        cache: CacheWriter | AttentionBackend | None,
+    ) -> torch.Tensor:
+        """Store the new K/V and attend. q: [batch, heads, seq, head_dim]; k, v: [batch, kv_heads, seq, head_dim]
+        (rotated) -> [batch, seq, heads * head_dim], before the output projection."""
+        batch, _, seq, _ = q.shape
         attend = getattr(cache, "attend", None)  # an AttentionBackend (a runtime protocol check costs ~10 us)
         if attend is not None:
-            return self.o_proj(attend(self.layer_index, q, k, v, self.scale))
+            return cast(torch.Tensor, attend(self.layer_index, q, k, v, self.scale))
         if cache is not None:
             k, v = cast(CacheWriter, cache).write(self.layer_index, k, v)
         gqa = self.num_heads != self.num_kv_heads
         if isinstance(mask, CausalMask):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+            return out.transpose(1, 2).reshape(batch, seq, -1)
         ops = layer_ops(q)
         if ops is not None and fits_attention_kernel(q, mask):
-            return self.o_proj(ops.attention(q, k, v, mask, self.scale))  # [batch, seq, heads * head_dim]
+            return cast(torch.Tensor, ops.attention(q, k, v, mask, self.scale))  # [batch, seq, heads * head_dim]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class DecoderLayer(nn.Module):

@@ -3,7 +3,7 @@
 A forward takes token ids and their RoPE positions, writes K/V into an optional `KVCache`, and can return the
 residual stream after chosen decoder layers (before the final norm): DFlash drafters are conditioned on them.
 Family files (`llama.py`, `qwen3.py`, `gemma3.py`, `qwen3_moe.py`) only choose the decoder layer and the RoPE
-bases.
+bases; the hybrids (`qwen3_5.py`, `qwen3_next.py`) also give their caches the linear layers' recurrent state.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_adds_one)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary = Rotary(config.rotary_dim, config.rope_theta, config.rope_scaling)
         local_theta = config.rope_local_theta
         self.rotary_local = Rotary(config.head_dim, local_theta) if local_theta is not None else self.rotary
         self.sliding = [t == SLIDING_ATTENTION for t in config.layer_types]

@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP of Qwen3-MoE: a router picks k experts per token, whose gated MLPs are mixed.
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen3-Next: a router picks k experts per token, whose gated
+MLPs are mixed; Qwen3-Next adds a shared expert that every token passes through, scaled by a sigmoid gate.
 
 Routing follows transformers' Qwen3-MoE exactly: router logits -> softmax in float32 -> top-k -> (optionally)
 rescaled to sum to 1 -> cast back to the hidden dtype. Experts are stored stacked, [experts, out, in] per
@@ -15,7 +16,7 @@ from torch import nn
 
 from dflash.config import ModelConfig
 from dflash.kernels.fused_cpu import layer_ops
-from dflash.models.layers import activation
+from dflash.models.layers import GatedMLP, activation
 
 
 class StackedExperts(nn.Module):
@@ -86,3 +87,23 @@ class SparseMoeBlock(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
         chosen, weights = self.route(flat)
         return self.experts(flat, chosen, weights).view(x.shape)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3-Next's block: the routed experts of `SparseMoeBlock` (same router, same routing) plus a dense gated
+    MLP of `shared_expert_intermediate_size` (`shared_expert`) that every token takes, scaled by
+    sigmoid(`shared_expert_gate`(x)) ([1, hidden]: one scalar gate per token)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> [..., hidden]."""
+        flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
+        chosen, weights = self.route(flat)
+        routed = self.experts(flat, chosen, weights)  # [tokens, hidden]
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)  # [tokens, hidden]
+        return (routed + shared).view(x.shape)

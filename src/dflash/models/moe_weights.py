@@ -8,7 +8,8 @@ Checkpoints name experts in three ways:
   * stacked per projection, as llama.cpp stores them (`ffn_{gate,up,down}_exps`).
 A `Checkpoint` holds the stacked form: `mlp.experts.gate_proj`, `mlp.experts.up_proj` [experts, width, hidden] and
 `mlp.experts.down_proj` [experts, hidden, width] (no `.weight` suffix, as in transformers' fused names), beside the
-router `mlp.gate.weight` [experts, hidden]. `stack_expert_weights` converts the other two forms.
+router `mlp.gate.weight` [experts, hidden]. `stack_expert_weights` converts the other two forms; `join_gate_up`
+then gives the model's own layout, gate and up joined per expert (`dflash.models.moe.StackedExperts`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from dflash.config import ModelConfig
 from dflash.errors import ModelLoadError
 
-__all__ = ["PROJECTIONS", "is_expert_tensor", "stack_expert_weights"]
+__all__ = ["PROJECTIONS", "is_expert_tensor", "join_gate_up", "stack_expert_weights"]
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+\.\w+_proj\.weight|\w+_proj)")
@@ -60,4 +61,17 @@ def stack_expert_weights(
             if len(shapes) != 1:
                 raise ModelLoadError(f"{source}: the experts of {prefix}*.{projection} differ in shape: {sorted(shapes)}")
             out[prefix + projection] = torch.stack([out.pop(name) for name in names])  # [experts, out, in]
+    return out
+
+
+def join_gate_up(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked `weights` with each sparse layer's `experts.gate_proj` and `experts.up_proj` replaced by their
+    concatenation `experts.gate_up_proj` [experts, 2 * width, hidden] (gate rows first); a layer missing either
+    keeps what it has (the model then names the missing weight)."""
+    out = dict(weights)
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if prefix + "gate_proj" in out and prefix + "up_proj" in out:
+            gate, up = out.pop(prefix + "gate_proj"), out.pop(prefix + "up_proj")
+            out[prefix + "gate_up_proj"] = torch.cat((gate, up), dim=1)
     return out

@@ -13,7 +13,7 @@ from dflash.kv.cache import AttentionBackend, CacheWriter
 from dflash.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM
 from dflash.models.moe import SparseMoeBlock
-from dflash.models.moe_weights import stack_expert_weights
+from dflash.models.moe_weights import join_gate_up, stack_expert_weights
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -51,10 +51,4 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Experts in any checkpoint form (`dflash.models.moe_weights`); gate and up joined per expert."""
-        weights = stack_expert_weights(self.config, weights, source)
-        for layer in range(self.config.num_layers):
-            prefix = f"model.layers.{layer}.mlp.experts."
-            gate, up = weights.pop(prefix + "gate_proj", None), weights.pop(prefix + "up_proj", None)
-            if gate is not None and up is not None:
-                weights[prefix + "gate_up_proj"] = torch.cat((gate, up), dim=1)  # [experts, 2 * width, hidden]
-        super().load_weights(weights, source)
+        super().load_weights(join_gate_up(self.config, stack_expert_weights(self.config, weights, source)), source)

@@ -9,7 +9,9 @@ from dflash.models.gemma3 import Gemma3ForCausalLM
 from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
+from dflash.models.qwen3_5 import Qwen35ForCausalLM
 from dflash.models.qwen3_moe import Qwen3MoeForCausalLM
+from dflash.models.qwen3_next import Qwen3NextForCausalLM
 from dflash.models.rope import Rotary
 from dflash.parallel.group import TensorParallel
 from dflash.parallel.layers import prepare_sums
@@ -19,6 +21,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen3_5": Qwen35ForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 
 

@@ -71,6 +71,7 @@ def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> s
     if path.is_dir() or path.suffix.lower() != ".gguf":
         return "the model is not a GGUF file"
     from dflash.models.gguf_file import GGUFFile
+    from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES
     from dflash.models.gguf_quantized import (
         describe_unsupported,
         mixture_of_experts_obstacle,
@@ -78,6 +79,8 @@ def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> s
     )
 
     gguf = GGUFFile(path)
+    if str(gguf.metadata.get("general.architecture", "")) in GGUF_HYBRID_ARCHITECTURES:
+        return "linear-attention (hybrid) models run dense weights"
     moe = mixture_of_experts_obstacle(gguf)
     if moe is not None:
         return moe

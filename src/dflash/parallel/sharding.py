@@ -44,6 +44,8 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     vocabulary's rows where they divide evenly (`vocab_split`)."""
     if world == 1:
         return config
+    if config.is_hybrid:
+        raise ModelLoadError(f"--tensor-parallel {world}: linear-attention (hybrid) models are not split across ranks")
     if config.is_moe:
         raise ModelLoadError(
             f"--tensor-parallel {world}: mixture-of-experts models ({config.architecture}) are not split across "

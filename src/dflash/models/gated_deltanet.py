@@ -1,0 +1,154 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3.5's hybrid layers.
+
+Per token: project to q, k, v (one matrix), run them through a causal depthwise convolution of width `kernel`
+(SiLU after it), L2-normalise q and k, and feed the gated delta rule (`dflash.models.delta_rule`) with a decay
+g = -exp(A_log) * softplus(a + dt_bias) and a write strength beta = sigmoid(b). The read-out of each value head is
+RMS-normalised, gated by SiLU(z) and projected back to the hidden size.
+
+The past lives in a `RecurrentStates` (convolution window plus state matrix per head), indexed by this layer's
+position among the linear layers (`slot`): the `KVCache`'s of a single sequence, or one per request of a packed
+batch (the batched core's attention backend lists them with their rows). Parameter names follow transformers'
+checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.config import LINEAR_ATTENTION, ModelConfig
+from dflash.errors import GenerationError
+from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
+from dflash.kv.recurrent import DeltaRows, RecurrentShape, RecurrentStates
+from dflash.models.delta_rule import RECURRENT_MAX_ROWS, chunked_delta_rule, recurrent_delta_rule
+
+
+def recurrent_shape(config: ModelConfig) -> RecurrentShape:
+    """Sizes of a linear layer's window and state for `config`."""
+    key_size = config.linear_num_key_heads * config.linear_key_head_dim
+    value_size = config.linear_num_value_heads * config.linear_value_head_dim
+    return RecurrentShape(
+        conv_channels=2 * key_size + value_size,
+        conv_kernel=config.linear_conv_kernel,
+        value_heads=config.linear_num_value_heads,
+        key_dim=config.linear_key_head_dim,
+        value_dim=config.linear_value_head_dim,
+    )
+
+
+def new_recurrent_states(config: ModelConfig, like: torch.Tensor, batch: int = 1) -> RecurrentStates:
+    """Empty states for every linear layer of `config`, windows in the dtype and on the device of `like`."""
+    layers = config.layer_types.count(LINEAR_ATTENTION)
+    return RecurrentStates(layers, recurrent_shape(config), batch=batch, dtype=like.dtype, device=like.device)
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * rmsnorm(x) * silu(gate) over the last dimension (one value head), normalised in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (eps inside the root, as the reference kernels do)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, slot: int) -> None:
+        super().__init__()
+        self.slot = slot
+        self.shape = recurrent_shape(config)
+        self.key_heads, self.value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        key_size, value_size = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        self.split_sizes = (key_size, key_size, value_size)
+        channels, hidden = self.shape.conv_channels, config.hidden_size
+        self.in_proj_qkv = nn.Linear(hidden, channels, bias=False)
+        self.in_proj_z = nn.Linear(hidden, value_size, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.value_heads, bias=False)
+        self.conv1d = nn.Conv1d(channels, channels, config.linear_conv_kernel, groups=channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_size, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: CacheWriter | AttentionBackend | None) -> torch.Tensor:
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]; reads and updates the recurrent state of each sequence
+        (one per `KVCache`, or one per request of a packed batch: the backend's `recurrent_segments`)"""
+        batch, seq, _ = x.shape
+        conv_inputs = self.in_proj_qkv(x)  # [batch, seq, channels]
+        write_strength = self.in_proj_b(x)  # [batch, seq, value_heads]
+        decay_input = self.in_proj_a(x)  # [batch, seq, value_heads]
+        parts = [
+            self._mix(conv_inputs[:, rows], write_strength[:, rows], decay_input[:, rows], states)
+            for rows, states in self._sequences(seq, cache)
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [batch, value_heads, seq, value_dim]
+        z = self.in_proj_z(x).view(batch, seq, self.value_heads, self.value_dim)
+        out = self.norm(out.transpose(1, 2).to(x.dtype), z)  # [batch, seq, value_heads, value_dim]
+        return self.out_proj(out.reshape(batch, seq, -1))
+
+    @staticmethod
+    def _sequences(
+        seq: int, cache: CacheWriter | AttentionBackend | None
+    ) -> list[tuple[slice, RecurrentStates | None]]:
+        """Which rows belong to which sequence's state (None: no cache, start from zero and keep nothing)."""
+        if cache is None:
+            return [(slice(0, seq), None)]
+        if isinstance(cache, KVCache):
+            if cache.recurrent is None:
+                raise GenerationError("this cache keeps no linear-attention state (make it with the model's new_cache)")
+            return [(slice(0, seq), cache.recurrent)]
+        packed = getattr(cache, "recurrent_segments", None)
+        if packed is None:
+            raise GenerationError("this attention backend keeps no linear-attention state")
+        return cast(list[tuple[slice, RecurrentStates | None]], packed)
+
+    def _mix(
+        self, conv_inputs: torch.Tensor, write_strength: torch.Tensor, decay_input: torch.Tensor,
+        states: RecurrentStates | None,
+    ) -> torch.Tensor:
+        """One sequence's rows: convolution and delta rule from its state -> [batch, value_heads, rows, value_dim]."""
+        batch, seq, _ = conv_inputs.shape
+        if states is not None:
+            window, state = states.read(self.slot)
+        else:
+            window = conv_inputs.new_zeros(batch, self.shape.conv_kernel - 1, self.shape.conv_channels)
+            size = (batch, self.value_heads, self.key_dim, self.value_dim)
+            state = torch.zeros(size, dtype=torch.float32, device=conv_inputs.device)
+        extended = torch.cat((window, conv_inputs), dim=1)  # [batch, kernel - 1 + seq, channels]
+        mixed = F.silu(F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=self.shape.conv_channels))
+        q, k, v = mixed.transpose(1, 2).split(self.split_sizes, dim=-1)  # each [batch, seq, heads * dim]
+        group = self.value_heads // self.key_heads  # each q/k head serves `group` consecutive value heads
+        q = self._heads(q, self.key_heads, self.key_dim).repeat_interleave(group, dim=1)
+        k = self._heads(k, self.key_heads, self.key_dim).repeat_interleave(group, dim=1)
+        v = self._heads(v, self.value_heads, self.value_dim)  # [batch, value_heads, seq, value_dim]
+        q = l2_normalise(q) * self.key_dim**-0.5
+        k = l2_normalise(k)
+        beta = write_strength.float().sigmoid().transpose(1, 2)  # [batch, value_heads, seq]
+        g = -self.A_log.float().exp() * F.softplus(decay_input.float() + self.dt_bias.float())
+        g = g.transpose(1, 2)  # [batch, value_heads, seq], log decay <= 0
+        rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else chunked_delta_rule
+        out, state = rule(q, k, v, g, beta, state)
+        if states is not None:
+            new_window = extended[:, extended.shape[1] - (self.shape.conv_kernel - 1) :]
+            states.write(self.slot, new_window, state, DeltaRows(conv_inputs, k, v, g, beta))
+        return out
+
+    @staticmethod
+    def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+        """[batch, seq, heads * dim] -> float32 [batch, heads, seq, dim]."""
+        batch, seq, _ = x.shape
+        return x.view(batch, seq, heads, dim).transpose(1, 2).float()

@@ -1,0 +1,201 @@
+"""Speculative decoding on a hybrid (Gated DeltaNet) target: rejected drafts must leave no trace in the recurrent
+state, so linear DFlash gives exactly the plain greedy tokens whatever the drafter proposes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.engine.engine import Engine, EngineOptions
+from dflash.errors import GenerationError
+from dflash.generation.request import GenerationRequest
+from dflash.models.hf_loader import load_hf_dir
+from dflash.models.model import CausalLM
+from tests.hybrid_models import hf_tiny_hybrid, ours_from_hf_hybrid
+from tests.loading_helpers import train_byte_level_tokenizer
+from tests.spec_helpers import one_torch_thread, patch_draft_logits, random_prompts, run
+
+_threads = one_torch_thread
+
+VOCAB = 512
+BLOCK = 6  # the drafter proposes BLOCK - 1 = 5 tokens per round
+
+
+def _drafter(seed: int = 7) -> DFlashDrafter:
+    raw = {
+        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
+        "block_size": BLOCK, "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [1, 2]},
+    }
+    torch.manual_seed(seed)
+    return DFlashDrafter(DrafterConfig.from_dict(raw)).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def target() -> CausalLM:
+    return ours_from_hf_hybrid(hf_tiny_hybrid(seed=11))
+
+
+def test_random_drafter_is_lossless(target: CausalLM) -> None:
+    drafter = _drafter()
+    for prompt in random_prompts(3, VOCAB, seed=5, lengths=(9, 70)):  # 70: two prefill chunks of 64
+        plain, _ = run(target, None, prompt, 30)
+        spec, stats = run(target, drafter, prompt, 30)
+        assert spec == plain and stats.rounds > 0
+
+
+def test_oracle_drafts_accepted_at_every_length(target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts that follow the plain greedy continuation for a chosen number of tokens, then go wrong: every
+    accepted count from 0 to the whole block occurs, and the output still equals plain greedy decoding."""
+    prompt = random_prompts(1, VOCAB, seed=8, lengths=(23,))[0]
+    plain, _ = run(target, None, prompt, 60)
+    drafter = _drafter()
+    rounds = [0]
+
+    def oracle(original: Any, target: CausalLM, pending: int, start: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = original(target, pending, start, *args, **kwargs)  # [drafts, vocab], for the shape
+        drafts = logits.shape[0]
+        correct = rounds[0] % (drafts + 1)  # 0, 1, ..., drafts, 0, ...
+        rounds[0] += 1
+        wanted = []
+        for i in range(drafts):
+            at = start - len(prompt) + 1 + i  # index in the generated tokens of draft i
+            truth = plain[at] if at < len(plain) else 0
+            wanted.append(truth if i != correct else (truth + 1) % VOCAB)  # only draft `correct` is wrong
+        scores = torch.full_like(logits, -10.0)
+        scores[torch.arange(drafts), torch.tensor(wanted)] = 10.0
+        return scores
+
+    patch_draft_logits(monkeypatch, drafter, oracle)
+    spec, stats = run(target, drafter, prompt, 60)
+    assert spec == plain
+    assert set(stats.accepted_per_round) >= set(range(BLOCK))  # 0 .. BLOCK - 1 drafts kept, each at least once
+
+
+def _engine(target: CausalLM, tmp_path: Path, options: EngineOptions) -> Engine:
+    train_byte_level_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    hf = hf_tiny_hybrid(seed=11)
+    hf.save_pretrained(str(tmp_path))
+    checkpoint = load_hf_dir(tmp_path)
+    assert checkpoint.tokenizer is not None
+    return Engine(target, checkpoint.tokenizer, _drafter(), options)
+
+
+def test_engine_falls_back_for_hybrid_models(
+    target: CausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DDTree becomes linear verification (logged); with max batch 1 (the single-request loops) every strategy a
+    request asks for gives the plain tokens."""
+    with caplog.at_level(logging.INFO, logger="dflash.engine"):
+        engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1))
+    options = engine.options
+    assert (options.spec, options.max_batch, options.cuda_graphs) == ("linear", 1, False)
+    assert not engine.batched
+    assert "verifying drafts linearly" in caplog.text
+    prompt = random_prompts(1, VOCAB, seed=9, lengths=(17,))[0]
+    results = {
+        spec: engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=20, ignore_eos=True), spec=spec)
+        for spec in ("none", "linear", "ddtree")
+    }
+    assert results["ddtree"].token_ids == results["linear"].token_ids == results["none"].token_ids
+    assert results["ddtree"].stats.rounds > 0  # it did speculate (linearly)
+
+
+def test_fast_paths_decline_hybrid_models(target: CausalLM) -> None:
+    from dflash.fastpath.fused_layers import supports_fused_layers
+    from dflash.fastpath.runner import attach_graph_runner
+    from dflash.parallel.sharding import shard_config
+
+    assert not supports_fused_layers(target)
+    with pytest.raises(GenerationError, match="CUDA graphs"):
+        attach_graph_runner(target, None, capacity=64)
+    from dflash.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="not split"):
+        shard_config(target.config, 2)
+
+
+
+def _with_prefix_cache(
+    target: CausalLM, drafter: DFlashDrafter | None, prompt: list[int], prefix_cache: Any, max_new: int
+) -> tuple[list[int], int]:
+    """(tokens, prompt positions restored) of one generation through `prefix_cache`, prefill chunk 8."""
+    from dflash.generation.autoregressive import decode_autoregressive
+    from dflash.generation.output import OutputSink
+    from dflash.generation.sampling import SamplingParams
+    from dflash.generation.selection import TokenChooser
+    from dflash.speculative.linear import decode_linear
+
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new)
+    sink = OutputSink(lambda ids: "", eos_ids=(), max_new_tokens=max_new)
+    chooser = TokenChooser(SamplingParams(), eos_ids=(), min_tokens=0, vocab_size=VOCAB, device="cpu")
+    if drafter is None:
+        stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
+    else:
+        stats = decode_linear(target, drafter, request, sink, chooser, prefill_chunk=8, prefix_cache=prefix_cache)
+    return sink.token_ids, stats.cached_tokens
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_prefix_cache_resumes_the_recurrent_state(target: CausalLM, speculative: bool) -> None:
+    """Blocks keep the linear-attention state at their end: a prompt sharing a cached prefix resumes from the
+    deepest shared block and decodes exactly as a cold prefill does."""
+    from dflash.kv.prefix_cache import PrefixCache
+
+    drafter = _drafter() if speculative else None
+    layers = drafter.config.target_layer_ids if drafter is not None else ()
+    prefix_cache = PrefixCache(2**24, block_tokens=8, feature_layers=layers)
+    first = random_prompts(1, VOCAB, seed=12, lengths=(30,))[0]
+    second = first[:21] + random_prompts(1, VOCAB, seed=15, lengths=(12,))[0]  # shares 2 blocks and 5 tokens
+    cold = {tuple(p): run(target, None, p, 12)[0] for p in (first, second)}
+    assert _with_prefix_cache(target, drafter, first, prefix_cache, 12) == (cold[tuple(first)], 0)
+    assert prefix_cache.stats().blocks == 3  # positions 0 .. 23
+    assert _with_prefix_cache(target, drafter, first, prefix_cache, 12) == (cold[tuple(first)], 24)
+    assert _with_prefix_cache(target, drafter, second, prefix_cache, 12) == (cold[tuple(second)], 16)
+
+
+def test_batched_core_keeps_each_requests_state(target: CausalLM, tmp_path: Path) -> None:
+    """Requests decoding together through the batched core (prefill chunks packed with other requests'
+    verification blocks, each with its own linear-attention state and rollback) give the tokens each gives alone."""
+    from dflash.kv.prefix_cache import PrefixCache
+    from tests.batch_helpers import drain, make_core, make_sequence
+
+    drafter = _drafter()
+    prompts = random_prompts(4, VOCAB, seed=13, lengths=(9, 40, 75, 17))
+    alone = [run(target, None, prompt, 24)[0] for prompt in prompts]
+    prefix_cache = PrefixCache(2**24, block_tokens=16, feature_layers=drafter.config.target_layer_ids)
+    core = make_core(
+        target, drafter, max_batch=4, prefill_chunk=16, linear_drafts=BLOCK - 1, prefix_cache=prefix_cache
+    )
+    for attempt in range(2):  # the second time, prompts resume from the prefix cache's blocks and their states
+        sequences = [
+            make_sequence(target, prompt, 24, "linear" if i % 3 else "none") for i, prompt in enumerate(prompts)
+        ]
+        for seq in sequences:
+            core.add(seq)
+        drain(core)
+        assert [seq.sink.token_ids for seq in sequences] == alone
+        assert sum(seq.stats.rounds for seq in sequences) > 0
+        cached = [seq.stats.cached_tokens for seq in sequences]
+        assert cached == ([0, 0, 0, 0] if attempt == 0 else [0, 32, 64, 16])
+    with pytest.raises(GenerationError, match="tree verification"):
+        core.add(make_sequence(target, prompts[0], 4, "ddtree"))
+
+
+def test_engine_batches_hybrid_requests(target: CausalLM, tmp_path: Path) -> None:
+    engine = _engine(target, tmp_path, EngineOptions(spec="linear", max_batch=4))
+    assert engine.batched
+    try:
+        prompt = random_prompts(1, VOCAB, seed=14, lengths=(20,))[0]
+        request = GenerationRequest(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
+        plain, _ = run(target, None, prompt, 16)
+        assert engine.generate(request, spec="ddtree").token_ids == plain
+    finally:
+        engine.close()
