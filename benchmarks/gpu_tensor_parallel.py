@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import ModelConfig
+from dflash.environment import variables_set
 from dflash.fastpath.runner import MAX_GRAPH_ROWS, GraphRunner
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
@@ -54,6 +55,7 @@ from dflash.models.rope import Rotary
 from dflash.parallel.group import TensorParallel, multicast_off
 from dflash.parallel.launch import launch
 from dflash.parallel.layers import prepare_sums
+from dflash.parallel.sharding import vocab_split
 
 WORLD = 2
 ITERS, WARMUP = 20, 3
@@ -297,7 +299,10 @@ def tp2_rank(tp: TensorParallel, payload: dict[str, Any]) -> int:
     started = time.perf_counter()
     model = random_target(config, tp.device, dtype, tp, seed=1 + tp.rank)
     default_mode = prepare_sums(model, tp)
-    out: dict[str, Any] = {"tp2_build_s": round(time.perf_counter() - started, 2), "tp2_all_reduce": default_mode}
+    out: dict[str, Any] = {
+        "tp2_build_s": round(time.perf_counter() - started, 2), "tp2_all_reduce": default_mode,
+        "tp2_vocab_split": vocab_split(config, tp.world),  # DFLASH_TP_VOCAB_SPLIT: embeddings and head split
+    }
     cache = filled_cache(model, context + 64, context)
     out["tp2_kv_heads_per_rank"] = int(cache.keys.shape[2])
     tp.sums.use("nccl")
@@ -379,6 +384,7 @@ def main() -> int:
         "context": context, "iters": ITERS, "verify_rows": VERIFY_ROWS, "tree_rows": TREE_BUDGET + 1,
         "capture_layers": list(capture_layers(config)),
         "environment": environment(args.device),
+        "variables": variables_set(),
         "notes": "*_ms: the engine's forward (the graph runner: fused layers in captured CUDA graphs, all-reduces "
                  "inside; tp2 with the run's default all-reduce, tp2_all_reduce); tp2_*_nccl_ms: the same with "
                  "NCCL's all-reduce; *_graph_ms: the model's unfused forward in one CUDA graph (NCCL); *_eager_ms: "
