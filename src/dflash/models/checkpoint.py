@@ -17,6 +17,7 @@ import torch
 
 from dflash.config import ModelConfig
 from dflash.errors import ModelLoadError
+from dflash.models.gemma4_shapes import gemma4_shapes
 from dflash.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "expected_shapes", "validate_weights"]
@@ -34,6 +35,8 @@ class Checkpoint:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by Hugging Face name, with its shape."""
+    if config.architecture == "gemma4":
+        return gemma4_shapes(config)
     hidden, inter, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}

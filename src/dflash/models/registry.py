@@ -6,6 +6,7 @@ import torch
 
 from dflash.config import ModelConfig
 from dflash.models.gemma3 import Gemma3ForCausalLM
+from dflash.models.gemma4 import Gemma4ForCausalLM
 from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
@@ -19,6 +20,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma3": Gemma3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
 }
 
 

@@ -42,6 +42,11 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     """The configuration of one rank's decoder layers: a world-th of the heads, key/value heads and MLP width."""
     if world == 1:
         return config
+    if config.architecture == "gemma4":
+        raise ModelLoadError(
+            f"--tensor-parallel {world}: Gemma 4 models (mixed head sizes, shared K/V) are not split across devices "
+            "yet; run them on one device"
+        )
     if config.is_moe:
         raise ModelLoadError(
             f"--tensor-parallel {world}: mixture-of-experts models ({config.architecture}) are not split across "
