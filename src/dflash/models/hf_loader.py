@@ -1,6 +1,7 @@
 """Loading a Hugging Face model directory (config.json + safetensors + tokenizer) into a `Checkpoint`.
 
-Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`; experts of
+Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json` (the language
+model of an image-text checkpoint is read under its causal-LM names); experts of
 mixture-of-experts models are stacked per projection as they are read in (`dflash.models.moe_weights`). A tensor-parallel
 rank reads only its part of each split tensor (`dflash.parallel.sharding`), so no process holds the whole model.
 EOS ids are merged from `config.json`, `generation_config.json` and the tokenizer's EOS token, so a
@@ -62,16 +63,25 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32, *, shard: tuple[
         try:
             with safe_open(str(file), framework="pt") as tensors:
                 names = tensors.keys()  # a safetensors handle is not iterable
-                for name in names:
-                    # drops rotary buffers, a tied lm_head written anyway, etc.; experts are stacked below
+                for stored in names:
+                    name = text_model_name(stored)
+                    # drops rotary buffers, a tied lm_head written anyway, vision and audio towers, etc.; experts
+                    # are stacked below
                     if name in wanted or (config.is_moe and is_expert_tensor(name)):
-                        weights[name] = _read_part(tensors, name, shard_span(name, config, rank, world)).to(dtype)
+                        part = _read_part(tensors, stored, shard_span(name, config, rank, world))
+                        weights[name] = part.to(dtype)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot be read as safetensors: {exc}") from None
     if config.is_moe:
         weights = stack_expert_weights(local, weights, path)
     validate_weights(local, weights, path)
     return Checkpoint(config=config, weights=weights, tokenizer=tokenizer, source=path)
+
+
+def text_model_name(name: str) -> str:
+    """The causal-LM name of a tensor: multimodal checkpoints (Gemma 3 and 4 image-text models) keep the language
+    model under `model.language_model.`."""
+    return "model." + name.removeprefix("model.language_model.") if name.startswith("model.language_model.") else name
 
 
 def _read_part(tensors: Any, name: str, span: tuple[int, int, int] | None) -> torch.Tensor:
