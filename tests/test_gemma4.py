@@ -5,14 +5,18 @@ stays lossless, alone and batched."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
@@ -23,15 +27,24 @@ from dflash.errors import ModelLoadError
 from dflash.fastpath import fused_layers
 from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.request import GenerationRequest
+from dflash.models import gguf_loader
 from dflash.models.gemma4 import Gemma4ForCausalLM
+from dflash.models.gguf_loader import load_gguf
 from dflash.models.hf_loader import load_hf_dir
 from dflash.models.model import CausalLM
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
+from dflash.models.weight_choice import choose_weights
 from dflash.parallel.sharding import shard_config
 from tests.batch_helpers import drain, make_core, make_sequence
-from tests.loading_helpers import CHATML, train_byte_level_tokenizer
+from tests.loading_helpers import (
+    CHATML,
+    gguf_tokenizer_metadata,
+    quantized,
+    train_byte_level_tokenizer,
+    write_gguf,
+)
 from tests.spec_helpers import one_torch_thread, random_prompts, run
 from tests.test_batch_core import _install_oracle as install_batch_oracle
 from tests.test_ddtree_decode import install_oracle, run_ddtree
@@ -240,6 +253,110 @@ def test_static_forward_matches_the_eager_forward() -> None:
                                           bucket=32, capture=())
     assert reference is not None
     assert (torch.cat((first, second), dim=1) - reference).abs().max().item() <= 1e-4
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------------
+
+_GGUF_LAYER_PARTS = {
+    "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+    "self_attn.o_proj.weight": "attn_output", "self_attn.q_norm.weight": "attn_q_norm",
+    "self_attn.k_norm.weight": "attn_k_norm", "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "post_attention_norm", "pre_feedforward_layernorm.weight": "ffn_norm",
+    "post_feedforward_layernorm.weight": "post_ffw_norm", "mlp.gate_proj.weight": "ffn_gate",
+    "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down", "layer_scalar": "layer_output_scale",
+    "per_layer_input_gate.weight": "inp_gate", "per_layer_projection.weight": "proj",
+    "post_per_layer_input_norm.weight": "post_norm",
+}
+
+
+def _write_gemma4_gguf(path: Path, matrix_type: GGMLQuantizationType | None = None) -> Path:
+    """The transformers model as llama.cpp's converter writes a `gemma4` file: per-layer K/V heads and MLP widths
+    as arrays, sliding flags per layer, both head widths, and the partial rotation as `rope_freqs` divisors."""
+    hf = hf_gemma4()
+    config = hf.config
+    arch, swa = "gemma4", [kind == S for kind in LAYER_TYPES]
+    metadata: dict[str, Any] = {
+        f"{arch}.block_count": len(LAYER_TYPES), f"{arch}.embedding_length": 64, f"{arch}.context_length": 256,
+        f"{arch}.feed_forward_length": [96] * 5 + [192] * 2, f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.head_count_kv": [2 if flag else 1 for flag in swa], f"{arch}.attention.key_length": 32,
+        f"{arch}.attention.value_length": 32, f"{arch}.attention.key_length_swa": 16,
+        f"{arch}.attention.value_length_swa": 16, f"{arch}.attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        f"{arch}.rope.freq_base": 1_000_000.0, f"{arch}.rope.freq_base_swa": 10_000.0,
+        f"{arch}.attention.sliding_window": WINDOW, f"{arch}.attention.sliding_window_pattern": swa,
+        f"{arch}.attention.shared_kv_layers": 2, f"{arch}.embedding_length_per_layer_input": 8,
+        f"{arch}.final_logit_softcapping": 30.0, f"{arch}.rope.dimension_count": 32,
+        f"{arch}.rope.dimension_count_swa": 16, **gguf_tokenizer_metadata(train_byte_level_tokenizer()),
+    }
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    tensors: dict[str, Any] = {
+        "token_embd.weight": state["model.embed_tokens.weight"],
+        "output_norm.weight": state["model.norm.weight"],
+        "per_layer_token_embd.weight": state["model.embed_tokens_per_layer.weight"],
+        "per_layer_model_proj.weight": state["model.per_layer_model_projection.weight"],
+        "per_layer_proj_norm.weight": state["model.per_layer_projection_norm.weight"],
+        # half of the 16 frequency pairs of the 32-wide heads rotate (partial_rotary_factor 0.5)
+        "rope_freqs.weight": np.array([1.0] * 8 + [1e30] * 8, dtype=np.float32),
+    }
+    for i in range(len(LAYER_TYPES)):
+        for hf_part, gguf_part in _GGUF_LAYER_PARTS.items():
+            if f"model.layers.{i}.{hf_part}" in state:
+                tensors[f"blk.{i}.{gguf_part}.weight"] = state[f"model.layers.{i}.{hf_part}"]
+    if matrix_type is not None:
+        for name, values in list(tensors.items()):
+            if values.ndim == 2 and values.shape[1] % 32 == 0:  # rows of whole blocks (the narrow ones stay)
+                tensors[name] = quantized(values, matrix_type)
+    return write_gguf(path, arch, metadata, tensors)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DFLASH_NO_CACHE", "1")
+        yield _write_gemma4_gguf(tmp_path_factory.mktemp("gguf") / "tiny-gemma4.gguf")
+
+
+def test_gguf_loads_and_matches_transformers(gguf_path: Path, hf_folder: Path) -> None:
+    checkpoint = load_gguf(gguf_path, use_cache=False)
+    config, from_hf = checkpoint.config, load_hf_dir(hf_folder).config
+    for field in ("layer_types", "head_dim", "global_head_dim", "num_kv_heads", "global_num_kv_heads",
+                  "attention_k_eq_v", "num_kv_shared_layers", "double_wide_mlp", "intermediate_size",
+                  "hidden_size_per_layer_input", "vocab_size_per_layer_input", "sliding_window", "rope_theta",
+                  "rope_local_theta", "embed_scale", "final_logit_softcapping", "fixed_attention_scale",
+                  "tie_word_embeddings", "hidden_act", "qk_norm"):
+        assert getattr(config, field) == getattr(from_hf, field), field
+    assert config.rope_scaling is not None and config.rope_scaling["partial_rotary_factor"] == 0.5
+    assert torch.equal(checkpoint.weights["model.layers.3.layer_scalar"], torch.tensor([0.9]))
+    _assert_matches_transformers(build_model(config, checkpoint.weights))
+
+
+def test_gguf_cache_keeps_the_gemma4_settings(gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DFLASH_NO_CACHE")
+    monkeypatch.setattr(gguf_loader, "CACHE_MIN_SECONDS", 0.0)
+    first = load_gguf(gguf_path)
+    assert any(tmp_path.rglob("*.safetensors"))
+    monkeypatch.setattr(gguf_loader, "GGUFFile", None)  # a second parse would fail
+    second = load_gguf(gguf_path)
+    assert second.config == first.config and second.config.rope_scaling == first.config.rope_scaling
+    _assert_matches_transformers(build_model(second.config, second.weights))
+
+
+def test_quantized_gguf_runs_dense_and_quantized_cpu_weights_decline(tmp_path: Path) -> None:
+    """A Q8_0 file: `auto` settles on dense weights with the reason, `quantized` asked for is an error."""
+    path = _write_gemma4_gguf(tmp_path / "q8.gguf", GGMLQuantizationType.Q8_0)
+    choice = choose_weights("auto", path, torch.device("cpu"), torch.float32)
+    assert choice.kind == "dense" and "Gemma 4" in choice.reason
+    with pytest.raises(ModelLoadError, match="Gemma 4"):
+        choose_weights("quantized", path, torch.device("cpu"), torch.float32)
+    checkpoint = load_gguf(path, use_cache=False)
+    hf_q = hf_gemma4().state_dict()["model.layers.4.self_attn.q_proj.weight"]  # [128, 64]
+    expected = dequantize(quantize(hf_q.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    ours_q = checkpoint.weights["model.layers.4.self_attn.q_proj.weight"]
+    assert torch.equal(ours_q, torch.from_numpy(expected).reshape(ours_q.shape)) and not torch.equal(ours_q, hf_q)
+    # rounding changes this tiny random model's logits a lot: compare with transformers given the same weights
+    hf = copy.deepcopy(hf_gemma4())
+    hf.load_state_dict(checkpoint.weights, strict=False)
+    _assert_matches_transformers(build_model(checkpoint.config, checkpoint.weights), hf)
 
 
 # ---- fast paths that cannot run it ---------------------------------------------------------------------------
