@@ -142,7 +142,7 @@ def test_config_reads_every_gemma4_field(hf_folder: Path) -> None:
     assert (config.head_dim, config.global_head_dim, config.num_kv_heads, config.global_num_kv_heads) == (16, 32, 2, 1)
     assert [config.layer_head_dim(i) for i in range(7)] == [16, 32, 16, 16, 32, 16, 32]
     assert [config.layer_kv_heads(i) for i in range(7)] == [2, 1, 2, 2, 1, 2, 1]
-    assert (config.cache_head_dim, config.cache_kv_heads) == (32, 2)
+    assert (config.cache_head_dim, config.cache_kv_heads, config.cache_layers) == (32, 2, 5)
     assert [config.kv_source(i) for i in range(7)] == [0, 1, 2, 3, 4, 3, 4]
     assert [config.layer_intermediate_size(i) for i in range(7)] == [96] * 5 + [192] * 2
     assert config.attention_k_eq_v and config.attention_scale == 1.0 and config.qk_norm and not config.norm_adds_one
@@ -415,7 +415,8 @@ def test_batched_core_gives_each_request_its_plain_greedy_tokens(monkeypatch: py
     prompts = random_prompts(6, target().config.vocab_size, seed=12, lengths=(12, 40, 23))
     references = {i: run(target(), None, p, 24, prefill_chunk=CHUNK)[0] for i, p in enumerate(prompts)}
     core = make_core(target(), drafter, max_batch=6, prefill_chunk=CHUNK, ddtree_budget=8)
-    assert core.target_pool.keys.shape[1:] == (2, core.target_pool.keys.shape[2], 32)  # widest heads, most heads
+    keys = core.target_pool.keys  # [layers, kv_heads, slots, head_dim]: no rows for the 2 sharing layers
+    assert (keys.shape[0], keys.shape[1], keys.shape[3]) == (5, 2, 32)  # the most K/V heads, the widest heads
     seqs = [make_sequence(target(), p, 24, ("linear", "ddtree", "none")[i % 3]) for i, p in enumerate(prompts)]
     for seq in seqs:
         core.add(seq)

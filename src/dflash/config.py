@@ -118,6 +118,11 @@ class ModelConfig:
         return self.num_kv_heads
 
     @property
+    def cache_layers(self) -> int:
+        """Layers a K/V cache holds: K/V-sharing layers (the last ones) read the rows of earlier layers."""
+        return self.num_layers - self.num_kv_shared_layers
+
+    @property
     def cache_head_dim(self) -> int:
         """Head width of a K/V cache that holds every layer (narrower layers use the first part of it)."""
         return max(self.layer_head_dim(i) for i in range(self.num_layers))

@@ -93,7 +93,7 @@ class BatchCore:
         blocks = -(-settings.pool_tokens // POOL_BLOCK_TOKENS)
         config = target.layer_config
         self.target_pool = BlockPool(
-            config.num_layers, config.cache_kv_heads, config.cache_head_dim, blocks, POOL_BLOCK_TOKENS,
+            config.cache_layers, config.cache_kv_heads, config.cache_head_dim, blocks, POOL_BLOCK_TOKENS,
             dtype=weight.dtype, device=weight.device,
         )
         self.drafter_pool: BlockPool | None = None

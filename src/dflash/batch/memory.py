@@ -21,7 +21,7 @@ def bytes_per_position(target: CausalLM, drafter: DFlashDrafter | None) -> int:
     """K/V bytes one position takes in the target pool plus the drafter pool."""
     config = target.layer_config
     size = target.embed_tokens.weight.element_size()
-    total = 2 * config.num_layers * config.cache_kv_heads * config.cache_head_dim * size
+    total = 2 * config.cache_layers * config.cache_kv_heads * config.cache_head_dim * size
     if drafter is not None:
         d = drafter.config
         total += 2 * d.num_layers * d.num_kv_heads * d.head_dim * drafter.fc.weight.element_size()

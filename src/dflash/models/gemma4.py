@@ -10,8 +10,8 @@
   earlier layer of their type (`ModelConfig.kv_source`). A sharing layer re-stores its source's new rows in the
   source's cache slots (the same values again), so every cache and attention backend serves it unchanged.
 
-Every layer keeps a cache row of the widest head size (`ModelConfig.cache_head_dim`); narrower layers use the
-first part of it. The mixture-of-experts variant is declined when the config is read.
+Every layer but the sharing ones keeps a cache row of the widest head size (`ModelConfig.cache_head_dim`); narrower
+layers use the first part of it. The mixture-of-experts variant is declined when the config is read.
 """
 
 from __future__ import annotations
@@ -163,7 +163,8 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4ForCausalLM(CausalLM):
-    """The Gemma 4 text model. Its cache rows have the widest head size; CUDA graphs are not used for it (its
+    """The Gemma 4 text model. Its cache rows have the widest head size, and the K/V-sharing layers have none; CUDA
+    graphs are not used for it (its
     mixed head sizes and shared K/V were never checked under capture)."""
 
     layer_class: ClassVar[type[nn.Module]] = Gemma4DecoderLayer
@@ -184,8 +185,8 @@ class Gemma4ForCausalLM(CausalLM):
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         config, like = self.config, self.embed_tokens.weight
-        return KVCache(
-            config.num_layers, config.cache_kv_heads, config.cache_head_dim, capacity,
+        return KVCache(  # no rows for the K/V-sharing layers: they attend in their sources' rows
+            config.cache_layers, config.cache_kv_heads, config.cache_head_dim, capacity,
             batch=batch, dtype=like.dtype, device=like.device,
         )
 
