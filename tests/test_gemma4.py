@@ -27,6 +27,7 @@ from dflash.errors import ModelLoadError
 from dflash.fastpath import fused_layers
 from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.request import GenerationRequest
+from dflash.kernels.fused_cpu import torch_layer_ops
 from dflash.models import gguf_loader
 from dflash.models.gemma4 import Gemma4ForCausalLM
 from dflash.models.gguf_loader import load_gguf
@@ -184,6 +185,12 @@ def test_hf_folder_loads_and_matches_transformers(hf_folder: Path) -> None:
     model = build_model(checkpoint.config, checkpoint.weights)
     assert isinstance(model, Gemma4ForCausalLM)
     _assert_matches_transformers(model)
+
+
+def test_torch_operations_match_transformers_too() -> None:
+    """Without the fused CPU kernels: SDPA over the cache's narrower views (heads and lanes of the widest row)."""
+    with torch_layer_ops():
+        _assert_matches_transformers(target())
 
 
 def test_image_text_checkpoint_names_load(hf_folder: Path, tmp_path: Path) -> None:
@@ -428,21 +435,20 @@ def test_batched_core_gives_each_request_its_plain_greedy_tokens(monkeypatch: py
         assert seq.error is None and seq.sink.token_ids == references[i], seq.mode
 
 
-@pytest.fixture(scope="module")
-def no_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield
-
-
 @pytest.mark.parametrize("max_batch", [1, 2])
-def test_engine_serves_the_hf_folder_with_its_greedy_tokens(hf_folder: Path, max_batch: int, no_cache_dir: None) -> None:
-    """Through `load_engine`, one at a time and in the engine loop."""
-    engine = load_engine(str(hf_folder), draft="none", options=EngineOptions(max_batch=max_batch, prefill_chunk=CHUNK))
+def test_engine_serves_the_hf_folder_with_its_greedy_tokens(hf_folder: Path, max_batch: int) -> None:
+    """Through `load_engine`, one at a time and in the engine loop; a second request extending the first reuses its
+    cached prefix (rows of both head shapes) and still gives its own greedy tokens."""
+    options = EngineOptions(max_batch=max_batch, prefill_chunk=CHUNK, prefix_cache_mb=8.0)
+    engine = load_engine(str(hf_folder), draft="none", options=options)
     try:
         assert engine.batched == (max_batch > 1) and isinstance(engine.target, Gemma4ForCausalLM)
         prompt = _prompt(6, 21)[0].tolist()
         result = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True))
         assert result.token_ids == run(target(), None, prompt, 16, prefill_chunk=CHUNK)[0]
+        longer = prompt + result.token_ids + _prompt(7, 19)[0].tolist()
+        again = engine.generate(GenerationRequest(prompt_ids=longer, max_new_tokens=12, ignore_eos=True))
+        assert again.token_ids == run(target(), None, longer, 12, prefill_chunk=CHUNK)[0]
+        assert engine.prefix_cache is not None and engine.prefix_cache.stats().reused_tokens > 0
     finally:
         engine.close()

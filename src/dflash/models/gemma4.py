@@ -197,12 +197,11 @@ class Gemma4ForCausalLM(CausalLM):
         if not per_layer:
             return None
         shape = (*input_ids.shape, self.config.num_layers, per_layer)
+        # the scales are rounded to the weights' dtype, or not, where transformers does so (bf16 agrees too)
         own = self.embed_tokens_per_layer(input_ids) * torch.tensor(per_layer**0.5, dtype=embedded.dtype)
-        projected = self.per_layer_model_projection(embedded) * torch.tensor(
-            self.config.hidden_size**-0.5, dtype=embedded.dtype
-        )
+        projected = self.per_layer_model_projection(embedded) * self.config.hidden_size**-0.5
         mixed = self.per_layer_projection_norm(projected.view(shape)) + own.view(shape)
-        return mixed * torch.tensor(2.0**-0.5, dtype=embedded.dtype)
+        return mixed * 2.0**-0.5
 
     def run_layers(
         self,
