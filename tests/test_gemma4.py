@@ -29,9 +29,10 @@ from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.request import GenerationRequest
 from dflash.kernels.fused_cpu import torch_layer_ops
 from dflash.models import gguf_loader
-from dflash.models.gemma4 import Gemma4ForCausalLM
+from dflash.models.gemma4 import Gemma4ForCausalLM, Gemma4RMSNorm
 from dflash.models.gguf_loader import load_gguf
 from dflash.models.hf_loader import load_hf_dir
+from dflash.models.layers import RMSNorm
 from dflash.models.model import CausalLM
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
@@ -185,6 +186,20 @@ def test_hf_folder_loads_and_matches_transformers(hf_folder: Path) -> None:
     model = build_model(checkpoint.config, checkpoint.weights)
     assert isinstance(model, Gemma4ForCausalLM)
     _assert_matches_transformers(model)
+
+
+def test_norms_round_as_transformers_in_bfloat16() -> None:
+    """In bfloat16 the norm's weight multiplies before the cast back, bit for bit as in transformers."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm as HFNorm
+
+    hf, ours = HFNorm(64, eps=1e-6), Gemma4RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        hf.weight.normal_(1.0, 0.3)
+        ours.weight.copy_(hf.weight)
+        x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+        hf, ours = hf.bfloat16(), ours.bfloat16()
+        assert torch.equal(ours(x), hf(x))
+        assert not torch.equal(ours(x), RMSNorm.forward(ours, x))  # the other order rounds differently here
 
 
 def test_torch_operations_match_transformers_too() -> None:

@@ -47,6 +47,18 @@ if TYPE_CHECKING:
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
+class Gemma4RMSNorm(RMSNorm):
+    """RMSNorm whose weight multiplies the float32 normed values before the cast back, in transformers' Gemma 4
+    order (the same as `RMSNorm` in float32, a rounding apart in bfloat16)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight over the last dimension, in float32 (Gemma 4's value norm)."""
     x32 = x.float()
@@ -77,8 +89,8 @@ class Gemma4Attention(nn.Module):
             self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if self.source == layer_index else None
+        self.q_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps) if self.source == layer_index else None
 
     def forward(
         self,
@@ -130,17 +142,17 @@ class Gemma4DecoderLayer(nn.Module):
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma4Attention(config, layer_index)
         self.mlp = GatedMLP(dim, config.layer_intermediate_size(layer_index), config.hidden_act)
-        self.input_layernorm = RMSNorm(dim, eps)
-        self.post_attention_layernorm = RMSNorm(dim, eps)
-        self.pre_feedforward_layernorm = RMSNorm(dim, eps)
-        self.post_feedforward_layernorm = RMSNorm(dim, eps)
+        self.input_layernorm = Gemma4RMSNorm(dim, eps)
+        self.post_attention_layernorm = Gemma4RMSNorm(dim, eps)
+        self.pre_feedforward_layernorm = Gemma4RMSNorm(dim, eps)
+        self.post_feedforward_layernorm = Gemma4RMSNorm(dim, eps)
         self.register_buffer("layer_scalar", torch.ones(1))  # in checkpoints, as transformers saves it
         per_layer = config.hidden_size_per_layer_input
         self.per_layer_input_gate: nn.Linear | None = None
         if per_layer:
             self.per_layer_input_gate = nn.Linear(dim, per_layer, bias=False)
             self.per_layer_projection = nn.Linear(per_layer, dim, bias=False)
-            self.post_per_layer_input_norm = RMSNorm(dim, eps)
+            self.post_per_layer_input_norm = Gemma4RMSNorm(dim, eps)
             self.act = activation(config.hidden_act)
 
     def forward(
@@ -174,6 +186,7 @@ class Gemma4ForCausalLM(CausalLM):
         if tensor_parallel is not None and tensor_parallel.world > 1:
             raise ModelLoadError("Gemma 4 models are not split across devices yet; run them on one device")
         super().__init__(config, tensor_parallel)
+        self.norm = Gemma4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.global_head_dim or config.head_dim, config.rope_theta, config.rope_scaling)
         self.rotary_local = Rotary(config.head_dim, config.rope_local_theta or 10000.0)
         per_layer = config.hidden_size_per_layer_input
@@ -181,7 +194,7 @@ class Gemma4ForCausalLM(CausalLM):
             packed = config.num_layers * per_layer  # every layer's vector, side by side
             self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, packed)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, packed, bias=False)
-            self.per_layer_projection_norm = RMSNorm(per_layer, config.rms_norm_eps)
+            self.per_layer_projection_norm = Gemma4RMSNorm(per_layer, config.rms_norm_eps)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         config, like = self.config, self.embed_tokens.weight
