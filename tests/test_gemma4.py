@@ -39,6 +39,7 @@ from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
 from dflash.parallel.sharding import shard_config
+from dflash.tokenizer import Tokenizer
 from tests.batch_helpers import drain, make_core, make_sequence
 from tests.loading_helpers import (
     CHATML,
@@ -379,6 +380,24 @@ def test_quantized_gguf_runs_dense_and_quantized_cpu_weights_decline(tmp_path: P
     hf = copy.deepcopy(hf_gemma4())
     hf.load_state_dict(checkpoint.weights, strict=False)
     _assert_matches_transformers(build_model(checkpoint.config, checkpoint.weights), hf)
+
+
+def test_gguf_gemma4_tokenizer_follows_its_listed_merges() -> None:
+    """llama.cpp writes Gemma 4's vocabulary as tokenizer model "gemma4": SentencePiece-style pieces with their
+    merges listed. The listed order wins over the scores ("b a" before "a b" though "ab" scores higher)."""
+    pieces = ["\u2581", "a", "b", "ab", "ba"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    md = {
+        "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces),
+        "tokenizer.ggml.scores": [0.0] * 260 + [-1.0, -1.0, -1.0, 5.0, -3.0],
+        "tokenizer.ggml.merges": ["b a", "a b"], "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.add_space_prefix": False,
+    }
+    tok = Tokenizer.from_gguf_metadata(md, source="gemma4")
+    assert tok.add_bos and tok.bos_token_id == 2
+    assert tok.encode("aba") == [tokens.index("a"), tokens.index("ba")]
+    assert tok.decode(tok.encode("ab ba")) == "ab ba"
 
 
 # ---- fast paths that cannot run it ---------------------------------------------------------------------------
