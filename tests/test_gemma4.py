@@ -24,7 +24,8 @@ from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import EngineOptions, resolve_options
 from dflash.engine.loading import load_engine
 from dflash.errors import ModelLoadError
-from dflash.fastpath import fused_layers
+from dflash.fastpath import batched_step, fused_layers
+from dflash.fastpath.batched_step import BatchedDecoder
 from dflash.fastpath.static_forward import static_target_forward
 from dflash.generation.request import GenerationRequest
 from dflash.kernels.fused_cpu import torch_layer_ops
@@ -50,6 +51,7 @@ from tests.loading_helpers import (
 )
 from tests.spec_helpers import one_torch_thread, random_prompts, run
 from tests.test_batch_core import _install_oracle as install_batch_oracle
+from tests.test_batched_step import step_logits
 from tests.test_ddtree_decode import install_oracle, run_ddtree
 from tests.tiny_models import hf_tiny, ours_from_hf
 
@@ -398,6 +400,18 @@ def test_gguf_gemma4_tokenizer_follows_its_listed_merges() -> None:
     assert tok.add_bos and tok.bos_token_id == 2
     assert tok.encode("aba") == [tokens.index("a"), tokens.index("ba")]
     assert tok.decode(tok.encode("ab ba")) == "ab ba"
+
+
+def test_batched_step_equals_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline batched step (left-padded rows, key buckets, slots written through `SlotWriter`) gives the eager
+    forward's logits."""
+    monkeypatch.setattr(batched_step, "STEP_BUCKET", 8)  # the steps cross several buckets
+    prompts = random_prompts(3, target().config.vocab_size, seed=3, lengths=(5, 19, 11))
+    new = torch.randint(0, target().config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(4))
+    decoder = BatchedDecoder(target(), 3, 19 + 14)
+    stepped, eager = step_logits(target(), decoder, prompts, new)
+    for a, b in zip(stepped, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # ---- fast paths that cannot run it ---------------------------------------------------------------------------
