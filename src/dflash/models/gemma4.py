@@ -73,6 +73,8 @@ class Gemma4Attention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.source = config.kv_source(layer_index)  # the layer whose K/V this one reads (itself unless shared)
+        # whether later layers read this one's K/V (only those rows are kept through the forward)
+        self.feeds_later = any(config.kv_source(j) == layer_index for j in range(layer_index + 1, config.num_layers))
         self.num_heads = config.num_heads
         self.num_kv_heads = config.layer_kv_heads(layer_index)
         self.head_dim = config.layer_head_dim(layer_index)
@@ -114,7 +116,8 @@ class Gemma4Attention(nn.Module):
             raw_v = raw_k if self.values_from_keys else parts[2].view(batch, seq, self.num_kv_heads, self.head_dim)
             k = apply_rotary(self.k_norm(raw_k).transpose(1, 2), cos, sin)  # [batch, kv_heads, seq, head_dim]
             v = unit_rms_norm(raw_v, self.eps).transpose(1, 2)  # [batch, kv_heads, seq, head_dim]
-            shared[self.layer_index] = (k, v)
+            if self.feeds_later:
+                shared[self.layer_index] = (k, v)
         attend = getattr(cache, "attend", None)  # an AttentionBackend
         if attend is not None:
             return self.o_proj(attend(self.source, q, k, v, self.scale))
