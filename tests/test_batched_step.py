@@ -13,7 +13,6 @@ import torch
 from dflash.fastpath import batched_step
 from dflash.fastpath.batched_step import PAD_POSITION, BatchedDecoder
 from dflash.generation.batched import generate_batch
-from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from tests.spec_helpers import golden_pair, random_prompts
 from tests.tiny_models import hf_tiny, ours_from_hf
@@ -36,7 +35,7 @@ def step_logits(model: CausalLM, decoder: BatchedDecoder, prompts: list[list[int
     new: [batch, steps] token ids fed one column per step."""
     device = model.embed_tokens.weight.device
     ids, positions = left_padded(prompts, device)
-    eager_cache = KVCache.matching(model.config, ids.shape[1] + new.shape[1], model.embed_tokens.weight, len(prompts))
+    eager_cache = model.new_cache(ids.shape[1] + new.shape[1], len(prompts))
     model(ids, positions, eager_cache, logits="last")
     model(ids, positions, decoder.start(), logits="last")
     next_positions = torch.tensor([len(p) for p in prompts], device=device)

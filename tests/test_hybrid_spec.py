@@ -199,3 +199,17 @@ def test_engine_batches_hybrid_requests(target: CausalLM, tmp_path: Path) -> Non
         assert engine.generate(request, spec="ddtree").token_ids == plain
     finally:
         engine.close()
+
+
+def test_kv_rows_only_for_attention_layers(target: CausalLM) -> None:
+    """The single-request cache, the batched pool and the memory estimate hold K/V rows for the one full-attention
+    layer only (`ModelConfig.cache_layers`, which also leaves out Gemma 4's K/V-sharing layers)."""
+    from dflash.batch.memory import bytes_per_position
+    from tests.batch_helpers import make_core
+
+    config = target.config
+    assert config.cache_layers == 1
+    assert target.new_cache(8).keys.shape == (1, 1, config.num_kv_heads, 8, config.head_dim)
+    assert make_core(target, None, max_batch=1).target_pool.keys.shape[0] == 1
+    element = target.embed_tokens.weight.element_size()
+    assert bytes_per_position(target, None) == 2 * config.num_kv_heads * config.head_dim * element

@@ -12,7 +12,7 @@ from typing import Any
 
 from dflash.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next", "gemma4")
 # Families whose layers keep a recurrent state besides (or instead of) K/V: see `dflash.kv.recurrent`.
 HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_next")
 # Families with a mixture of experts in (some of) their layers: `ModelConfig.sparse_layer` says which.
@@ -31,6 +31,8 @@ _MODEL_TYPES = {
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
     "qwen3_next": "qwen3_next",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
 }
 
 
@@ -38,7 +40,7 @@ _MODEL_TYPES = {
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, normalised across families."""
 
-    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe" | "qwen3_5" | "qwen3_next"
+    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "gemma4"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,6 +84,15 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 0  # width of the causal depthwise convolution over the q/k/v projections
+    # Gemma 4 (`dflash.models.gemma4`); the defaults describe every other family.
+    global_head_dim: int | None = None  # head width of the full-attention layers, when not head_dim
+    global_num_kv_heads: int | None = None  # their key/value heads, when not num_kv_heads
+    attention_k_eq_v: bool = False  # full-attention layers take their values from the key projection
+    num_kv_shared_layers: int = 0  # the last N layers attend to the K/V of an earlier layer of their type
+    double_wide_mlp: bool = False  # ... and then have an MLP of twice intermediate_size
+    hidden_size_per_layer_input: int = 0  # width of each layer's per-layer input embedding (0: none)
+    vocab_size_per_layer_input: int = 0  # rows of the per-layer input embedding table
+    fixed_attention_scale: float | None = None  # the attention logit scale when it is not head_dim ** -0.5
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -92,6 +103,10 @@ class ModelConfig:
             raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"{self.num_heads} attention heads do not divide into {self.num_kv_heads} KV heads")
+        if not 0 <= self.num_kv_shared_layers < self.num_layers:
+            raise ModelLoadError(f"{self.num_kv_shared_layers} K/V-sharing layers of {self.num_layers} leave none to share")
+        for index in range(self.num_layers - self.num_kv_shared_layers, self.num_layers):
+            self.kv_source(index)  # raises when a layer type has no earlier layer to read from
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ModelLoadError(
@@ -136,8 +151,57 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.fixed_attention_scale is not None:
+            return self.fixed_attention_scale
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
         return 1.0 / math.sqrt(base)
+
+    def layer_head_dim(self, index: int) -> int:
+        """Head width of decoder layer `index` (Gemma 4's full-attention layers may be wider)."""
+        if self.global_head_dim is not None and self.layer_types[index] == FULL_ATTENTION:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, index: int) -> int:
+        """Key/value heads of decoder layer `index`."""
+        if self.global_num_kv_heads is not None and self.layer_types[index] == FULL_ATTENTION:
+            return self.global_num_kv_heads
+        return self.num_kv_heads
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers a K/V cache holds rows for, numbered in layer order: neither the linear-attention layers (they keep
+        a recurrent state instead) nor the K/V-sharing layers (the last ones, which read the rows of earlier
+        layers)."""
+        own = self.layer_types[: self.num_layers - self.num_kv_shared_layers]
+        return len(own) - own.count(LINEAR_ATTENTION)
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Head width of a K/V cache that holds every layer (narrower layers use the first part of it)."""
+        return max(self.layer_head_dim(i) for i in range(self.num_layers))
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """Key/value heads of a K/V cache that holds every layer (layers with fewer use the first ones)."""
+        return max(self.layer_kv_heads(i) for i in range(self.num_layers))
+
+    def kv_source(self, index: int) -> int:
+        """The layer whose keys and values layer `index` attends to: itself, or for the last
+        `num_kv_shared_layers` layers the last layer of the same type before them (transformers' Gemma 4 rule)."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if index < first_shared:
+            return index
+        kind = self.layer_types[index]
+        for source in range(first_shared - 1, -1, -1):
+            if self.layer_types[source] == kind:
+                return source
+        raise ModelLoadError(f"layer {index} ({kind}) shares K/V, but no earlier layer of that type computes them")
+
+    def layer_intermediate_size(self, index: int) -> int:
+        """MLP width of layer `index` (Gemma 4 doubles it in the K/V-sharing layers when `double_wide_mlp`)."""
+        doubled = self.double_wide_mlp and self.kv_source(index) != index
+        return self.intermediate_size * (2 if doubled else 1)
 
     @property
     def norm_adds_one(self) -> bool:
@@ -187,22 +251,23 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_gemma)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", arch in ("gemma3", "gemma4"))),
                 layer_types=layer_types,
                 sliding_window=int(raw["sliding_window"]) if raw.get("sliding_window") else None,
                 rope_scaling=rope_scaling,
-                rope_local_theta=local_theta if is_gemma else None,
+                rope_local_theta=local_theta if arch in ("gemma3", "gemma4") else None,
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next"),
+                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next", "gemma4"),
                 query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
-                embed_scale=math.sqrt(hidden) if is_gemma else 1.0,
+                embed_scale=math.sqrt(hidden) if arch in ("gemma3", "gemma4") else 1.0,
                 final_logit_softcapping=_opt_float(raw.get("final_logit_softcapping")),
                 attn_logit_softcapping=_opt_float(raw.get("attn_logit_softcapping")),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **(_hybrid_fields(raw) if arch in HYBRID_ARCHITECTURES else {}),
                 **(_moe_fields(raw, arch) if arch in MOE_ARCHITECTURES else {}),
+                **(_gemma4_fields(raw, layer_types, head_dim, source) if arch == "gemma4" else {}),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
@@ -244,6 +309,47 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     return fields
 
 
+def _gemma4_fields(raw: dict[str, Any], layer_types: tuple[str, ...], head_dim: int, source: str) -> dict[str, Any]:
+    """The Gemma 4 fields of a text config, read as transformers' `Gemma4TextConfig` reads them: the full-attention
+    layers' head width and K/V heads come from `per_layer_config` (what transformers writes) or from
+    `global_head_dim` / `num_global_key_value_heads` (what released checkpoints declare)."""
+    if raw.get("enable_moe_block"):
+        raise ModelLoadError(f"{source}: Gemma 4 mixture-of-experts models (enable_moe_block) are not supported")
+    if raw.get("use_bidirectional_attention") == "all":
+        raise ModelLoadError(f"{source}: Gemma 4 with bidirectional attention over every token is not a causal LM")
+    local = (raw.get("rope_parameters") or {}).get(SLIDING_ATTENTION) or {}
+    if local.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{source}: RoPE type {local['rope_type']!r} on sliding layers is not supported")
+    k_eq_v = bool(raw.get("attention_k_eq_v", False))
+    kv_heads = int(raw.get("num_key_value_heads") or raw["num_attention_heads"])
+    full = [i for i, kind in enumerate(layer_types) if kind == FULL_ATTENTION]
+    overrides: dict[int, dict[str, Any]]
+    if isinstance(raw.get("per_layer_config"), dict):
+        overrides = {int(k): dict(v or {}) for k, v in raw["per_layer_config"].items()}
+    else:
+        wide: dict[str, Any] = {"head_dim": int(raw.get("global_head_dim") or 512)}  # transformers' default
+        if k_eq_v and raw.get("num_global_key_value_heads"):
+            wide["num_key_value_heads"] = int(raw["num_global_key_value_heads"])
+        overrides = dict.fromkeys(full, wide)
+    dims = {i: (int(overrides.get(i, {}).get("head_dim", head_dim)),
+                int(overrides.get(i, {}).get("num_key_value_heads", kv_heads))) for i in range(len(layer_types))}
+    full_dims = {dims[i] for i in full} or {(head_dim, kv_heads)}
+    if len(full_dims) > 1 or any(dims[i] != (head_dim, kv_heads) for i in dims if i not in full):
+        raise ModelLoadError(f"{source}: per-layer head sizes other than one per attention type are not supported")
+    (global_head_dim, global_kv_heads), = full_dims
+    per_layer = int(raw.get("hidden_size_per_layer_input") or 0)
+    return {
+        "global_head_dim": global_head_dim,
+        "global_num_kv_heads": global_kv_heads,
+        "attention_k_eq_v": k_eq_v,
+        "num_kv_shared_layers": int(raw.get("num_kv_shared_layers") or 0),
+        "double_wide_mlp": bool(raw.get("use_double_wide_mlp", False)),
+        "hidden_size_per_layer_input": per_layer,
+        "vocab_size_per_layer_input": int(raw.get("vocab_size_per_layer_input") or raw["vocab_size"]) if per_layer else 0,
+        "fixed_attention_scale": 1.0,  # the q/k norms set the logits' scale
+    }
+
+
 def _rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     """(theta, scaling, local theta) from either the flat fields or transformers 5's `rope_parameters`."""
     params = raw.get("rope_parameters") or {}
@@ -277,12 +383,19 @@ def _opt_float(value: Any) -> float | None:
 
 
 def _layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]:
+    kinds = _declared_layer_types(raw, arch, layers)
+    if arch == "gemma4" and kinds and kinds[-1] != FULL_ATTENTION:  # transformers forces a full last layer
+        kinds = (*kinds[:-1], FULL_ATTENTION)
+    return kinds
+
+
+def _declared_layer_types(raw: dict[str, Any], arch: str, layers: int) -> tuple[str, ...]:
     if raw.get("layer_types"):
         return tuple(str(t) for t in raw["layer_types"])
     if arch in HYBRID_ARCHITECTURES:  # every `full_attention_interval`-th layer is full attention, the others linear
         interval = int(raw.get("full_attention_interval", 4))
         return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers))
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma4"):
         pattern = int(raw.get("sliding_window_pattern", 6))
         return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(layers))
     if arch == "qwen3_moe":  # transformers' Qwen3-MoE windows every layer when it windows at all

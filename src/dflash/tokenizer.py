@@ -6,8 +6,9 @@ conventions of the model, its chat template, and `StreamDecoder` for incremental
 A GGUF file stores no `tokenizer.json`; its vocabulary lives in metadata under llama.cpp's keys:
 `tokenizer.ggml.model` "gpt2" is byte-level BPE (tokens in the GPT-2 byte alphabet, merges listed,
 text split by a regex chosen by `tokenizer.ggml.pre`); "llama" is SentencePiece-style BPE (spaces
-spelled "▁", `<0xNN>` byte-fallback tokens, no merges: they are derived from the vocabulary, the
-user-defined pieces first and then the normal pieces by score, as SentencePiece merges them).
+spelled "▁", `<0xNN>` byte-fallback tokens, merges listed or else derived from the vocabulary, the
+user-defined pieces first and then the normal pieces by score, as SentencePiece merges them); "gemma4" is that
+kind too, with its merges listed.
 Control tokens (type 3) become special added tokens and user-defined tokens (type 4) plain added
 tokens, so that neither is ever split.
 """
@@ -131,12 +132,12 @@ class Tokenizer:
         if kind == "gpt2":
             backend = _byte_level_backend(tokens, types, md, source)
             default_add_bos = False
-        elif kind == "llama":
+        elif kind in ("llama", "gemma4"):  # llama.cpp names Gemma 4's SentencePiece-style BPE (merges listed) apart
             backend = _sentencepiece_backend(tokens, types, md, source)
             default_add_bos = True
         else:
             raise ModelLoadError(
-                f"{source}: tokenizer model {kind!r} is not supported (supported: gpt2, llama)"
+                f"{source}: tokenizer model {kind!r} is not supported (supported: gpt2, llama, gemma4)"
             )
         template = md.get("tokenizer.chat_template")
         template = str(template) if template else None

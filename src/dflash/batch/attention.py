@@ -87,7 +87,9 @@ class PackedAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [1, heads, rows, head_dim]; k, v: [1, kv_heads, rows, head_dim] -> [1, rows, heads * head_dim]."""
-        keys, values = self.pool.keys[layer], self.pool.values[layer]  # [kv_heads, slots, head_dim]
+        # [kv_heads, slots, head_dim]: a layer narrower than the pool (Gemma 4) uses the first heads and lanes
+        keys = self.pool.keys[layer, : k.shape[1], :, : k.shape[3]]
+        values = self.pool.values[layer, : v.shape[1], :, : v.shape[3]]
         keys.index_copy_(1, self.write_slots, k[0].to(keys.dtype))
         values.index_copy_(1, self.write_slots, v[0].to(values.dtype))
         sliding = self.sliding[layer] if layer < len(self.sliding) else False

@@ -24,7 +24,6 @@ from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
-from dflash.config import LINEAR_ATTENTION
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
@@ -94,10 +93,10 @@ class BatchCore:
         weight = target.embed_tokens.weight
         blocks = -(-settings.pool_tokens // POOL_BLOCK_TOKENS)
         config = target.layer_config
-        # a hybrid's linear layers keep no K/V: its attention layers are numbered among themselves
-        attention_layers = config.num_layers - config.layer_types.count(LINEAR_ATTENTION)
+        # rows only for the layers that keep K/V (not a hybrid's linear layers, nor Gemma 4's K/V-sharing ones),
+        # each as wide as the widest layer
         self.target_pool = BlockPool(
-            attention_layers, config.num_kv_heads, config.head_dim, blocks, POOL_BLOCK_TOKENS,
+            config.cache_layers, config.cache_kv_heads, config.cache_head_dim, blocks, POOL_BLOCK_TOKENS,
             dtype=weight.dtype, device=weight.device,
         )
         self.drafter_pool: BlockPool | None = None

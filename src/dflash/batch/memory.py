@@ -13,17 +13,16 @@ import os
 
 import torch
 
-from dflash.config import LINEAR_ATTENTION
 from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
 
 
 def bytes_per_position(target: CausalLM, drafter: DFlashDrafter | None) -> int:
-    """K/V bytes one position takes in the target pool plus the drafter pool (a hybrid's linear layers take none)."""
+    """K/V bytes one position takes in the target pool plus the drafter pool (a hybrid's linear layers and Gemma 4's
+    K/V-sharing layers take none)."""
     config = target.layer_config
     size = target.embed_tokens.weight.element_size()
-    attention_layers = config.num_layers - config.layer_types.count(LINEAR_ATTENTION)
-    total = 2 * attention_layers * config.num_kv_heads * config.head_dim * size
+    total = 2 * config.cache_layers * config.cache_kv_heads * config.cache_head_dim * size
     if drafter is not None:
         d = drafter.config
         total += 2 * d.num_layers * d.num_kv_heads * d.head_dim * drafter.fc.weight.element_size()

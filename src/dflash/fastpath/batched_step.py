@@ -48,7 +48,8 @@ class BatchedDecoder:
     def __init__(self, model: CausalLM, batch: int, capacity: int, *, capture: bool | None = None) -> None:
         device = model.embed_tokens.weight.device
         self.model, self.batch, self.capacity = model, batch, capacity
-        self.capture = device.type == "cuda" if capture is None else capture
+        # a target whose forward is not fixed by its shapes (`CausalLM.capturable`) steps eagerly
+        self.capture = device.type == "cuda" and model.capturable if capture is None else capture
         self.cache = model.new_cache(capacity, batch)
         self.tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
         self.positions = torch.zeros((batch, 1), dtype=torch.long, device=device)

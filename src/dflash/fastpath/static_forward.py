@@ -24,10 +24,14 @@ class SlotWriter:
         self.storage, self.slots, self.bucket = storage, slots, bucket  # slots: [rows] long
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys/values: [1, kv_heads, rows, head_dim] -> views [1, kv_heads, bucket, head_dim]."""
-        self.storage.keys[layer].index_copy_(2, self.slots, keys)
-        self.storage.values[layer].index_copy_(2, self.slots, values)
-        return self.storage.keys[layer, :, :, : self.bucket], self.storage.values[layer, :, :, : self.bucket]
+        """keys/values: [1, kv_heads, rows, head_dim] -> views [1, kv_heads, bucket, head_dim] (a layer narrower
+        than the storage uses its first heads and lanes)."""
+        heads, width = keys.shape[1], keys.shape[3]
+        stored_keys = self.storage.keys[layer, :, :heads, :, :width]
+        stored_values = self.storage.values[layer, :, :heads, :, :width]
+        stored_keys.index_copy_(2, self.slots, keys)
+        stored_values.index_copy_(2, self.slots, values)
+        return stored_keys[:, :, : self.bucket], stored_values[:, :, : self.bucket]
 
 
 def block_visibility(length: torch.Tensor, tree_mask: torch.Tensor, bucket: int) -> torch.Tensor:

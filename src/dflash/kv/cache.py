@@ -1,6 +1,7 @@
 """Static KV cache written by index, with crop and compact for speculative rollback.
 
-One tensor pair holds every layer: `keys`/`values` are [layers, batch, kv_heads, capacity, head_dim]. Each slot
+One tensor pair holds every layer: `keys`/`values` are [layers, batch, kv_heads, capacity, head_dim] (the largest
+of the layers' head counts and widths, when they differ: a layer uses the first heads and lanes). Each slot
 also records the RoPE position of the token stored there (`positions`, [batch, capacity]), so attention masks are
 built from positions: this lets tree verification place sibling nodes at the same position in different slots.
 All rows of a batch share one `length` (the number of valid slots).
@@ -116,11 +117,13 @@ class KVCache:
         """Store new K/V after the committed slots; return views over every slot a query may read.
 
         keys/values: [batch, kv_heads, new, head_dim] -> returned views: [batch, kv_heads, length + new, head_dim]
+        A layer with fewer heads or narrower heads than the cache (Gemma 4) uses the first of each.
         """
         end = self.length + keys.shape[2]
-        self.keys[layer, :, :, self.length : end] = keys
-        self.values[layer, :, :, self.length : end] = values
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+        heads, width = keys.shape[1], keys.shape[3]
+        self.keys[layer, :, :heads, self.length : end, :width] = keys
+        self.values[layer, :, :heads, self.length : end, :width] = values
+        return self.keys[layer, :, :heads, :end, :width], self.values[layer, :, :heads, :end, :width]
 
     def write_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Record the positions of the new tokens; return key positions [batch, length + new]."""

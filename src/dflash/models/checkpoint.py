@@ -17,6 +17,7 @@ import torch
 
 from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
+from dflash.models.gemma4_shapes import gemma4_shapes
 from dflash.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "expected_shapes", "validate_weights"]
@@ -34,6 +35,8 @@ class Checkpoint:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the model needs, by Hugging Face name, with its shape."""
+    if config.architecture == "gemma4":
+        return gemma4_shapes(config)
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     norms = ["input_layernorm", "post_attention_layernorm"]

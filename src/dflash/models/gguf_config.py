@@ -2,7 +2,8 @@
 
 Values GGUF does not store are filled in as the Hugging Face configs of the same families have them
 (Gemma 3: local RoPE base 10000, GELU-tanh, sqrt(hidden) embedding scale, a full-attention layer
-every sixth; Qwen3-MoE: dense layers are those without a router; Qwen3.5: `dflash.models.gguf_hybrid`). Llama 3.1-style RoPE scaling is stored by llama.cpp only as a per-frequency factor
+every sixth; Qwen3-MoE: dense layers are those without a router; Qwen3.5: `dflash.models.gguf_hybrid`; Gemma 4:
+`dflash.models.gguf_gemma4`). Llama 3.1-style RoPE scaling is stored by llama.cpp only as a per-frequency factor
 tensor (`rope_freqs.weight`); `llama3_rope_scaling` recovers the HF parameters from it.
 """
 
@@ -17,12 +18,15 @@ import numpy as np
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
+from dflash.models.gguf_gemma4 import gemma4_fields
 from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES, hybrid_config_from_gguf, is_refused_hybrid
 
 __all__ = ["GGUF_ARCHITECTURES", "config_from_gguf", "llama3_factors", "llama3_rope_scaling"]
 
 # llama.cpp's architecture name -> ours (the Hugging Face model_type family)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe"}
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "qwen3": "qwen3", "gemma3": "gemma3", "qwen3moe": "qwen3_moe", "gemma4": "gemma4",
+}
 
 _GEMMA3_SLIDING_PATTERN = 6
 _GEMMA3_LOCAL_ROPE_BASE = 10000.0
@@ -59,7 +63,10 @@ def config_from_gguf(
     hidden = int(need("embedding_length"))
     layers = int(need("block_count"))
     heads = _uniform(need("attention.head_count"), f"{arch}.attention.head_count", source)
-    kv_heads = _uniform(get("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv", source)
+    is_gemma4 = arch == "gemma4"  # per-layer counts and widths: `gemma4_fields` reads them
+    kv_heads = heads if is_gemma4 else _uniform(
+        get("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv", source
+    )
     head_dim = int(get("attention.key_length") or hidden // heads)
     embed = tensor_shapes.get("token_embd.weight")
     if embed is None or len(embed) != 2:
@@ -74,27 +81,28 @@ def config_from_gguf(
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     is_gemma = arch == "gemma3"
     sliding = get("attention.sliding_window")
+    family = gemma4_fields(get, tensor_shapes, layers, hidden, rope_freqs, source) if is_gemma4 else {}
     softcap_final, softcap_attn = get("final_logit_softcapping"), get("attn_logit_softcapping")
     moe = _moe_fields(arch, layers, get, need, tensor_shapes, source)
     dense_width = get("feed_forward_length", moe.get("moe_intermediate_size"))  # MoE files may have no dense MLP
     if dense_width is None:
         dense_width = need("feed_forward_length")
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_uniform(dense_width, f"{arch}.feed_forward_length", source),
+        intermediate_size=0 if is_gemma4 else _uniform(dense_width, f"{arch}.feed_forward_length", source),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6 if is_gemma else 1e-5)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6 if is_gemma or is_gemma4 else 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         layer_types=_layer_types(arch, layers, get("attention.sliding_window_pattern"), source),
         sliding_window=int(sliding) if is_gemma and sliding else None,
-        rope_scaling=_rope_scaling(arch, metadata, rope_freqs, head_dim, source),
+        rope_scaling=None if is_gemma4 else _rope_scaling(arch, metadata, rope_freqs, head_dim, source),
         rope_local_theta=float(get("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)) if is_gemma else None,
         hidden_act="gelu_pytorch_tanh" if is_gemma else "silu",
         attention_bias="blk.0.attn_q.bias" in tensor_shapes,
@@ -107,6 +115,8 @@ def config_from_gguf(
         eos_token_ids=(int(eos),) if eos is not None else (),
         **moe,
     )
+    fields.update(family)
+    return ModelConfig(**fields)
 
 
 def _moe_fields(

@@ -1,4 +1,5 @@
-"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe, qwen35) into a `Checkpoint` in the Hugging Face convention.
+"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe, qwen35, gemma4) into a `Checkpoint` in the Hugging Face
+convention.
 
 Steps: parse the header (`GGUFFile`), build the config (`config_from_gguf`) and tokenizer, map
 llama.cpp tensor names to transformers names, check every shape before doing any work, dequantise
@@ -10,6 +11,7 @@ with `gguf.quants.dequantize`, then undo what llama.cpp's converter did to the w
   it is subtracted again.
 * qwen3moe: nothing to undo; the 3-D expert tensors are dequantised whole, to dense stacked experts.
 * qwen35: names and conversions of its own (`gguf_hybrid`).
+* gemma4: nothing to undo (its norms multiply by the weight itself); names in `dflash.models.gguf_gemma4`.
 
 The result is cached as fp32 safetensors (see `gguf_cache`) when dequantising took long enough.
 """
@@ -33,6 +35,7 @@ from dflash.models import gguf_cache
 from dflash.models.checkpoint import Checkpoint, validate_weights
 from dflash.models.gguf_config import config_from_gguf
 from dflash.models.gguf_file import GGUFFile, GGUFTensorInfo
+from dflash.models.gguf_gemma4 import gemma4_tensor_name
 from dflash.models.gguf_hybrid import hybrid_hf_shape, hybrid_tensor_name, undo_hybrid_conversion
 from dflash.tokenizer import Tokenizer
 
@@ -82,6 +85,8 @@ _NON_PARAMETERS = {"rope_freqs.weight"}
 
 def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
     """The transformers name of a llama.cpp tensor name, or None if the model has no such tensor."""
+    if architecture == "gemma4" and (name := gemma4_tensor_name(gguf_name)) is not None:
+        return name
     stem, _, kind = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES and kind in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[stem]}.{kind}"
@@ -90,7 +95,9 @@ def hf_tensor_name(architecture: str, gguf_name: str) -> str | None:
         return None
     if architecture == "qwen3_moe" and match.group(2) in _EXPERT_NAMES and match.group(3) == "weight":
         return f"model.layers.{match.group(1)}.{_EXPERT_NAMES[match.group(2)]}"
-    table = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3_moe": _QWEN3_MOE_LAYER_NAMES}.get(architecture, _LAYER_NAMES)
+    table = {"gemma3": _GEMMA3_LAYER_NAMES, "gemma4": _GEMMA3_LAYER_NAMES, "qwen3_moe": _QWEN3_MOE_LAYER_NAMES}.get(
+        architecture, _LAYER_NAMES
+    )
     part = table.get(match.group(2))
     return f"model.layers.{match.group(1)}.{part}.{match.group(3)}" if part else None
 

@@ -1,6 +1,7 @@
 """Loading a Hugging Face model directory (config.json + safetensors + tokenizer) into a `Checkpoint`.
 
-Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json`; experts of
+Weights come from `model.safetensors` or from the shards listed in `model.safetensors.index.json` (the language
+model of an image-text checkpoint is read under its causal-LM names); experts of
 mixture-of-experts models are stacked per projection as they are read in (`dflash.models.moe_weights`). A tensor-parallel
 rank reads only its part of each split tensor (`dflash.parallel.sharding`), so no process holds the whole model.
 EOS ids are merged from `config.json`, `generation_config.json` and the tokenizer's EOS token, so a
@@ -64,8 +65,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32, *, shard: tuple[
                 names = tensors.keys()  # a safetensors handle is not iterable
                 for stored in names:
                     name = _text_model_name(stored)
-                    # drops rotary buffers, a tied lm_head written anyway, vision towers, etc.; experts are
-                    # stacked below
+                    # drops rotary buffers, a tied lm_head written anyway, vision and audio towers, etc.; experts
+                    # are stacked below
                     if name in wanted or (config.is_moe and is_expert_tensor(name)):
                         weights[name] = _read_part(tensors, stored, shard_span(name, config, rank, world)).to(dtype)
         except (SafetensorError, OSError) as exc:
@@ -77,8 +78,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype = torch.float32, *, shard: tuple[
 
 
 def _text_model_name(name: str) -> str:
-    """Multimodal checkpoints (Qwen3.5) keep the language model under `model.language_model.`: use the text
-    model's names."""
+    """The causal-LM name of a tensor: multimodal checkpoints (Qwen3.5, Gemma 3 and 4 image-text models) keep the
+    language model under `model.language_model.`."""
     prefix = "model.language_model."
     return "model." + name.removeprefix(prefix) if name.startswith(prefix) else name
 

@@ -26,6 +26,8 @@ def build_quantized_model(checkpoint: QuantizedCheckpoint, *, device: torch.devi
         raise ModelLoadError(f"quantized weights run on the CPU only (asked for {device}); use --weights dense")
     config, matrices = checkpoint.config, checkpoint.matrices
     source = str(checkpoint.source)
+    if config.architecture == "gemma4":  # its layers' projections are not the uniform q/k/v this builder joins
+        raise ModelLoadError(f"{source}: quantized CPU weights do not support Gemma 4 yet; use --weights dense")
 
     def matrix(name: str) -> QuantizedMatrix:
         if name not in matrices:

@@ -123,9 +123,8 @@ class Qwen35ForCausalLM(CausalLM):
         """K/V slots for the full-attention layers only, plus the linear layers' recurrent states."""
         config = self.config
         like = self.embed_tokens.weight
-        linear = config.layer_types.count(LINEAR_ATTENTION)
         cache = KVCache(
-            config.num_layers - linear, config.num_kv_heads, config.head_dim, capacity,
+            config.cache_layers, config.num_kv_heads, config.head_dim, capacity,
             batch=batch, dtype=like.dtype, device=like.device,
         )
         cache.recurrent = new_recurrent_states(config, like, batch)

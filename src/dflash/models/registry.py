@@ -6,6 +6,7 @@ import torch
 
 from dflash.config import ModelConfig
 from dflash.models.gemma3 import Gemma3ForCausalLM
+from dflash.models.gemma4 import Gemma4ForCausalLM
 from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "qwen3_5": Qwen35ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
 }
 
 

@@ -12,7 +12,7 @@ from dflash.kernels.fused_cpu import layer_ops
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, adjusted for `scaling` (linear, llama3)."""
+    """Inverse frequencies [head_dim // 2] in float32, adjusted for `scaling` (linear, llama3, proportional)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
@@ -31,7 +31,14 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= original / high) & (wavelen <= original / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "proportional":
+        # Gemma 4's full-attention layers rotate only the first `partial_rotary_factor` of each half-pair set, at
+        # the frequencies a full rotation of head_dim would give them; the rest get frequency 0 (left as they are).
+        rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        kept = inv_freq.clone()
+        kept[rotated:] = 0.0
+        return kept / float(scaling.get("factor", 1.0))
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, proportional)")
 
 
 class Rotary(torch.nn.Module):

@@ -81,6 +81,8 @@ def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> s
     gguf = GGUFFile(path)
     if str(gguf.metadata.get("general.architecture", "")) in GGUF_HYBRID_ARCHITECTURES:
         return "linear-attention (hybrid) models run dense weights"
+    if gguf.metadata.get("general.architecture") == "gemma4":
+        return "quantized CPU weights do not support Gemma 4 yet"
     moe = mixture_of_experts_obstacle(gguf)
     if moe is not None:
         return moe

@@ -46,6 +46,11 @@ def shard_config(config: ModelConfig, world: int) -> ModelConfig:
         return config
     if config.is_hybrid:
         raise ModelLoadError(f"--tensor-parallel {world}: linear-attention (hybrid) models are not split across ranks")
+    if config.architecture == "gemma4":
+        raise ModelLoadError(
+            f"--tensor-parallel {world}: Gemma 4 models (mixed head sizes, shared K/V) are not split across devices "
+            "yet; run them on one device"
+        )
     if config.is_moe:
         raise ModelLoadError(
             f"--tensor-parallel {world}: mixture-of-experts models ({config.architecture}) are not split across "
