@@ -40,21 +40,21 @@ VOCAB = 48
 HIDDEN, LAYERS, RANK, TOP_K, KERNEL, GROUP = 64, 2, 8, 6, 2, 16
 
 
-def published_config(block: int = 4, **dflash: Any) -> dict[str, Any]:
+def published_config(block: int = 4, vocab: int = VOCAB, **dflash: Any) -> dict[str, Any]:
     """A DFlash2 config.json as published: Qwen3 fields at the top, DFlash2 fields in `dflash_config`, no
     num_target_layers, rope theta under rope_parameters."""
     return {
         "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
         "intermediate_size": 96, "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0},
+        "head_dim": 16, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0},
         "is_causal": False, "layer_types": ["full_attention"] * LAYERS,
-        "dflash_config": {"block_size": block, "mask_token_id": VOCAB - 1, "target_layer_ids": [1, 2],
+        "dflash_config": {"block_size": block, "mask_token_id": vocab - 1, "target_layer_ids": [1, 2],
                           "conv_kernel_size": KERNEL, "conv_group_size": GROUP, "selector_rank": RANK,
                           "selector_top_k": TOP_K, **dflash},
     }
 
 
-def published_weights(seed: int) -> dict[str, torch.Tensor]:
+def published_weights(seed: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """Random tensors under the published names and shapes (written out here, not taken from our modules)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -65,8 +65,8 @@ def published_weights(seed: int) -> dict[str, torch.Tensor]:
     weights = {"fc.weight": rand(HIDDEN, 2 * HIDDEN, scale=0.1), "hidden_norm.weight": 1 + rand(HIDDEN, scale=0.1),
                "norm.weight": 1 + rand(HIDDEN, scale=0.1),
                "candidate_selector.hidden_projection.weight": rand(RANK, HIDDEN),
-               "candidate_selector.predecessor_codebook": rand(VOCAB, RANK, scale=1.0),
-               "candidate_selector.successor_codebook": rand(VOCAB, RANK, scale=1.0)}
+               "candidate_selector.predecessor_codebook": rand(vocab, RANK, scale=1.0),
+               "candidate_selector.successor_codebook": rand(vocab, RANK, scale=1.0)}
     for n in range(LAYERS):
         p = f"layers.{n}."
         for name, shape in (("self_attn.q_proj", (64, HIDDEN)), ("self_attn.k_proj", (32, HIDDEN)),
@@ -83,12 +83,12 @@ def published_weights(seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def tiny_target(embed_scale: float = 1.0) -> CausalLM:
+def tiny_target(embed_scale: float = 1.0, vocab: int = VOCAB) -> CausalLM:
     hf = hf_tiny("llama", seed=3)
-    hf.resize_token_embeddings(VOCAB)
+    hf.resize_token_embeddings(vocab)
     with torch.no_grad():
         hf.model.embed_tokens.weight.mul_(embed_scale)
-    hf.config.vocab_size = VOCAB
+    hf.config.vocab_size = vocab
     return ours_from_hf(hf)
 
 
@@ -99,9 +99,11 @@ def write_drafter(folder: Path, config: dict[str, Any], weights: dict[str, torch
     return folder
 
 
-def tiny_pair(tmp_path: Path, embed_scale: float = 1.0, seed: int = 0) -> tuple[CausalLM, DFlash2Drafter]:
-    target = tiny_target(embed_scale)
-    folder = write_drafter(tmp_path / "drafter", published_config(), published_weights(seed))
+def tiny_pair(
+    tmp_path: Path, embed_scale: float = 1.0, seed: int = 0, vocab: int = VOCAB
+) -> tuple[CausalLM, DFlash2Drafter]:
+    target = tiny_target(embed_scale, vocab)
+    folder = write_drafter(tmp_path / "drafter", published_config(vocab=vocab), published_weights(seed, vocab))
     drafter = load_drafter(str(folder), target.config)
     assert isinstance(drafter, DFlash2Drafter)
     return target, drafter
@@ -414,12 +416,16 @@ def test_sampling_with_the_selector_keeps_the_target_distribution(
 ) -> None:
     """Per-position distributions of linear DFlash2 sampling (drafts sampled by the selector, verified with its q)
     and plain sampling agree within TV 0.06 (n=1500 each); a broken rule that accepts every draft exceeds it."""
-    target, drafter = tiny_pair(tmp_path, embed_scale=2.0)
+    target, drafter = tiny_pair(tmp_path, embed_scale=2.0, vocab=8)  # few tokens: TV noise well below 0.06
     samples, tolerance = 1500, 0.06
     plain = _first_tokens(target, None, samples)
     spec = _first_tokens(target, drafter, samples)
     distances = [total_variation(p, s) for p, s in zip(plain, spec, strict=True)]
     assert max(distances) < tolerance, distances
+    accepted = [a for seed in range(40) for a in run(target, drafter, [1, 2, 3], 12,
+                                                     sampling=SamplingParams(temperature=1.0, seed=seed))[1]
+                .accepted_per_round]
+    assert max(accepted) >= 2  # the rule with q kept sampled drafts, several in a round
 
     import dflash.speculative.linear as linear
 
