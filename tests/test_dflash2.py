@@ -444,3 +444,47 @@ def test_target_fit_is_checked(tmp_path: Path) -> None:
 
     with pytest.raises(DrafterMismatchError, match="vocabulary"):
         load_drafter(str(folder), config)
+
+
+# --- the batched engine core -----------------------------------------------------------------------------------
+
+
+def test_batched_core_is_lossless_and_drafts_like_the_single_request_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linear, DDTree and plain requests together in the batched core give plain greedy tokens; a lone linear
+    request's rounds see the same candidates and scores there as in `decode_linear` (so the packed pass applies
+    the block convolutions)."""
+    from tests.batch_helpers import drain, make_core, make_sequence
+
+    target, drafter = tiny_pair(tmp_path)
+    prompts = random_prompts(3, VOCAB - 1, seed=9, lengths=(7, 23))
+    core = make_core(target, drafter, max_batch=3, ddtree_budget=5, linear_drafts=3)
+    seqs = [make_sequence(target, p, 16, mode) for p, mode in zip(prompts, ("linear", "ddtree", "plain"), strict=True)]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 16)[0], seq.mode
+
+    seen: dict[str, list[CandidateLattice]] = {"loop": [], "batch": []}
+    walk = CandidateLattice.walk
+    for name in seen:
+        def recording(self: CandidateLattice, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            seen[_name].append(self)
+            return walk(self, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(CandidateLattice, "walk", recording)
+            if name == "loop":
+                run(target, drafter, prompts[0], 16)
+            else:
+                lone = make_sequence(target, prompts[0], 16, "linear")
+                batch_core = make_core(target, drafter, linear_drafts=3)
+                batch_core.add(lone)
+                drain(batch_core)
+    assert len(seen["loop"]) == len(seen["batch"]) > 1
+    for single, packed in zip(seen["loop"], seen["batch"], strict=True):
+        assert torch.equal(single.candidates, packed.candidates)
+        torch.testing.assert_close(packed.unary, single.unary, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(packed.projected, single.projected, rtol=1e-4, atol=1e-4)
