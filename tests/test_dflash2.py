@@ -40,7 +40,9 @@ VOCAB = 48
 HIDDEN, LAYERS, RANK, TOP_K, KERNEL, GROUP = 64, 2, 8, 6, 2, 16
 
 
-def published_config(block: int = 4, vocab: int = VOCAB, **dflash: Any) -> dict[str, Any]:
+def published_config(
+    block: int = 4, vocab: int = VOCAB, top: dict[str, Any] | None = None, **dflash: Any
+) -> dict[str, Any]:
     """A DFlash2 config.json as published: Qwen3 fields at the top, DFlash2 fields in `dflash_config`, no
     num_target_layers, rope theta under rope_parameters."""
     return {
@@ -51,6 +53,7 @@ def published_config(block: int = 4, vocab: int = VOCAB, **dflash: Any) -> dict[
         "dflash_config": {"block_size": block, "mask_token_id": vocab - 1, "target_layer_ids": [1, 2],
                           "conv_kernel_size": KERNEL, "conv_group_size": GROUP, "selector_rank": RANK,
                           "selector_top_k": TOP_K, **dflash},
+        **(top or {}),
     }
 
 
@@ -99,11 +102,16 @@ def write_drafter(folder: Path, config: dict[str, Any], weights: dict[str, torch
     return folder
 
 
+# the published drafters' attention: sliding layers, non-causal inside the block (window 8: prompts reach past it)
+SLIDING = {"layer_types": ["sliding_attention"] * LAYERS, "sliding_window": 8, "is_causal": False}
+
+
 def tiny_pair(
-    tmp_path: Path, embed_scale: float = 1.0, seed: int = 0, vocab: int = VOCAB
+    tmp_path: Path, embed_scale: float = 1.0, seed: int = 0, vocab: int = VOCAB, top: dict[str, Any] | None = None
 ) -> tuple[CausalLM, DFlash2Drafter]:
     target = tiny_target(embed_scale, vocab)
-    folder = write_drafter(tmp_path / "drafter", published_config(vocab=vocab), published_weights(seed, vocab))
+    config = published_config(vocab=vocab, top=top)
+    folder = write_drafter(tmp_path / "drafter", config, published_weights(seed, vocab))
     drafter = load_drafter(str(folder), target.config)
     assert isinstance(drafter, DFlash2Drafter)
     return target, drafter
@@ -172,6 +180,28 @@ def test_plain_dflash_config_still_loads_as_dflash(tmp_path: Path) -> None:
     weights = {k: v for k, v in published_weights(0).items() if "_conv" not in k and "candidate_selector" not in k}
     drafter = load_drafter(str(write_drafter(tmp_path / "d", raw, weights)), tiny_target().config)
     assert type(drafter) is DFlashDrafter
+
+
+def test_is_causal_false_makes_sliding_layers_see_the_whole_block(tmp_path: Path) -> None:
+    """With `is_causal: false` an early block row depends on later rows; with it unset (DFlash's rule for sliding
+    layers) it does not. `is_causal: true` is refused."""
+    target = tiny_target()
+    features = torch.randn(1, 12, 2 * HIDDEN, generator=torch.Generator().manual_seed(0))
+    changes = {}
+    for name, top in (("non-causal", SLIDING), ("causal", {**SLIDING, "is_causal": None})):
+        folder = write_drafter(tmp_path / name, published_config(top=top), published_weights(2))
+        drafter = load_drafter(str(folder), target.config)
+        assert isinstance(drafter, DFlash2Drafter) and drafter.sliding_block_causal == (name == "causal")
+        embeds = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(1))
+        later = embeds.clone()
+        later[:, 3] += 1.0
+        outputs = [drafter.draft_hidden(e, torch.arange(12, 16)[None], features, torch.arange(12)[None],
+                                        drafter.new_cache(32)) for e in (embeds, later)]
+        changes[name] = float((outputs[0][:, 1] - outputs[1][:, 1]).abs().max())
+    assert changes["causal"] == 0.0 and changes["non-causal"] > 1e-4
+    folder = write_drafter(tmp_path / "bad", published_config(top={"is_causal": True}), published_weights(2))
+    with pytest.raises(ModelLoadError, match="is_causal"):
+        load_drafter(str(folder), target.config)
 
 
 # --- the convolution -------------------------------------------------------------------------------------------
@@ -449,15 +479,16 @@ def test_target_fit_is_checked(tmp_path: Path) -> None:
 # --- the batched engine core -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("top", [None, SLIDING], ids=["full", "sliding-non-causal"])
 def test_batched_core_is_lossless_and_drafts_like_the_single_request_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, top: dict[str, Any] | None
 ) -> None:
     """Linear, DDTree and plain requests together in the batched core give plain greedy tokens; a lone linear
     request's rounds see the same candidates and scores there as in `decode_linear` (so the packed pass applies
     the block convolutions)."""
     from tests.batch_helpers import drain, make_core, make_sequence
 
-    target, drafter = tiny_pair(tmp_path)
+    target, drafter = tiny_pair(tmp_path, top=top)
     prompts = random_prompts(3, VOCAB - 1, seed=9, lengths=(7, 23))
     core = make_core(target, drafter, max_batch=3, ddtree_budget=5, linear_drafts=3)
     seqs = [make_sequence(target, p, 16, mode) for p, mode in zip(prompts, ("linear", "ddtree", "plain"), strict=True)]

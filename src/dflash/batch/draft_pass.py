@@ -89,7 +89,8 @@ def _block_hidden(
         first = max(0, item.table.length - item.window) if item.window else 0
         rows = slice(index * block, (index + 1) * block)
         segments.append(segment(item.table, rows, positions, first=first, causal=False,
-                                window=drafter.config.sliding_window if any(drafter.sliding) else None))
+                                window=drafter.config.sliding_window if any(drafter.sliding) else None,
+                                window_causal=drafter.sliding_block_causal))
     tokens = torch.full((len(items), block), drafter.config.mask_token_id, dtype=torch.long, device=device)
     tokens[:, 0] = torch.tensor([item.pending for item in items], device=device)
     positions = torch.stack([torch.arange(i.start, i.start + block, device=device) for i in items]).view(1, -1)

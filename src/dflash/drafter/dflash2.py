@@ -39,6 +39,9 @@ class DFlash2Config(DrafterConfig):
     selector_rank: int = 256
     selector_top_k: int = 16
     input_embedding_scale: float = 1.0
+    # sliding layers causal inside the block (DFlash's rule, `is_causal` unset) or not (`is_causal: false`, the
+    # published DFlash2 drafters: the window then only limits the context)
+    sliding_block_causal: bool = True
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> DFlash2Config:
@@ -76,6 +79,10 @@ class DFlash2Config(DrafterConfig):
                 f"{source}: a DFlash2 drafter needs conv_kernel_size, selector_rank and selector_top_k "
                 f"(got {[value(key) for key in _DFLASH2_KEYS]})"
             ) from None
+        causal = raw.get("is_causal", nested.get("causal"))
+        if causal:
+            raise ModelLoadError(f"{source}: DFlash2 is_causal=true (causal full-attention layers) is not supported")
+        extra["sliding_block_causal"] = causal is None
         problems = [f"{key} {extra[key]} < 1" for key in ("conv_kernel_size", "conv_group_size", "selector_rank",
                                                          "selector_top_k") if extra[key] < 1]
         if not problems and base.hidden_size % extra["conv_group_size"]:
@@ -98,6 +105,8 @@ class DFlash2Config(DrafterConfig):
             "selector_top_k": self.selector_top_k,
             "input_embedding_scale": self.input_embedding_scale,
         }
+        if not self.sliding_block_causal:
+            raw["is_causal"] = False
         return raw
 
 
@@ -167,6 +176,22 @@ class DFlash2Drafter(DFlashDrafter):
     ) -> torch.Tensor:
         scale = self.config.input_embedding_scale
         return super().forward_blocks(block_embeds * scale, block_positions, features, mask)
+
+    @property
+    def sliding_block_causal(self) -> bool:
+        return self.config.sliding_block_causal
+
+    def _inference_masks(
+        self, block_positions: torch.Tensor, context_positions: torch.Tensor
+    ) -> dict[bool, torch.Tensor | None]:
+        """DFlash's masks, or with `is_causal: false` sliding layers that see the whole block (and the context
+        within their window)."""
+        if self.config.sliding_block_causal or not any(self.sliding):
+            return super()._inference_masks(block_positions, context_positions)
+        keys = torch.cat((context_positions, block_positions), dim=1)  # [batch, keys]
+        distance = block_positions[:, :, None] - keys[:, None, :]  # [batch, block, keys]
+        visible = distance < (self.config.sliding_window or 1 << 30)  # block keys (distance <= 0) always pass
+        return {False: None, True: visible[:, None]}
 
     def draft_lattice(
         self,
