@@ -41,11 +41,13 @@ def segment(
     visibility: torch.Tensor | None = None,
     causal: bool = True,
     window: int | None = None,
+    window_causal: bool = True,
 ) -> Segment:
     """The segment of a request whose new rows (at `positions` [n], written after its `table.length` committed
     positions) read committed positions [first, table.length) and each other: by `visibility` [n, n] (a tree's
     ancestor-or-self mask), else causally when `causal`, else all both ways (a drafter block). `window`: the
-    sliding layers' window, causal by position."""
+    sliding layers' window, causal by position unless `window_causal` is False (then the new rows also see each
+    other both ways, as a DFlash2 block does)."""
     past, count = table.length, rows.stop - rows.start
     write = table.slots(past, past + count)
     read = torch.cat((table.slots(first, past), write))
@@ -61,7 +63,7 @@ def segment(
     if window is not None:
         key_positions = torch.cat((torch.arange(first, past, device=device), positions))  # [keys]
         distance = positions[:, None] - key_positions[None, :]  # [n, keys]
-        in_window = ((distance >= 0) & (distance < window))[None, None]
+        in_window = (((distance >= 0) | (not window_causal)) & (distance < window))[None, None]
         sliding = in_window if full is None else full & in_window
     return Segment(rows, read, write, full, sliding)
 

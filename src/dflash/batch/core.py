@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dflash.batch.draft_pass import DraftRows, run_drafter
+from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.selector import CandidateLattice
 from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
@@ -34,6 +36,7 @@ from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
 from dflash.speculative.ddtree import tree_choices
+from dflash.speculative.selector_tree import selector_tree
 from dflash.speculative.tree import (
     DraftTree,
     accepted_tokens,
@@ -395,8 +398,11 @@ class BatchCore:
             assert seq.drafter is not None and seq.new_features is not None
             items.append(DraftRows(seq.drafter, seq.new_features, seq.pending, seq.start, r.outputs,
                                    self.settings.draft_window))
-        scores = run_drafter(self.drafter, self.target, self.drafter_pool, items, self.drafter_graphs)
         block = self.drafter.config.block_size
+        if isinstance(self.drafter, DFlash2Drafter):
+            self._select(drafting, run_selector(self.drafter, self.target, self.drafter_pool, items))
+            return
+        scores = run_drafter(self.drafter, self.target, self.drafter_pool, items, self.drafter_graphs)
         trees = [(r, score) for r, score in zip(drafting, scores, strict=True) if r.kind == "tree"]
         candidates = _tree_candidates(trees)
         for r, score in zip(drafting, scores, strict=True):
@@ -410,6 +416,20 @@ class BatchCore:
                 r.tree = build_tree(score.logits[:max_depth], r.budget, token_ids=score.ids)
             else:
                 r.tree = tree_from_candidates(found[0][:max_depth], found[1][:max_depth], r.budget)
+
+    def _select(self, drafting: list[_Round], lattices: list[CandidateLattice]) -> None:
+        """DFlash2 drafts: the selector's greedy chain (linear) or a tree grown from it. Verified by the equality
+        rule at every temperature (lossless; the q rule of `dflash.speculative.linear` is not used here)."""
+        assert self.drafter is not None
+        block = self.drafter.config.block_size
+        for r, lattice in zip(drafting, lattices, strict=True):
+            seq = r.seq
+            seq.new_features = seq.new_features[:0] if seq.new_features is not None else None  # absorbed
+            if r.kind == "linear":
+                r.drafts = lattice.walk(seq.pending).tokens.tolist()
+                continue
+            max_depth = min(block - 1, seq.request.max_new_tokens - seq.produced - 1)
+            r.tree = selector_tree(lattice, seq.pending, r.budget, max_depth)
 
     def _round_rows(self, r: _Round) -> TargetRows:
         seq = r.seq

@@ -4,6 +4,8 @@ Per request: absorb the features of its newly committed positions as drafter con
 every drafter layer, written to the drafter pool), then run its block [pending, MASK x (B-1)] at positions
 start .. start+B-1, non-causal inside the block (sliding layers causal within their window). All requests' context
 rows and block rows go through each projection together; attention is per request over its own pool rows.
+A DFlash2 drafter's layers also convolve each block (`dflash.drafter.block_conv`), and `run_selector` gives its
+candidate lattices instead of scores.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch
 from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.target_pass import TargetRows
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.selector import CandidateLattice
 from dflash.drafter.vocab import DraftScores
 from dflash.models.model import CausalLM
 
@@ -43,20 +47,50 @@ def run_drafter(
 ) -> list[DraftScores]:
     """Draft scores per request: [outputs, shortlist or vocab]. Advances each table over its new context rows.
     With `graphs` (CUDA) the block pass is a graph replay (the context rows are absorbed eagerly first)."""
+    _prepare(drafter, pool, items)
+    if graphs is not None and all(item.window is None for item in items) and not isinstance(drafter, DFlash2Drafter):
+        return _graphed_blocks(drafter, graphs, items)
+    scores = drafter.project_scores(target, _block_hidden(drafter, target, pool, items))  # [sum outputs, columns]
+    parts = scores.logits.split([item.outputs for item in items])
+    return [DraftScores(part, scores.ids, scores.vocab_size) for part in parts]
+
+
+def run_selector(
+    drafter: DFlash2Drafter, target: CausalLM, pool: BlockPool, items: Sequence[DraftRows]
+) -> list[CandidateLattice]:
+    """`run_drafter` for a DFlash2 drafter: each request's candidate lattice (its selector walks it), eagerly."""
+    _prepare(drafter, pool, items)
+    hidden = _block_hidden(drafter, target, pool, items)  # [sum outputs, hidden]
+    scores = drafter.project_scores(target, hidden)
+    sizes = [item.outputs for item in items]
+    return [
+        drafter.candidate_selector.lattice(rows, DraftScores(logits, scores.ids, scores.vocab_size))
+        for rows, logits in zip(hidden.split(sizes), scores.logits.split(sizes), strict=True)
+    ]
+
+
+def _prepare(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:
+    """Room for every request's new context rows and block, and the new context rows absorbed."""
     block = drafter.config.block_size
-    device = pool.device
     for item in items:
         item.table.reserve(item.table.length + item.new_features.shape[0] + block)
     _absorb(drafter, pool, items)
-    if graphs is not None and all(item.window is None for item in items):
-        return _graphed_blocks(drafter, graphs, items)
+
+
+def _block_hidden(
+    drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, items: Sequence[DraftRows]
+) -> torch.Tensor:
+    """Every request's block through the drafter layers -> the final-normed draft rows [sum outputs, hidden]."""
+    block = drafter.config.block_size
+    device = pool.device
     segments = []
     for index, item in enumerate(items):
         positions = torch.arange(item.start, item.start + block, device=device)
         first = max(0, item.table.length - item.window) if item.window else 0
         rows = slice(index * block, (index + 1) * block)
         segments.append(segment(item.table, rows, positions, first=first, causal=False,
-                                window=drafter.config.sliding_window if any(drafter.sliding) else None))
+                                window=drafter.config.sliding_window if any(drafter.sliding) else None,
+                                window_causal=drafter.sliding_block_causal))
     tokens = torch.full((len(items), block), drafter.config.mask_token_id, dtype=torch.long, device=device)
     tokens[:, 0] = torch.tensor([item.pending for item in items], device=device)
     positions = torch.stack([torch.arange(i.start, i.start + block, device=device) for i in items]).view(1, -1)
@@ -66,6 +100,11 @@ def run_drafter(
     x = target.embed(tokens.view(1, -1)).to(drafter.fc.weight.dtype)  # [1, rows, hidden]
     layer: Any
     last = len(drafter.layers) - 1
+    if isinstance(drafter, DFlash2Drafter):
+        x = x * drafter.config.input_embedding_scale
+        for index, layer in enumerate(drafter.layers):
+            x = _convolved_layer(layer, index, x, backend, cos, sin)  # blocks end to end: taps stay in each block
+        return drafter.norm(x[:, picked])[0]
     for index, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         q, k, v = attn.block_qkv(layer.input_layernorm(x), cos, sin)
@@ -74,9 +113,20 @@ def run_drafter(
             x, attended = x[:, picked], attended[:, picked]
         x = x + attn.o_proj(attended)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    scores = drafter.project_scores(target, drafter.norm(x)[0])  # [sum outputs, columns]
-    parts = scores.logits.split([item.outputs for item in items])
-    return [DraftScores(part, scores.ids, scores.vocab_size) for part in parts]
+    return drafter.norm(x)[0]
+
+
+def _convolved_layer(
+    layer: Any, index: int, x: torch.Tensor, backend: PackedAttention, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """`DFlash2Layer.forward` with packed attention: x [1, blocks * B, hidden] -> the same rows."""
+    attn = layer.self_attn
+    h, kernel = layer.attention_conv.prepare(layer.input_layernorm(x))
+    q, k, v = attn.block_qkv(h, cos, sin)
+    attended = attn.o_proj(backend.attend(index, q, k, v, attn.head_dim**-0.5))  # [1, rows, hidden]
+    x = x + layer.attention_conv.finish(attended, kernel)
+    h, kernel = layer.mlp_conv.prepare(layer.post_attention_layernorm(x))
+    return x + layer.mlp_conv.finish(layer.mlp(h), kernel)
 
 
 def _graphed_blocks(drafter: DFlashDrafter, graphs: GraphedDrafterPasses, items: Sequence[DraftRows]) -> list[DraftScores]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash.config import ModelConfig
+from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter, is_dflash2_config
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.errors import DrafterMismatchError, ModelLoadError
 
@@ -65,6 +67,11 @@ def check_fits_target(config: DrafterConfig, target: ModelConfig, source: str) -
         raise DrafterMismatchError(f"drafter {source} does not fit the target: " + "; ".join(problems))
 
 
+def drafter_config_from_dict(raw: dict[str, Any], source: str) -> DrafterConfig:
+    """A DFlash2 config (`DFlash2Config`) where `raw` has DFlash2 fields, else a DFlash one."""
+    return DFlash2Config.from_dict(raw, source) if is_dflash2_config(raw) else DrafterConfig.from_dict(raw, source)
+
+
 def load_drafter(
     name: str,
     target: ModelConfig,
@@ -78,11 +85,11 @@ def load_drafter(
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{config_path}: cannot read drafter config ({exc})") from None
-    config = DrafterConfig.from_dict(raw, str(config_path))
+    config = drafter_config_from_dict(raw, str(config_path))
     check_fits_target(config, target, str(folder))
     weights = read_drafter_weights(folder)
     with torch.device("meta"):
-        drafter = DFlashDrafter(config)
+        drafter = DFlash2Drafter(config) if isinstance(config, DFlash2Config) else DFlashDrafter(config)
     drafter = drafter.to_empty(device=device).to(dtype)
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(weights))

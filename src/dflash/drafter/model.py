@@ -294,6 +294,11 @@ class DFlashDrafter(nn.Module):
         # it is neither exported, quantized nor moved with the drafter (it lives where the target's head does)
         object.__setattr__(self, "draft_head", None)
 
+    @property
+    def sliding_block_causal(self) -> bool:
+        """Whether sliding-window layers are causal inside the block (always for DFlash)."""
+        return True
+
     def use_draft_vocab(self, ids: torch.Tensor | None, target: Any) -> None:
         """Score only the token ids in `ids` (None: the whole vocabulary). Call after both models are placed."""
         from dflash.drafter.vocab import DraftHead

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from dflash.generation.constraints import ConstraintState, row_masks
-from dflash.generation.sampling import SamplingParams, apply_penalties, choose_tokens
+from dflash.generation.sampling import SamplingParams, apply_penalties, choose_tokens, filtered_probs
 
 
 class TokenAgreement(Protocol):
@@ -71,7 +71,22 @@ class TokenChooser:
             )
         return self._choose(logits, output_index, allowed)
 
+    def probabilities(
+        self, logits: torch.Tensor, output_index: int, allowed: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The distribution `choose` samples each row from (sampling only): logits [rows, vocab] -> [rows, vocab].
+        Speculative sampling compares it with the drafter's q."""
+        return filtered_probs(self._restricted(logits, output_index, allowed), self.params)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row of probs [rows, vocab] from the chooser's random stream -> [rows]."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
     def _choose(self, logits: torch.Tensor, output_index: int, allowed: torch.Tensor | None) -> torch.Tensor:
+        return choose_tokens(self._restricted(logits, output_index, allowed), self.params, self.generator)
+
+    def _restricted(self, logits: torch.Tensor, output_index: int, allowed: torch.Tensor | None) -> torch.Tensor:
+        """logits [rows, vocab] with EOS suppression, the constraint's mask and penalties applied."""
         if allowed is None and self.constraint is not None:
             assert logits.shape[0] == 1, "rows past the committed output need their masks (TokenChooser.allowed)"
             allowed = self.allowed()
@@ -91,7 +106,7 @@ class TokenChooser:
             restricted = torch.where(empty, logits.masked_fill(~allowed, float("-inf")), masked)
         if self.counts is not None:
             restricted = apply_penalties(restricted, self.counts, self.params)
-        return choose_tokens(restricted, self.params, self.generator)
+        return restricted
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Record committed tokens (penalties count them; the constraint follows them)."""

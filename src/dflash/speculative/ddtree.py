@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.errors import GenerationError
 from dflash.generation.forwards import Forwards, forwards_for
@@ -43,6 +44,7 @@ from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
+from dflash.speculative.selector_tree import selector_tree
 from dflash.speculative.session import SpecState, begin_speculation
 from dflash.speculative.tree import (
     DraftTree,
@@ -113,8 +115,10 @@ def decode_ddtree(
     finished = session.finished
     # A tree of `budget` nodes is at most `budget` deep: deeper draft positions need no LM-head rows.
     draft_rows = min(block_size - 1, budget)
+    # a DFlash2 drafter's tree grows from its candidate selector (`dflash.speculative.selector_tree`), eagerly
+    selector = drafter if isinstance(drafter, DFlash2Drafter) else None
     resident = None
-    if drafting and draft_window is None and not seed_top1_chain:
+    if drafting and draft_window is None and not seed_top1_chain and selector is None:
         resident = forwards.resident(
             target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=draft_rows,
             capture=tuple(layer_ids), budget=budget,
@@ -131,7 +135,13 @@ def decode_ddtree(
         # Nodes deeper than this could only yield tokens past max_new_tokens.
         max_depth = min(block_size - 1, request.max_new_tokens - produced - 1)
         carried: torch.Tensor | None = None
-        if drafting and max_depth > 0:
+        if drafting and max_depth > 0 and selector is not None:
+            lattice = selector.draft_lattice(
+                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+                num_drafts=draft_rows,
+            )
+            tree = selector_tree(lattice, state.pending, budget, max_depth)
+        elif drafting and max_depth > 0:
             draft = forwards.draft_scores(
                 drafter, target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
                 num_drafts=draft_rows,

@@ -6,6 +6,10 @@ Per round (batch of one):
   3. a = longest prefix with d_{i+1} == choice_i; commit d1..da and the bonus choice_a;
   4. the target cache is cropped to start + a + 1 (the bonus has no K/V yet) and the features of block rows
      0..a become the drafter's next context rows, so drafter and target lengths move in step.
+
+A DFlash2 drafter's chain comes from its candidate selector (`DFlash2Drafter.draft_chain`): greedy at temperature
+0 (verified by the equality rule above), sampled otherwise, and then verified by speculative sampling with the q
+the selector returns (`dflash.speculative.sampled_acceptance`). It runs eagerly (no device-resident rounds).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
@@ -22,6 +27,7 @@ from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
+from dflash.speculative.sampled_acceptance import speculative_sample
 from dflash.speculative.session import SpecState, begin_speculation
 
 
@@ -54,8 +60,11 @@ def decode_linear(
         return session
     state, target_cache, drafter_cache, stats = session.state, session.target_cache, session.drafter_cache, session.stats
     finished = session.finished
+    selector = drafter if isinstance(drafter, DFlash2Drafter) else None
+    # speculative sampling with q needs the target's distribution on this rank (no token agreement across ranks)
+    sample_with_q = selector is not None and not chooser.params.greedy and chooser.agreement is None
     resident = None
-    if draft_window is None:
+    if draft_window is None and selector is None:
         resident = forwards.resident(
             target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=drafts_per_round,
             capture=tuple(layer_ids),
@@ -68,18 +77,32 @@ def decode_linear(
             state, drafter_cache, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
             break
-        draft_tokens = forwards.draft_scores(
-            drafter, target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
-            num_drafts=drafts_per_round,
-        ).greedy()  # [k]
+        chain = None
+        if selector is not None:
+            chain = selector.draft_chain(
+                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+                num_drafts=drafts_per_round, temperature=chooser.params.temperature, generator=chooser.generator,
+            )
+            draft_tokens = chain.tokens  # [k]
+        else:
+            draft_tokens = forwards.draft_scores(
+                drafter, target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
+                num_drafts=drafts_per_round,
+            ).greedy()  # [k]
         block = torch.cat((draft_tokens.new_full((1,), state.pending), draft_tokens))[None]  # [1, k+1]
         out = forwards.forward(target, block, cache=target_cache, capture=layer_ids)
         assert out.logits is not None and out.features is not None
         # row i's prefix is the committed output plus draft[:i]; a constraint masks each row along that path
         allowed = chooser.allowed(draft_tokens.tolist()) if chooser.constrained else None
-        choices = chooser.choose(out.logits[0], len(sink.token_ids), allowed)  # [k+1]
-        accepted = accepted_prefix_length(draft_tokens, choices)
-        committed = [*draft_tokens[:accepted].tolist(), int(choices[accepted])]
+        if sample_with_q and chain is not None:
+            probs = chooser.probabilities(out.logits[0], len(sink.token_ids), allowed)  # [k+1, vocab]
+            accepted, last = speculative_sample(probs, draft_tokens, chain.q_over_vocab(probs.shape[-1]),
+                                                chooser.generator)
+        else:
+            choices = chooser.choose(out.logits[0], len(sink.token_ids), allowed)  # [k+1]
+            accepted = accepted_prefix_length(draft_tokens, choices)
+            last = int(choices[accepted])
+        committed = [*draft_tokens[:accepted].tolist(), last]
         stats.record_round(drafts_per_round, accepted)
         target_cache.crop(state.start + accepted + 1)
         state = SpecState(
