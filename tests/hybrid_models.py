@@ -88,3 +88,33 @@ def hf_tiny_next(seed: int = 0, **overrides: Any) -> Any:
                 param.mul_(10)
         _long_memory(model)
     return model
+
+
+TINY_35_MOE: dict[str, Any] = {
+    **{k: v for k, v in TINY_HYBRID.items() if k not in ("layer_types", "intermediate_size")},
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
+
+def hf_tiny_35_moe(seed: int = 0, **overrides: Any) -> Any:
+    """transformers' Qwen3_5MoeForCausalLM with random weights (every layer a mixture with a shared expert);
+    perturbed as `hf_tiny_next`'s (the router starts at zero, which would tie every expert's score)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3_5MoeTextConfig(**{**TINY_35_MOE, **overrides})
+    model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+            if name.endswith("mlp.gate.weight"):
+                param.copy_(torch.randn_like(param))
+            if ".experts." in name:  # large enough that a wrong routing shows in the logits
+                param.mul_(10)
+        _long_memory(model)
+    return model

@@ -130,11 +130,14 @@ def test_gguf_loads_as_transformers_weights(hf_model: Any, tmp_path: Path) -> No
         torch.testing.assert_close(model(ids).logits, hf_model(ids).logits, atol=1e-4, rtol=0)
 
 
-def test_other_hybrid_ggufs_are_refused(hf_model: Any, tmp_path: Path) -> None:
-    md = {k.replace("qwen35.", "qwen3next."): v for k, v in _metadata(hf_model, 0).items()}
-    path = write_gguf(tmp_path / "next.gguf", "qwen3next", md, {"token_embd.weight": np.zeros((8, 4), np.float32)})
-    with pytest.raises(ModelLoadError, match="Qwen3-Next GGUF files"):
-        load_gguf(path, use_cache=False)
+def test_mixture_of_experts_hybrids_need_their_expert_metadata(hf_model: Any, tmp_path: Path) -> None:
+    """`qwen3next` and `qwen35moe` files are read (tests/test_gguf_hybrid_moe.py); without the expert keys they
+    are a clear load error."""
+    for arch in ("qwen3next", "qwen35moe"):
+        md = {k.replace("qwen35.", f"{arch}."): v for k, v in _metadata(hf_model, 0).items()}
+        path = write_gguf(tmp_path / f"{arch}.gguf", arch, md, {"token_embd.weight": np.zeros((8, 4), np.float32)})
+        with pytest.raises(ModelLoadError, match=rf"lacks {arch}\.expert_count"):
+            load_gguf(path, use_cache=False)
 
 
 def test_quantized_weights_are_refused(hf_model: Any, tmp_path: Path) -> None:

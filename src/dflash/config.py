@@ -12,11 +12,13 @@ from typing import Any
 
 from dflash.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next", "gemma4")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe", "gemma4",
+)
 # Families whose layers keep a recurrent state besides (or instead of) K/V: see `dflash.kv.recurrent`.
-HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_next")
+HYBRID_ARCHITECTURES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 # Families with a mixture of experts in (some of) their layers: `ModelConfig.sparse_layer` says which.
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_next")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -31,6 +33,8 @@ _MODEL_TYPES = {
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
     "qwen3_next": "qwen3_next",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
     "gemma4": "gemma4",
     "gemma4_text": "gemma4",
 }
@@ -40,7 +44,7 @@ _MODEL_TYPES = {
 class ModelConfig:
     """Hyper-parameters of a decoder-only transformer, normalised across families."""
 
-    architecture: str  # "llama" | "qwen3" | "gemma3" | "qwen3_moe" | "qwen3_5" | "qwen3_next" | "gemma4"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -65,7 +69,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mixture of experts (Qwen3-MoE, Qwen3-Next): 0 experts means every layer has the dense MLP of
+    # Mixture of experts (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): 0 experts means every layer has the dense MLP of
     # `intermediate_size`.
     num_experts: int = 0
     num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
@@ -73,7 +77,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # rescale the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
-    # Qwen3-Next adds to every sparse layer a shared gated MLP of this width, scaled by a sigmoid gate (0: none)
+    # Qwen3-Next and Qwen3.5-MoE add to every sparse layer a shared gated MLP of this width, scaled by a sigmoid gate (0: none)
     shared_expert_intermediate_size: int = 0
     # Qwen3.5 hybrid: full-attention layers rotate only the first head_dim * partial_rotary_factor channels of a
     # head and gate their output by sigmoid(a second query projection); linear-attention layers are Gated DeltaNet
@@ -114,6 +118,8 @@ class ModelConfig:
                 )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ModelLoadError("a mixture-of-experts model needs a positive expert width and sparse step")
+        elif self.architecture == "qwen3_5_moe":  # every layer's MLP is the mixture: there is no dense one
+            raise ModelLoadError("a qwen3_5_moe model needs at least one expert (num_experts)")
         unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION})
         if unknown:
             raise ModelLoadError(f"unsupported layer type {unknown[0]!r} in layer_types")
@@ -206,7 +212,7 @@ class ModelConfig:
     @property
     def norm_adds_one(self) -> bool:
         """Gemma's RMSNorm multiplies by (1 + weight) in the HF convention."""
-        return self.architecture in ("gemma3", "qwen3_5", "qwen3_next")
+        return self.architecture in ("gemma3", *HYBRID_ARCHITECTURES)
 
     @property
     def is_hybrid(self) -> bool:
@@ -243,7 +249,7 @@ class ModelConfig:
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                intermediate_size=_dense_width(raw, arch),
                 num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -258,7 +264,7 @@ class ModelConfig:
                 rope_local_theta=local_theta if arch in ("gemma3", "gemma4") else None,
                 hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
                 attention_bias=bool(raw.get("attention_bias", False)),
-                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "qwen3_5", "qwen3_next", "gemma4"),
+                qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "gemma4", *HYBRID_ARCHITECTURES),
                 query_pre_attn_scalar=float(raw["query_pre_attn_scalar"]) if is_gemma else None,
                 embed_scale=math.sqrt(hidden) if arch in ("gemma3", "gemma4") else 1.0,
                 final_logit_softcapping=_opt_float(raw.get("final_logit_softcapping")),
@@ -273,18 +279,36 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from None
 
 
+def _dense_width(raw: dict[str, Any], arch: str) -> int:
+    """The dense MLP's width. Qwen3.5-MoE has no dense MLP (every layer is sparse) and its configuration class has
+    no such field; the others must state it."""
+    if arch == "qwen3_5_moe":
+        return int(raw.get("intermediate_size") or 0)
+    return int(raw["intermediate_size"])
+
+
+# Expert fields a config.json may leave out, per family: Qwen3-Next's and Qwen3.5-MoE's configuration classes have
+# a default for each (Qwen3-MoE's must state its experts' sizes).
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 0, "norm_topk_prob": False},
+    "qwen3_next": {
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 512,
+    },
+    "qwen3_5_moe": {
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 512,
+    },
+}
+
+
 def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     """The mixture-of-experts fields of a config (transformers 5 saves Qwen3-MoE's expert count as
-    `num_local_experts`).
+    `num_local_experts`), with the family's defaults (`_MOE_DEFAULTS`) for absent ones.
 
-    Qwen3-Next's configuration class has a default for every expert field (512 experts, 10 per token, width 512,
-    normalised routing, shared expert of width 512) that a config.json may leave out; Qwen3-MoE's must state its
-    experts' sizes."""
-    defaults: dict[str, Any] = (
-        {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "norm_topk_prob": True}
-        if arch == "qwen3_next"
-        else {"num_experts": 0, "norm_topk_prob": False}
-    )
+    Qwen3.5-MoE's configuration class has no `decoder_sparse_step`, `mlp_only_layers` or `norm_topk_prob`: every
+    layer is sparse and its router always rescales the top-k weights, whatever a config.json says."""
+    defaults = _MOE_DEFAULTS[arch]
 
     def field(key: str) -> Any:
         if raw.get(key) is not None:
@@ -295,17 +319,17 @@ def _moe_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     experts = int(defaults["num_experts"] if experts is None else experts)
     if not experts:
         return {}
+    every_layer = arch == "qwen3_5_moe"
     fields: dict[str, Any] = {
         "num_experts": experts,
         "num_experts_per_tok": int(field("num_experts_per_tok")),
         "moe_intermediate_size": int(field("moe_intermediate_size")),
-        "norm_topk_prob": bool(field("norm_topk_prob")),
-        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
-        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        "norm_topk_prob": True if every_layer else bool(field("norm_topk_prob")),
+        "decoder_sparse_step": 1 if every_layer else int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": () if every_layer else tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
     }
-    if arch == "qwen3_next":
-        shared = raw.get("shared_expert_intermediate_size")
-        fields["shared_expert_intermediate_size"] = int(512 if shared is None else shared)
+    if "shared_expert_intermediate_size" in defaults:
+        fields["shared_expert_intermediate_size"] = int(field("shared_expert_intermediate_size"))
     return fields
 
 

@@ -2,7 +2,8 @@
 
 Values GGUF does not store are filled in as the Hugging Face configs of the same families have them
 (Gemma 3: local RoPE base 10000, GELU-tanh, sqrt(hidden) embedding scale, a full-attention layer
-every sixth; Qwen3-MoE: dense layers are those without a router; Qwen3.5: `dflash.models.gguf_hybrid`; Gemma 4:
+every sixth; Qwen3-MoE: dense layers are those without a router; Qwen3.5, Qwen3.5-MoE and Qwen3-Next:
+`dflash.models.gguf_hybrid`; Gemma 4:
 `dflash.models.gguf_gemma4`). Llama 3.1-style RoPE scaling is stored by llama.cpp only as a per-frequency factor
 tensor (`rope_freqs.weight`); `llama3_rope_scaling` recovers the HF parameters from it.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.models.gguf_gemma4 import gemma4_fields
-from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES, hybrid_config_from_gguf, is_refused_hybrid
+from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES, hybrid_config_from_gguf
 
 __all__ = ["GGUF_ARCHITECTURES", "config_from_gguf", "llama3_factors", "llama3_rope_scaling"]
 
@@ -42,9 +43,6 @@ def config_from_gguf(
     arch = str(metadata.get("general.architecture", ""))
     if arch in GGUF_HYBRID_ARCHITECTURES:
         return hybrid_config_from_gguf(arch, metadata, tensor_shapes, source)
-    refused = is_refused_hybrid(arch)
-    if refused is not None:
-        raise ModelLoadError(f"{source}: {refused} GGUF files ({arch!r}) are not supported yet; use its HF folder")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: unsupported GGUF architecture {arch!r}; "

@@ -1,17 +1,18 @@
-"""GGUF files of Qwen3.5 hybrid models (llama.cpp architecture `qwen35`): configuration, tensor names, and the
-inverse of llama.cpp's conversion.
+"""GGUF files of the Qwen3.5 hybrid models (llama.cpp architectures `qwen35`, `qwen35moe` and `qwen3next`):
+configuration, tensor names, and the inverse of llama.cpp's conversion.
 
 llama.cpp's converter changes the Gated DeltaNet weights as well as renaming them, and we undo each change:
   * every RMSNorm weight except the DeltaNet's gated norm (`ssm_norm`) had 1 added (HF scales by 1 + weight);
   * `A_log` became ssm_a = -exp(A_log); `dt_bias` became `ssm_dt.bias`;
   * the convolution kernel lost its middle axis ([channels, 1, kernel] -> [channels, kernel]);
-  * when there are more value heads than key heads, the value heads were put in "tiled" order (for each head
+  * Qwen3.5 and Qwen3.5-MoE only: when there are more value heads than key heads, the value heads were put in
+    "tiled" order (for each head
     within a group, every group: v0 of groups 0, 1, ..., then v1 of groups 0, 1, ...) instead of transformers'
     grouped order (all heads of group 0, then group 1, ...), in every tensor indexed by value head: the v rows
     of `attn_qkv` and of the convolution, `attn_gate` (z), `ssm_beta`, `ssm_alpha`, `ssm_a`, `ssm_dt` and the
     input columns of `ssm_out`.
 A file may also carry multi-token-prediction blocks after the model's own (`nextn_predict_layers`): they are
-skipped. Qwen3-Next (`qwen3next`) and the Qwen3.5 mixture of experts (`qwen35moe`) GGUFs are refused for now.
+skipped. The experts, and Qwen3-Next's split projections, are in `dflash.models.gguf_hybrid_moe`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from dflash.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
+from dflash.models.gguf_hybrid_moe import EXPERT_PARAMETERS, MOE_LAYER_NAMES, moe_fields
 
 __all__ = [
     "GGUF_HYBRID_ARCHITECTURES",
@@ -34,8 +36,9 @@ __all__ = [
     "undo_hybrid_conversion",
 ]
 
-GGUF_HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5"}  # llama.cpp's name -> ours
-_REFUSED = {"qwen3next": "Qwen3-Next", "qwen35moe": "Qwen3.5 mixture-of-experts"}
+# llama.cpp's name -> ours
+GGUF_HYBRID_ARCHITECTURES = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}
+_MOE_ARCHITECTURES = ("qwen35moe", "qwen3next")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",  # query and gate rows, per head, as in transformers
@@ -56,18 +59,15 @@ _LAYER_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    **MOE_LAYER_NAMES,
 }
-_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias"}  # HF names without a suffix
+# HF names without a suffix
+_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt": "linear_attn.dt_bias", **EXPERT_PARAMETERS}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
 
 
-def is_refused_hybrid(gguf_arch: str) -> str | None:
-    """The family name when `gguf_arch` is a hybrid this loader does not read yet."""
-    return _REFUSED.get(gguf_arch)
-
-
 def hybrid_tensor_name(gguf_name: str, num_layers: int) -> str | None:
-    """The transformers name of a `qwen35` tensor; "" for a tensor to skip (multi-token-prediction blocks), None
+    """The transformers name of a hybrid's tensor; "" for a tensor to skip (multi-token-prediction blocks), None
     for one the model does not have."""
     block_prefix = re.match(r"blk\.(\d+)\.", gguf_name)
     if block_prefix is not None and int(block_prefix[1]) >= num_layers:
@@ -76,26 +76,33 @@ def hybrid_tensor_name(gguf_name: str, num_layers: int) -> str | None:
     if match is None:
         return None
     block, stem, kind = int(match[1]), match[2], match[3]
-    if stem in _PARAMETERS:
+    if stem in _PARAMETERS and kind in (None, "weight", "bias"):
         return f"model.layers.{block}.{_PARAMETERS[stem]}"
     part = _LAYER_NAMES.get(stem)
     return f"model.layers.{block}.{part}.{kind}" if part and kind else None
 
 
 def hybrid_hf_shape(gguf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The transformers shape of a tensor stored with `shape` (the convolution kernel regains its middle axis)."""
+    """The transformers shape of a tensor stored with `shape` (the convolution kernel regains its middle axis, the
+    shared expert's gate is one row)."""
     if ".ssm_conv1d." in gguf_name and len(shape) == 2:
         return (shape[0], 1, shape[1])
+    if ".ffn_gate_inp_shexp." in gguf_name and len(shape) == 1:
+        return (1, shape[0])
     return shape
 
 
 def undo_hybrid_conversion(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:
-    """One dequantised `qwen35` tensor back in transformers' convention (see the module docstring)."""
+    """One dequantised hybrid tensor back in transformers' convention (see the module docstring)."""
     stem = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else gguf_name
     if gguf_name.endswith("norm.weight") and stem != "ssm_norm":
         return tensor - 1.0
     if stem == "ssm_a":
         tensor = torch.log(-tensor)
+    if stem == "ffn_gate_inp_shexp":
+        return tensor.reshape(1, -1)
+    if config.architecture == "qwen3_next":  # its converter keeps transformers' value-head order
+        return tensor.reshape(tensor.shape[0], 1, -1) if stem == "ssm_conv1d" else tensor
     regroup = _Regroup(config)
     if stem == "attn_qkv":
         q_and_k = 2 * config.linear_num_key_heads * config.linear_key_head_dim
@@ -131,7 +138,7 @@ class _Regroup:
 def hybrid_config_from_gguf(
     gguf_arch: str, metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], source: Path
 ) -> ModelConfig:
-    """The configuration of a `qwen35` GGUF (metadata keys under `qwen35.`, as llama.cpp writes them)."""
+    """The configuration of a hybrid GGUF (metadata keys under `{gguf_arch}.`, as llama.cpp writes them)."""
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{gguf_arch}.{key}", default)
@@ -143,6 +150,7 @@ def hybrid_config_from_gguf(
         return _one_value(value, f"{gguf_arch}.{key}", source)
 
     layers = need("block_count") - int(get("nextn_predict_layers", 0) or 0)
+    is_moe = gguf_arch in _MOE_ARCHITECTURES
     hidden, heads = need("embedding_length"), need("attention.head_count")
     head_dim = int(get("attention.key_length") or hidden // heads)
     value_heads = need("ssm.time_step_rank")
@@ -155,7 +163,11 @@ def hybrid_config_from_gguf(
         architecture=GGUF_HYBRID_ARCHITECTURES[gguf_arch],
         vocab_size=int(embed[0]),
         hidden_size=hidden,
-        intermediate_size=need("feed_forward_length"),
+        # Qwen3.5-MoE has no dense MLP, so its files have no dense width
+        intermediate_size=(
+            _one_value(get("feed_forward_length"), f"{gguf_arch}.feed_forward_length", source)
+            if get("feed_forward_length") or not is_moe else 0
+        ),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=_one_value(get("attention.head_count_kv", heads), f"{gguf_arch}.attention.head_count_kv", source),
@@ -175,6 +187,7 @@ def hybrid_config_from_gguf(
         linear_key_head_dim=need("ssm.state_size"),
         linear_value_head_dim=need("ssm.inner_size") // value_heads,
         linear_conv_kernel=need("ssm.conv_kernel"),
+        **(moe_fields(gguf_arch, layers, get, need, tensor_shapes, source) if is_moe else {}),
     )
 
 

@@ -1,5 +1,5 @@
-"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe, qwen35, gemma4) into a `Checkpoint` in the Hugging Face
-convention.
+"""Loading a GGUF file (llama, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, qwen3next, gemma4) into a `Checkpoint` in
+the Hugging Face convention.
 
 Steps: parse the header (`GGUFFile`), build the config (`config_from_gguf`) and tokenizer, map
 llama.cpp tensor names to transformers names, check every shape before doing any work, dequantise
@@ -10,7 +10,8 @@ with `gguf.quants.dequantize`, then undo what llama.cpp's converter did to the w
 * gemma3: 1 was added to every RMSNorm weight (llama.cpp multiplies by `weight`, HF by `1 + weight`);
   it is subtracted again.
 * qwen3moe: nothing to undo; the 3-D expert tensors are dequantised whole, to dense stacked experts.
-* qwen35: names and conversions of its own (`gguf_hybrid`).
+* qwen35, qwen35moe, qwen3next: names and conversions of their own (`gguf_hybrid`); tensors the converter split
+  are joined again afterwards (`gguf_hybrid_moe.join_projections`).
 * gemma4: nothing to undo (its norms multiply by the weight itself); names in `dflash.models.gguf_gemma4`.
 
 The result is cached as fp32 safetensors (see `gguf_cache`) when dequantising took long enough.
@@ -37,6 +38,7 @@ from dflash.models.gguf_config import config_from_gguf
 from dflash.models.gguf_file import GGUFFile, GGUFTensorInfo
 from dflash.models.gguf_gemma4 import gemma4_tensor_name
 from dflash.models.gguf_hybrid import hybrid_hf_shape, hybrid_tensor_name, undo_hybrid_conversion
+from dflash.models.gguf_hybrid_moe import join_projections
 from dflash.tokenizer import Tokenizer
 
 __all__ = ["ProgressCallback", "hf_tensor_name", "load_gguf", "open_gguf_model", "undo_conversion"]
@@ -146,9 +148,8 @@ def open_gguf_model(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, str], 
     config = config_from_gguf(gguf.metadata, shapes, path, rope_freqs)
     names = _name_map(config, gguf.tensors, path)
     shape_of = hybrid_hf_shape if config.is_hybrid else (lambda name, shape: shape)
-    validate_weights(
-        config, {hf: torch.empty(shape_of(g, gguf.tensors[g].shape), device="meta") for g, hf in names.items()}, path
-    )
+    meta = {hf: torch.empty(shape_of(g, gguf.tensors[g].shape), device="meta") for g, hf in names.items()}
+    validate_weights(config, join_projections(config, meta, path) if config.is_hybrid else meta, path)
     tokenizer = None
     if isinstance(gguf.metadata.get("tokenizer.ggml.tokens"), list):
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata, source=str(path))
@@ -192,7 +193,7 @@ def _dequantize_all(
                 values = np.array(values, dtype=np.float32, order="C")
             weights[hf_name] = undo_conversion(torch.from_numpy(values), gguf_name, config)
             step(done)
-    return weights
+    return join_projections(config, weights, gguf.path) if config.is_hybrid else weights
 
 
 def undo_conversion(tensor: torch.Tensor, gguf_name: str, config: ModelConfig) -> torch.Tensor:

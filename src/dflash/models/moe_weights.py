@@ -9,7 +9,8 @@ Checkpoints name experts in three ways:
 A `Checkpoint` holds the stacked form: `mlp.experts.gate_proj`, `mlp.experts.up_proj` [experts, width, hidden] and
 `mlp.experts.down_proj` [experts, hidden, width] (no `.weight` suffix, as in transformers' fused names), beside the
 router `mlp.gate.weight` [experts, hidden]. `stack_expert_weights` converts the other two forms; `join_gate_up`
-then gives the model's own layout, gate and up joined per expert (`dflash.models.moe.StackedExperts`).
+then gives the model's own layout, gate and up joined per expert (`dflash.models.moe.StackedExperts`), and
+`fuse_shared_experts` joins a shared expert's gate and up as a dense MLP's are.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from dflash.config import ModelConfig
 from dflash.errors import ModelLoadError
 
-__all__ = ["PROJECTIONS", "is_expert_tensor", "join_gate_up", "stack_expert_weights"]
+__all__ = ["PROJECTIONS", "fuse_shared_experts", "is_expert_tensor", "join_gate_up", "stack_expert_weights"]
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _EXPERT_TENSOR = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+\.\w+_proj\.weight|\w+_proj)")
@@ -74,4 +75,15 @@ def join_gate_up(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[
         if prefix + "gate_proj" in out and prefix + "up_proj" in out:
             gate, up = out.pop(prefix + "gate_proj"), out.pop(prefix + "up_proj")
             out[prefix + "gate_up_proj"] = torch.cat((gate, up), dim=1)
+    return out
+
+
+def fuse_shared_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`mlp.shared_expert.gate_proj` and `up_proj` -> the fused `gate_up_proj` of our `GatedMLP` (Qwen3-Next,
+    Qwen3.5-MoE)."""
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith(".mlp.shared_expert.gate_proj.weight")]:
+        prefix = name.removesuffix("gate_proj.weight")
+        if prefix + "up_proj.weight" in out:
+            out[prefix + "gate_up_proj.weight"] = torch.cat((out.pop(name), out.pop(prefix + "up_proj.weight")))
     return out

@@ -76,7 +76,7 @@ class GatedAttention(Attention):
 
 class Qwen35DecoderLayer(nn.Module):
     """Pre-norm block whose token mixer is Gated DeltaNet (`linear_attn`) or gated attention (`self_attn`), and whose
-    MLP is a mixture of experts in the layers the configuration lists (Qwen3-Next)."""
+    MLP is a mixture of experts in the layers the configuration lists (Qwen3.5-MoE, Qwen3-Next)."""
 
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()

@@ -1,20 +1,18 @@
 """Qwen3-Next: the Qwen3.5 hybrid layers (`dflash.models.qwen3_5`) with mixture-of-experts MLPs.
 
-The layers compute exactly as Qwen3.5's; only the checkpoint layout differs, and `load_weights` converts it:
-the Gated DeltaNet's projections come fused per key-head group (`in_proj_qkvz`: for each key head, its q and k rows
-then the v and z rows of the value heads it serves; `in_proj_ba`: the b then a rows of those value heads), and the
-experts come one tensor per expert (or fused), converted as Qwen3-MoE's are (`dflash.models.moe_weights`).
+The layers compute exactly as Qwen3.5-MoE's (`dflash.models.qwen3_5_moe`, whose expert conversion it shares), with
+two differences: some layers may keep a dense MLP (`mlp_only_layers`, `decoder_sparse_step`), and the Gated
+DeltaNet's projections come fused per key-head group (`in_proj_qkvz`: for each key head, its q and k rows then the
+v and z rows of the value heads it serves; `in_proj_ba`: the b then a rows of those value heads), which
+`load_weights` splits before the experts are converted.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from dflash.config import LINEAR_ATTENTION, ModelConfig
-from dflash.models.moe_weights import join_gate_up, stack_expert_weights
-from dflash.models.qwen3_5 import Qwen35ForCausalLM
+from dflash.models.qwen3_5_moe import Qwen35MoeForCausalLM
 
 
 def split_grouped_projections(config: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -39,24 +37,7 @@ def split_grouped_projections(config: ModelConfig, weights: dict[str, torch.Tens
     return out
 
 
-def fuse_shared_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`mlp.shared_expert.gate_proj` and `up_proj` -> the fused `gate_up_proj` of our `GatedMLP`."""
-    out = dict(weights)
-    for name in [n for n in weights if n.endswith(".mlp.shared_expert.gate_proj.weight")]:
-        prefix = name.removesuffix("gate_proj.weight")
-        if prefix + "up_proj.weight" in out:
-            out[prefix + "gate_up_proj.weight"] = torch.cat((out.pop(name), out.pop(prefix + "up_proj.weight")))
-    return out
-
-
-class Qwen3NextForCausalLM(Qwen35ForCausalLM):
-    """The expert loop decides on the host which experts run, so a forward cannot be captured as a CUDA graph."""
-
-    capturable: ClassVar[bool] = False
-
+class Qwen3NextForCausalLM(Qwen35MoeForCausalLM):
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
-        """DeltaNet projections split per kind; experts in any checkpoint form (`dflash.models.moe_weights`)
-        stacked with gate and up joined; the shared expert's gate and up joined as in a dense MLP."""
-        converted = split_grouped_projections(self.config, weights)
-        converted = join_gate_up(self.config, stack_expert_weights(self.config, converted, source))
-        super().load_weights(fuse_shared_experts(converted), source)
+        """DeltaNet projections split per kind, then the experts converted as Qwen3.5-MoE's."""
+        super().load_weights(split_grouped_projections(self.config, weights), source)

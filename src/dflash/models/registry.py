@@ -11,6 +11,7 @@ from dflash.models.llama import LlamaForCausalLM
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
 from dflash.models.qwen3_5 import Qwen35ForCausalLM
+from dflash.models.qwen3_5_moe import Qwen35MoeForCausalLM
 from dflash.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash.models.qwen3_next import Qwen3NextForCausalLM
 from dflash.models.rope import Rotary
@@ -24,6 +25,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "qwen3_5": Qwen35ForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen35MoeForCausalLM,
     "gemma4": Gemma4ForCausalLM,
 }
 
