@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
 from dflash.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.model import DFlashDrafter
 from dflash.engine.engine import EngineOptions, resolve_options
 from dflash.engine.loading import load_engine
 from dflash.errors import ModelLoadError
@@ -41,7 +41,11 @@ from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
 from dflash.parallel.sharding import shard_config
 from dflash.tokenizer import Tokenizer
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.family_checks import (
+    check_batched_core_equals_plain,
+    check_linear_and_ddtree_equal_plain,
+    tiny_drafter,
+)
 from tests.loading_helpers import (
     CHATML,
     gguf_tokenizer_metadata,
@@ -50,9 +54,7 @@ from tests.loading_helpers import (
     write_gguf,
 )
 from tests.spec_helpers import one_torch_thread, random_prompts, run
-from tests.test_batch_core import _install_oracle as install_batch_oracle
 from tests.test_batched_step import step_logits
-from tests.test_ddtree_decode import install_oracle, run_ddtree
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -437,50 +439,19 @@ def test_fast_paths_decline_gemma4(monkeypatch: pytest.MonkeyPatch, hf_folder: P
 
 
 def _drafter() -> DFlashDrafter:
-    vocab = target().config.vocab_size
-    raw = {
-        "num_hidden_layers": 1, "num_target_layers": len(LAYER_TYPES), "hidden_size": 64, "intermediate_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
-        "block_size": 8, "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [1, 5]},
-    }
-    torch.manual_seed(7)
-    return DFlashDrafter(DrafterConfig.from_dict(raw)).eval().requires_grad_(False)
+    return tiny_drafter(target().config.vocab_size, len(LAYER_TYPES), [1, 5])
 
 
 def test_linear_and_ddtree_greedy_equal_plain_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a random drafter (drafts mostly rejected) and with a mostly right one (several accepted per round,
-    tree paths through non-first children): both give the target's own greedy tokens."""
-    drafter = _drafter()
-    for prompt in random_prompts(2, target().config.vocab_size, seed=5, lengths=(9, 37)):
-        plain, _ = run(target(), None, prompt, 30, prefill_chunk=CHUNK)
-        assert run(target(), drafter, prompt, 30, prefill_chunk=CHUNK)[0] == plain
-        assert run_ddtree(target(), drafter, prompt, 30, budget=8, prefill_chunk=CHUNK)[0] == plain
-        with monkeypatch.context() as mp:
-            install_oracle(mp, drafter, prompt + run(target(), None, prompt, 30 + 9, prefill_chunk=CHUNK)[0])
-            linear, linear_stats = run(target(), drafter, prompt, 30, prefill_chunk=CHUNK)
-            tree, tree_stats = run_ddtree(target(), drafter, prompt, 30, budget=8, prefill_chunk=CHUNK)
-        assert linear == plain and tree == plain
-        assert linear_stats.acceptance_length > 2.0 and tree_stats.acceptance_length > 2.0
+    check_linear_and_ddtree_equal_plain(monkeypatch, target(), _drafter(), CHUNK)
 
 
 def test_batched_core_gives_each_request_its_plain_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain, linear and DDTree requests decoding together in the packed batch (whose pool rows hold both head
     sizes) each give what plain decoding gives alone, with a mostly right drafter."""
-    drafter = _drafter()
-    prompts = random_prompts(6, target().config.vocab_size, seed=12, lengths=(12, 40, 23))
-    references = {i: run(target(), None, p, 24, prefill_chunk=CHUNK)[0] for i, p in enumerate(prompts)}
-    core = make_core(target(), drafter, max_batch=6, prefill_chunk=CHUNK, ddtree_budget=8)
+    core = check_batched_core_equals_plain(monkeypatch, target(), _drafter(), CHUNK)
     keys = core.target_pool.keys  # [layers, kv_heads, slots, head_dim]: no rows for the 2 sharing layers
     assert (keys.shape[0], keys.shape[1], keys.shape[3]) == (5, 2, 32)  # the most K/V heads, the widest heads
-    seqs = [make_sequence(target(), p, 24, ("linear", "ddtree", "none")[i % 3]) for i, p in enumerate(prompts)]
-    for seq in seqs:
-        core.add(seq)
-    core.step()  # admits every request (their drafter tables exist from here on)
-    long_refs = {i: run(target(), None, p, 24 + 9, prefill_chunk=CHUNK)[0] for i, p in enumerate(prompts)}
-    install_batch_oracle(monkeypatch, {id(s.drafter): prompts[i] + long_refs[i] for i, s in enumerate(seqs)})
-    drain(core)
-    for i, seq in enumerate(seqs):
-        assert seq.error is None and seq.sink.token_ids == references[i], seq.mode
 
 
 @pytest.mark.parametrize("max_batch", [1, 2])
