@@ -7,7 +7,8 @@ the linear layers. Linear layers keep their past in the cache's `RecurrentStates
 each kind is numbered by its own slot, so the K/V cache holds only the full-attention layers.
 
 Not supported for this family (the engine picks the paths that are): tree verification (a recurrent state follows
-one sequence, not a tree), arbitrary attention masks, and the batched engine core.
+one sequence, not a tree) and arbitrary attention masks. The batched engine core serves it with one recurrent
+state per request.
 """
 
 from __future__ import annotations
