@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from dflash.server import ServerSettings, create_app
-from tests.server_helpers import FakeEngine, ServerThread, serving, wait_until
+from dflash.server.header_deadline import header_deadline_protocol
+from tests.server_helpers import FakeEngine, ServerThread, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,8 +31,13 @@ def fake() -> FakeEngine:
 
 @pytest.fixture(scope="module")
 def server(fake: FakeEngine) -> Iterator[ServerThread]:
-    with serving(create_app(fake, ServerSettings(api_key="sekret", body_timeout_s=BODY_TIMEOUT_S))) as running:
+    """The app behind the protocol `dflash serve` runs (header deadline, lingering close)."""
+    app = create_app(fake, ServerSettings(api_key="sekret", body_timeout_s=BODY_TIMEOUT_S))
+    running = ServerThread(app, http=header_deadline_protocol(BODY_TIMEOUT_S)).start()
+    try:
         yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,8 @@ uvicorn times out idle keep-alive connections, and the body deadline (`body_dead
 body, but nothing bounds the time from opening a connection (or starting the next request on it) to the end of
 the request's headers: a client that sends `POST /v1/messages HTTP/1.1\\r\\n` and then a byte a minute holds a
 connection open for good. This protocol, uvicorn's own h11 protocol plus one timer, answers such a client with a
-408 and closes the connection once `timeout_s` has passed without complete headers.
+408 and closes the connection once `timeout_s` has passed without complete headers. Its connections close
+lingering (`dflash.server.lingering_close`), so an answer sent before the whole request was read reaches the client.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dflash.server.lingering_close import LingeringTransport
 
 _BODY = json.dumps({"error": {
     "message": "the request headers were not received in time", "type": "invalid_request_error", "param": None,
@@ -32,10 +35,13 @@ def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            self._lingering = LingeringTransport(transport, asyncio.get_running_loop())
+            super().connection_made(self._lingering)  # type: ignore[arg-type]
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering.lingering:  # answered and closing: the rest of the request is dropped
+                return
             super().data_received(data)
             if self.conn.their_state is h11.IDLE:  # some bytes of the next request's headers, not all of them
                 if self._deadline is None:
@@ -49,6 +55,7 @@ def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._lingering.connection_lost()
             super().connection_lost(exc)
 
         def _arm(self) -> None:
