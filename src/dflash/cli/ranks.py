@@ -23,7 +23,8 @@ def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel", type=int, default=1, metavar="N",
         help="split the target across N GPUs (cuda:0..N-1), one process each over NCCL (--device cpu: N CPU "
         "processes over gloo); the heads, key/value heads and MLP width must divide by N. Each GPU holds a whole "
-        "drafter. Runs dense weights and eager forwards (no CUDA graphs) (default 1: one device)",
+        "drafter. Runs dense weights; on GPUs each rank replays CUDA graphs with the all-reduces inside "
+        "(DFLASH_TP_ALLREDUCE=auto|nccl|symmetric) (default 1: one device)",
     )
 
 

@@ -97,7 +97,7 @@ def skinny_config(rows: int, k: int, int8: bool = False, gpu: str = "") -> Skinn
     wide reduction; int8 rows past 16 in narrower tiles (`..._qwen3_8b_drafter_int8.json`). None past `MAX_ROWS`
     rows (cuBLAS's tiles win there). `gpu` "H200" (`gpu_model`): one row of a wide reduction in shorter steps with
     fewer warps, the best single choice over Qwen3-8B, Qwen3-32B and a 32B rank's shapes on an H200 (5% less time
-    over the three chains than the H100's choice, within 3% of the best per matrix;
+    over the three chains than the H100's choice, 3% more than the best configuration per matrix;
     `results/gpu_skinny_gemm_one_row_h200.json`); its more bandwidth wants more, smaller loads in flight."""
     wide = k >= 4096
     if rows == 1:
