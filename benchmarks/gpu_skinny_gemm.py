@@ -124,7 +124,7 @@ def main() -> None:
             entry: dict[str, object] = {"cublas_ms": round(cublas, 4), "cublas_TBps": round(bytes_of[kind] / cublas / 1e9, 3)}
             best: tuple[float, SkinnyConfig] | None = None
             tried = {}
-            chosen = skinny_config(rows, x.shape[1], gpu=gpu_model(device))  # the one in use, measured too
+            chosen = skinny_config(rows, x.shape[1], gpu=gpu_model(device), n=ws[0].shape[0])  # the one in use, measured too
             grid = config_grid(rows, tiles)
             for config in grid + ([chosen] if chosen is not None and chosen not in grid else []):
                 if not skinny_usable(rows, config):

@@ -13,8 +13,9 @@ through `dflash.parallel` (row-parallel o/down projections, each followed by an 
 Three ways to run each forward:
 * `*_ms` (the headline `tp1_step_ms` / `tp2_step_ms`): what the engine runs, the graph runner's forward
   (`dflash.fastpath.runner.GraphRunner.target_forward`: inputs copied into a captured CUDA graph of the fused layers,
-  outputs copied out); on two GPUs with the run's default all-reduce (`DFLASH_TP_ALLREDUCE=auto`: symmetric memory
-  where the GPUs reach each other, `tp2_all_reduce` says which), and `tp2_*_nccl_ms` the same with NCCL's;
+  outputs copied out); on two GPUs with the run's default all-reduce (`DFLASH_TP_ALLREDUCE=auto`: the fused sums
+  over symmetric memory where the GPUs reach each other, `tp2_all_reduce` says which), and `tp2_*_nccl_ms` /
+  `tp2_*_symmetric_ms` the same with NCCL's all-reduce / the one-shot all-reduce then the add+RMSNorm;
 * `*_graph_ms`: the model's own (unfused) forward captured in one CUDA graph, NCCL all-reduces inside;
 * `*_eager_ms`: the model's own forward, uncaptured.
 Also the latency of one all-reduce of one residual row and of 33 rows, eager (NCCL) and captured (NCCL, symmetric).
@@ -311,15 +312,19 @@ def tp2_rank(tp: TensorParallel, payload: dict[str, Any]) -> int:
     out.update(measure(model, cache, context, tp.device, tp, "tp2", ("eager",)))
     _save_part(tp, payload, out)  # the eager figures are safe before graph capture is tried
     if tp.device.type == "cuda":
-        for mode in dict.fromkeys(("nccl", default_mode)):
+        for mode in dict.fromkeys(("nccl", "symmetric" if default_mode == "fused" else default_mode)):
             tp.sums.use(mode)
             out[f"allreduce_graph_{mode}_1row_us"] = all_reduce_us(config, dtype, tp, 1, graph=True)
             out[f"allreduce_graph_{mode}_33rows_us"] = all_reduce_us(config, dtype, tp, TREE_BUDGET + 1, graph=True)
         tp.sums.use("nccl")
         out.update(measure(model, cache, context, tp.device, tp, "tp2", ("graph",)))
-        nccl = measure(model, cache, context, tp.device, tp, "tp2", ("engine",))
-        out.update({key.replace("_ms", "_nccl_ms").replace("_error", "_nccl_error"): v for key, v in nccl.items()})
-        _save_part(tp, payload, out)
+        others = ("nccl", "symmetric") if default_mode == "fused" else ("nccl",)
+        for mode in others:  # the engine with the other all-reduces, for comparison
+            tp.sums.use(mode)
+            timed = measure(model, cache, context, tp.device, tp, "tp2", ("engine",))
+            out.update({key.replace("_ms", f"_{mode}_ms").replace("_error", f"_{mode}_error"): v
+                        for key, v in timed.items()})
+            _save_part(tp, payload, out)
     tp.sums.use(default_mode)
     out.update(measure(model, cache, context, tp.device, tp, "tp2", ("engine",)))
     if tp.device.type == "cuda":
@@ -352,9 +357,10 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
             one, two = out.get(f"tp1_{shape}{kind}_ms"), out.get(f"tp2_{shape}{kind}_ms")
             if one and two:
                 found[f"tp2_over_tp1_{shape}{kind}"] = round(two / one, 3)
-        one, two = out.get(f"tp1_{shape}_ms"), out.get(f"tp2_{shape}_nccl_ms")
-        if one and two:
-            found[f"tp2_nccl_over_tp1_{shape}"] = round(two / one, 3)
+        for mode in ("nccl", "symmetric"):
+            one, two = out.get(f"tp1_{shape}_ms"), out.get(f"tp2_{shape}_{mode}_ms")
+            if one and two:
+                found[f"tp2_{mode}_over_tp1_{shape}"] = round(two / one, 3)
     return found
 
 

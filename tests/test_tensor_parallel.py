@@ -199,6 +199,30 @@ def test_graphed_forwards_under_tensor_parallelism_give_the_same_generations(
     assert leader["held_lease"] == whole["plain"] and leader["served_while_held"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason="needs two CUDA devices")
+def test_fused_rank_sums_equal_the_all_reduce_then_the_add_norm(tmp_path: Path) -> None:
+    """One kernel that sums the ranks' rows over symmetric memory and does the add+RMSNorm gives the bits of
+    NCCL's all-reduce followed by the add+RMSNorm, on every rank, eagerly and replayed from a graph."""
+    assert launch(WORLD, rank_program, {"folder": str(tmp_path), "part": "sums"}, device_type="cuda",
+                  timeout=TIMEOUT) == 0
+    ranks = [torch.load(tmp_path / f"sums_rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert [rank["mode"] for rank in ranks] == ["fused", "fused"]
+    for rows, case in ranks[0]["cases"].items():
+        expected = case["expected"]
+        assert torch.equal(case["first"][0], expected[0][0]) and torch.equal(case["first"][1], expected[0][1]), rows
+        assert case["eager_repeats_equal"], rows
+        assert torch.equal(case["one_shot"], case["plain"][0]), rows
+        assert torch.equal(case["eager_plain_sum"], case["plain"][1]), rows
+        for replay in case["replays"]:
+            for (normed, stream), (want_normed, want_stream) in zip(replay, expected, strict=True):
+                assert torch.equal(normed, want_normed) and torch.equal(stream, want_stream), rows
+        other = ranks[1]["cases"][rows]
+        assert torch.equal(case["eager_plain_sum"], other["eager_plain_sum"])
+        assert torch.equal(case["one_shot"], other["one_shot"])
+        assert all(torch.equal(a, b) for a, b in zip(case["first"], other["first"], strict=True))
+
+
 def test_shard_config_refuses_uneven_splits() -> None:
     config = ours_from_hf(hf_tiny("qwen3")).config  # 4 heads, 2 key/value heads, MLP 128
     assert shard_config(config, 2).num_kv_heads == 1

@@ -82,6 +82,16 @@ def test_skinny_config_by_rows() -> None:
     assert skinny_config(16, 4096, int8=True) == skinny_config(16, 4096)
 
 
+def test_one_row_h200_config_by_shape() -> None:
+    """On an H200 one row's configuration follows the matrix's shape (a 32B model's gate/up, down and QKV); a
+    narrow reduction and the H100 keep theirs."""
+    assert skinny_config(1, 5120, gpu="H200", n=51200) == SkinnyConfig(8, 512, 4, 2, False)
+    assert skinny_config(1, 12800, gpu="H200", n=5120) == SkinnyConfig(4, 2048, 4, 1, False)
+    assert skinny_config(1, 5120, gpu="H200", n=10240) == SkinnyConfig(4, 1024, 4, 2, False)
+    assert skinny_config(1, 576, gpu="H200", n=1536) == skinny_config(1, 576)
+    assert skinny_config(1, 12800, n=5120) == SkinnyConfig(8, 2048, 16, 2, False)
+
+
 def test_fast_linear_keeps_cublas_where_the_program_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU without the interpreter, past 64 rows, or with DFLASH_PRODUCTS=cublas the result is F.linear's
     own, bit for bit (bias included); a misspelt choice is a clear error."""

@@ -18,14 +18,16 @@ import torch.nn.functional as F
 from dflash.batch.padded import PaddedBatch
 from dflash.batch.pool import BlockPool
 from dflash.fastpath.fused_layers import (
-    apply_linear,
+    MLP_REGION,
+    Owed,
+    add_norm,
     attention_residual_and_mlp,
     embed_rows,
     fused_logits,
+    last_product,
     project_and_store,
     supports_fused_layers,
 )
-from dflash.kernels.triton_decode import add_rms_norm
 from dflash.models.model import CausalLM
 
 __all__ = ["fused_padded_forward", "supports_fused_layers"]
@@ -47,11 +49,11 @@ def fused_padded_forward(
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
     x = embed_rows(model, batch.tokens.view(1, -1))  # [count, hidden]
-    pending: torch.Tensor | None = None  # the last MLP output, added inside the next add+RMSNorm
+    pending: Owed | None = None  # the last MLP output, added inside the next add+RMSNorm
     layer: Any
     for index, layer in enumerate(model.layers):
         attention = layer.self_attn
-        h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        h, x = add_norm(x, pending, layer.input_layernorm, MLP_REGION)
         if index - 1 in wanted:
             captured[index - 1] = x
         keys, values = pool.keys[index], pool.values[index]  # [kv_heads, slots, head_dim]
@@ -61,9 +63,9 @@ def fused_padded_forward(
             q, keys[:, read].transpose(0, 1), values[:, read].transpose(0, 1), attn_mask=additive,
             scale=attention.scale, enable_gqa=heads != kv_heads,
         )  # [requests, heads, rows, head_dim]
-        attended = apply_linear(out.transpose(1, 2).reshape(count, heads * head_dim), attention.o_proj)
+        attended = last_product(out.transpose(1, 2).reshape(count, heads * head_dim), attention.o_proj)
         x, pending = attention_residual_and_mlp(layer, x, attended)
-    hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
+    hidden, x = add_norm(x, pending, model.norm, MLP_REGION)
     last = len(model.layers) - 1
     if last in wanted:
         captured[last] = x

@@ -7,13 +7,15 @@ add+RMSNorm, gate/up product, SiLU*up, down product. The products (and the LM he
 `dflash.kernels.triton_skinny.fast_linear`: the skinny program for up to 64 rows, cuBLAS beyond.
 The residual add after the MLP is deferred into the next layer's add+RMSNorm, whose sum output is therefore the
 previous layer's output (what feature capture needs). Under tensor parallelism the layers hold this rank's heads
-and MLP width (`CausalLM.layer_config`) and the output and down products are summed across the ranks
-(`RowParallelLinear.reduce`), inside the captured graph.
+and MLP width (`CausalLM.layer_config`) and the output and down products are summed across the ranks inside the
+captured graph, by the add+RMSNorm that follows each (`PartialSums.add_rms_norm`: one kernel with the symmetric
+buffer; the sum then the add+RMSNorm otherwise).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,8 +29,9 @@ from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_
 from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
 from dflash.models.int8_linear import Int8Linear
-from dflash.models.layers import DecoderLayer
+from dflash.models.layers import DecoderLayer, RMSNorm
 from dflash.models.model import CausalLM
+from dflash.parallel.collectives import PartialSums
 from dflash.parallel.layers import RowParallelLinear, VocabParallelHead
 
 SPLIT_MAX_ROWS = 128  # the largest forward measured (`benchmarks/gpu_attention_rows.py`): the runner's graph rows
@@ -69,6 +72,36 @@ def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return module.gather(fast_linear(x, module.weight))
     assert isinstance(module, nn.Linear)
     return fast_linear(x, module.weight, module.bias)
+
+
+@dataclass(frozen=True)
+class Owed:
+    """A sub-layer's output not yet added to the residual stream: rows [rows, hidden], with the sum over the ranks
+    still to do where they are a row-parallel product's partial rows (`sums`), which the next add+RMSNorm does."""
+
+    rows: torch.Tensor
+    sums: PartialSums | None = None
+
+
+# Which of the symmetric buffer's two regions a sub-layer's sum goes through: consecutive sums must alternate
+# (`dflash.kernels.triton_rank_sums`), and each layer has one of each, in this order.
+ATTENTION_REGION, MLP_REGION = 0, 1
+
+
+def last_product(x: torch.Tensor, module: nn.Module) -> Owed:
+    """A sub-layer's last product, module(x) for x [rows, in]; a row-parallel one's sum over the ranks is left to
+    the add+RMSNorm that follows (`add_norm`)."""
+    if isinstance(module, RowParallelLinear):
+        return Owed(fast_linear(x, module.weight), module.tensor_parallel.sums)
+    return Owed(apply_linear(x, module))
+
+
+def add_norm(x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm(x, owed rows)` with any sum over the ranks the rows still owe -> (normed [rows, hidden],
+    the residual stream with the rows added [rows, hidden])."""
+    if owed is None or owed.sums is None:
+        return add_rms_norm(x, None if owed is None else owed.rows, norm.weight, norm.eps)
+    return owed.sums.add_rms_norm(owed.rows, x, norm.weight, norm.eps, region)
 
 
 def fused_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,13 +165,11 @@ def project_and_store(
     return qkv
 
 
-def attention_residual_and_mlp(
-    layer: Any, x: torch.Tensor, attended: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_residual_and_mlp(layer: Any, x: torch.Tensor, attended: Owed) -> tuple[torch.Tensor, Owed]:
     """The rest of a layer after attention: x + attended, its RMSNorm and the MLP -> (the residual stream, the MLP
     output not yet added: the next add+RMSNorm adds it)."""
-    h, x = add_rms_norm(x, attended, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-    return x, apply_linear(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+    h, x = add_norm(x, attended, layer.post_attention_layernorm, ATTENTION_REGION)
+    return x, last_product(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
 
 
 def fused_layers(
@@ -161,11 +192,11 @@ def fused_layers(
     captured: dict[int, torch.Tensor] = {}
     split_keys = split_key_attention(rows) and storage.keys.is_contiguous() and attention_kernel_usable(head_dim)
     x = embed_rows(model, input_ids)  # [rows, hidden]
-    pending: torch.Tensor | None = None  # the last MLP output, not yet added to x
+    pending: Owed | None = None  # the last MLP output, not yet added to x
     layer: Any
     for index, layer in enumerate(model.layers):
         attention = layer.self_attn
-        h, x = add_rms_norm(x, pending, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        h, x = add_norm(x, pending, layer.input_layernorm, MLP_REGION)
         if index - 1 in wanted:
             captured[index - 1] = x
         qkv = project_and_store(layer, h, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, config)
@@ -174,16 +205,16 @@ def fused_layers(
                 qkv[:, : heads * head_dim].view(rows, heads, head_dim), storage.keys[index, 0],
                 storage.values[index, 0], additive[0, 0], bucket, attention.scale,
             )  # [rows, heads, head_dim]
-            attended = apply_linear(out.reshape(rows, heads * head_dim), attention.o_proj)
+            attended = last_product(out.reshape(rows, heads * head_dim), attention.o_proj)
         else:
             q = qkv[:, : heads * head_dim].view(rows, heads, head_dim).transpose(0, 1)[None]  # [1, heads, rows, hd]
             out = F.scaled_dot_product_attention(
                 q, storage.keys[index, :, :, :bucket], storage.values[index, :, :, :bucket], attn_mask=additive,
                 scale=attention.scale, enable_gqa=heads != kv_heads,
             )  # [1, heads, rows, head_dim]
-            attended = apply_linear(out[0].transpose(0, 1).reshape(rows, heads * head_dim), attention.o_proj)
+            attended = last_product(out[0].transpose(0, 1).reshape(rows, heads * head_dim), attention.o_proj)
         x, pending = attention_residual_and_mlp(layer, x, attended)
-    hidden, x = add_rms_norm(x, pending, model.norm.weight, model.norm.eps)
+    hidden, x = add_norm(x, pending, model.norm, MLP_REGION)
     last = len(model.layers) - 1
     if last in wanted:
         captured[last] = x

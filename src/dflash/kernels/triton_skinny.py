@@ -91,18 +91,18 @@ def skinny_usable(rows: int, config: SkinnyConfig) -> bool:
     return rows <= MAX_ROWS if config.use_dot else rows == 1
 
 
-def skinny_config(rows: int, k: int, int8: bool = False, gpu: str = "") -> SkinnyConfig | None:
-    """The configuration for x [rows, k], from the H100 grids (`results/gpu_skinny_gemm_h100_*.json`): one row
-    multiplies and sums on the CUDA cores in long steps; 2-64 rows go through tensor cores, in longer steps for a
-    wide reduction; int8 rows past 16 in narrower tiles (`..._qwen3_8b_drafter_int8.json`). None past `MAX_ROWS`
-    rows (cuBLAS's tiles win there). `gpu` "H200" (`gpu_model`): one row of a wide reduction in shorter steps with
-    fewer warps, the best single choice over Qwen3-8B, Qwen3-32B and a 32B rank's shapes on an H200 (5% less time
-    over the three chains than the H100's choice, 3% more than the best configuration per matrix;
-    `results/gpu_skinny_gemm_one_row_h200.json`); its more bandwidth wants more, smaller loads in flight."""
+def skinny_config(rows: int, k: int, int8: bool = False, gpu: str = "", n: int = 0) -> SkinnyConfig | None:
+    """The configuration for x [rows, k] times W [n, k]^T, from the H100 grids (`results/gpu_skinny_gemm_h100_*.json`):
+    one row multiplies and sums on the CUDA cores in long steps; 2-64 rows go through tensor cores, in longer steps
+    for a wide reduction; int8 rows past 16 in narrower tiles (`..._qwen3_8b_drafter_int8.json`). None past
+    `MAX_ROWS` rows (cuBLAS's tiles win there). `gpu` "H200" (`gpu_model`): one row of a wide reduction in shorter
+    steps with fewer warps, by the matrix's shape (`results/gpu_skinny_gemm_one_row_h200.json`, over Qwen3-8B,
+    Qwen3-32B and a 32B rank's matrices: within 5% of the best configuration per matrix, where one choice for all
+    was up to 13% off): its more bandwidth wants more, smaller loads in flight."""
     wide = k >= 4096
     if rows == 1:
         if wide and gpu == "H200":
-            return SkinnyConfig(4, 1024, 4, 2, False)
+            return _one_row_h200(n, k)
         return SkinnyConfig(8, 2048, 16, 2, False) if wide else SkinnyConfig(4, 1024, 8, 2, False)
     if rows <= 16:
         return SkinnyConfig(32, 512 if wide else 128, 4, 4)
@@ -111,6 +111,17 @@ def skinny_config(rows: int, k: int, int8: bool = False, gpu: str = "") -> Skinn
             return SkinnyConfig(16, 256, 4, 3)
         return SkinnyConfig(32, 256 if wide else 128, 4, 4)
     return None
+
+
+def _one_row_h200(n: int, k: int) -> SkinnyConfig:
+    """One row of a wide reduction on an H200: many outputs (gate/up, LM head) in 8-column tiles of 512-wide steps;
+    a long reduction (MLP down) in 2,048-wide steps (1,024 ones leave a masked tail on 12,800 and took 13% longer
+    there); the rest (QKV, attention output) 4 columns, 1,024-wide steps."""
+    if n >= 4 * k:
+        return SkinnyConfig(8, 512, 4, 2, False)
+    if k >= 8192:
+        return SkinnyConfig(4, 2048, 4, 1, False)
+    return SkinnyConfig(4, 1024, 4, 2, False)
 
 
 def gpu_model(device: torch.device) -> str:
@@ -135,7 +146,9 @@ def fast_linear(
     contiguous operands, at most `MAX_ROWS` rows; any device and float type under TRITON_INTERPRET=1, for the CPU
     tests), else cuBLAS. With `scales` [N] (float32), `weight` is int8 and the product is
     x @ (weight * scales[:, None])^T; where the program does not serve, the int8 matrix is widened for the call."""
-    config = skinny_config(x.shape[0], x.shape[1], int8=scales is not None, gpu=gpu_model(x.device))
+    config = skinny_config(
+        x.shape[0], x.shape[1], int8=scales is not None, gpu=gpu_model(x.device), n=weight.shape[0]
+    )
     on_device = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
     weight_dtype = torch.int8 if scales is not None else x.dtype
     if (

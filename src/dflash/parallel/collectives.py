@@ -1,6 +1,6 @@
 """The sum that ends each row-parallel sub-layer: every rank's partial output, added up on every rank.
 
-Two ways to do it, chosen once per run by `DFLASH_TP_ALLREDUCE` (auto | nccl | symmetric):
+Three ways to do it, chosen once per run by `DFLASH_TP_ALLREDUCE` (auto | nccl | symmetric | fused):
 
 * `nccl`: the process group's `all_reduce` (gloo on CPU ranks). Any size; inside a CUDA graph an all-reduce of one
   residual row still takes ~18 us on two NVLink-connected GPUs (`results/gpu_tensor_parallel_*.json`), and a
@@ -11,14 +11,21 @@ Two ways to do it, chosen once per run by `DFLASH_TP_ALLREDUCE` (auto | nccl | s
   than the buffer (long prefill chunks) go through NCCL. It needs GPUs that reach each other's memory
   (peer access) and the operators of PyTorch's symmetric memory; multicast stays off (`dflash.parallel.group`).
 
-`auto` takes `symmetric` where it can be set up and NCCL otherwise. Both give every rank the same sum bit for bit
-(NCCL's ring hands one reduced copy to all; the one-shot kernel adds in the same order on every rank), which keeps
-the ranks' logits, and so their greedy choices, identical.
+* `fused`: the symmetric buffer without the separate all-reduce: where the sum feeds an add+RMSNorm (every
+  row-parallel projection of the fused forward does), one program per row stores the partial, meets the peers,
+  adds every rank's row and does the add+RMSNorm (`add_rms_norm`, `dflash.kernels.triton_rank_sums`): one launch
+  instead of two. Other sums take the one-shot all-reduce.
+
+`auto` takes `fused` where the symmetric buffer can be set up and Triton is there, `symmetric` without Triton, NCCL
+otherwise. All give every rank the same sum bit for bit (NCCL's ring hands one reduced copy to all; the symmetric
+kernels add in the same order on every rank), which keeps the ranks' logits, and so their greedy choices,
+identical.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +35,8 @@ from dflash import environment
 from dflash.errors import DFlashError
 
 __all__ = ["SYMMETRIC_ROWS", "PartialSums"]
+
+SumAndNorm = tuple[torch.Tensor, torch.Tensor]
 
 log = logging.getLogger("dflash.parallel")
 
@@ -46,27 +55,35 @@ class PartialSums:
         if self.asked not in environment.TP_ALLREDUCE_CHOICES:
             raise DFlashError(f"unknown all-reduce {self.asked!r}; choose one of auto, nccl, symmetric")
         self.mode = "nccl"  # until `prepare` sets up the symmetric buffer
-        self._buffer: torch.Tensor | None = None  # [SYMMETRIC_ROWS * width] in symmetric memory
+        self._buffer: torch.Tensor | None = None  # [SYMMETRIC_ROWS * width] of the one-shot all-reduce
         self._group_name = ""
+        self._folding: _Folding | None = None  # the fused sums' buffer regions and flags, where set up
 
     def prepare(self, width: int, dtype: torch.dtype) -> str:
         """Set up the symmetric buffer for rows of `width` elements of `dtype` where the mode allows it; every
         rank must call this at the same point (it is a collective). Returns the mode in use."""
         if self.asked == "nccl" or self.device.type != "cuda":
-            if self.asked == "symmetric":
-                raise DFlashError("DFLASH_TP_ALLREDUCE=symmetric needs CUDA ranks")
+            if self.asked in ("symmetric", "fused"):
+                raise DFlashError(f"DFLASH_TP_ALLREDUCE={self.asked} needs CUDA ranks")
             return self.mode
         try:
-            self._buffer = self._symmetric_buffer(SYMMETRIC_ROWS * width, dtype)
-            self.mode = "symmetric"
+            self._buffer, self._folding = self._symmetric_buffer(width, dtype)
+            self.mode = "fused" if self._folding is not None and self.asked in ("auto", "fused") else "symmetric"
         except Exception as exc:  # any failure of the alpha API means: use NCCL
-            if self.asked == "symmetric":
-                raise DFlashError(f"DFLASH_TP_ALLREDUCE=symmetric: symmetric memory is not usable here: {exc}") from exc
+            if self.asked in ("symmetric", "fused"):
+                raise DFlashError(
+                    f"DFLASH_TP_ALLREDUCE={self.asked}: symmetric memory is not usable here: {exc}"
+                ) from exc
             log.info("symmetric-memory all-reduce unavailable (%s); using NCCL", exc)
         return self.mode
 
-    def _symmetric_buffer(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    def _symmetric_buffer(self, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, _Folding | None]:
+        """The one-shot all-reduce's staging rows, and the fused sums' two regions after them in the same
+        symmetric allocation (with their flags), where Triton is there and the signal pads have room."""
         import torch.distributed._symmetric_memory as symm_mem
+
+        from dflash.kernels.triton_decode import triton_available
+        from dflash.kernels.triton_rank_sums import REGIONS
 
         ranks = dist.get_world_size(self.group)
         index = self.device.index or 0
@@ -83,23 +100,67 @@ class PartialSums:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 enable(self._group_name)
-        buffer = symm_mem.empty(elements, dtype=dtype, device=self.device)
-        symm_mem.rendezvous(buffer, self.group)
-        return buffer
+        staging = SYMMETRIC_ROWS * width  # the one-shot all-reduce's rows
+        region = ranks * staging  # a fused region: a slot of rows per sending rank
+        allocation = symm_mem.empty(staging + REGIONS * region, dtype=dtype, device=self.device)
+        handle = symm_mem.rendezvous(allocation, self.group)
+        flags = REGIONS * SYMMETRIC_ROWS * ranks
+        pad_flags = int(handle.signal_pad_size) // 4
+        folding = None
+        if self.asked != "symmetric" and triton_available() and pad_flags >= 2 * flags:
+            every = range(ranks)
+            folding = _Folding(
+                buffers=torch.tensor([handle.get_buffer(r, [1], dtype).data_ptr() for r in every],
+                                     dtype=torch.int64, device=self.device),
+                pads=torch.tensor([handle.get_signal_pad(r, [1], torch.int32).data_ptr() for r in every],
+                                  dtype=torch.int64, device=self.device),
+                rank=handle.rank, world=ranks, width=width, dtype=dtype, first_region=staging, region=region,
+                first_flag=pad_flags - flags,
+            )
+        elif self.asked == "fused":
+            raise RuntimeError(f"no Triton, or a signal pad of {pad_flags} flags (the fused sums need {2 * flags})")
+        return allocation[:staging], folding
 
     def use(self, mode: str) -> None:
         """Switch between "nccl" and a prepared "symmetric" all-reduce (graphs captured before keep the old one)."""
         if mode == "symmetric" and self._buffer is None:
             raise DFlashError("the symmetric all-reduce was not set up (prepare) on this run")
-        if mode not in ("nccl", "symmetric"):
-            raise DFlashError(f"unknown all-reduce {mode!r}; choose nccl or symmetric")
+        if mode == "fused" and self._folding is None:
+            raise DFlashError("the fused sums were not set up (prepare) on this run")
+        if mode not in ("nccl", "symmetric", "fused"):
+            raise DFlashError(f"unknown all-reduce {mode!r}; choose nccl, symmetric or fused")
         self.mode = mode
+
+    def add_rms_norm(
+        self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, region: int
+    ) -> SumAndNorm:
+        """`triton_decode.add_rms_norm(sum(partial), residual, weight, eps)` with the sum over the ranks: partial,
+        residual [rows, width] -> (RMSNorm(sum + residual) * weight, sum + residual). In `fused` mode one kernel
+        where the rows fit the buffer; `region` (0 or 1) must alternate between consecutive calls."""
+        folding = self._folding
+        if (
+            self.mode == "fused" and folding is not None and partial.dtype == folding.dtype
+            and partial.dim() == 2 and partial.shape[0] <= SYMMETRIC_ROWS and partial.shape[1] == folding.width
+            and partial.is_contiguous() and (residual is None or residual.is_contiguous())
+        ):
+            from dflash.kernels.triton_rank_sums import sum_add_rms_norm
+
+            return sum_add_rms_norm(
+                partial, residual, weight, eps, buffers=folding.buffers, pads=folding.pads, rank=folding.rank,
+                world=folding.world, capacity=SYMMETRIC_ROWS,
+                region_offset=folding.first_region + region * folding.region,
+                first_flag=folding.first_flag + region * SYMMETRIC_ROWS * folding.world,
+            )
+        from dflash.kernels.triton_decode import add_rms_norm
+
+        summed = self(partial)
+        return add_rms_norm(summed, residual, weight, eps)
 
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
         """partial: any shape -> the sum over the ranks, same shape (a new tensor, or `partial` summed in place)."""
         buffer = self._buffer
         if (
-            self.mode == "symmetric" and buffer is not None
+            self.mode in ("symmetric", "fused") and buffer is not None
             and partial.numel() <= buffer.numel() and partial.dtype == buffer.dtype
         ):
             staging = buffer[: partial.numel()].view(partial.shape)
@@ -109,3 +170,18 @@ class PartialSums:
             return summed
         dist.all_reduce(partial, group=self.group)
         return partial
+
+
+@dataclass(frozen=True)
+class _Folding:
+    """Where the fused sums meet: every rank's allocation and signal pad (device addresses), the regions' size."""
+
+    buffers: torch.Tensor  # [world] int64
+    pads: torch.Tensor  # [world] int64
+    rank: int
+    world: int
+    width: int  # elements of a row
+    dtype: torch.dtype
+    first_region: int  # where the regions start in the allocation (elements): after the one-shot rows
+    region: int  # elements of one region: SYMMETRIC_ROWS rows per sending rank
+    first_flag: int  # the first int32 flag of the pads the fused sums use
