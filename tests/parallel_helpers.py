@@ -233,13 +233,14 @@ def rank_program(tp: TensorParallel, payload: dict[str, Any]) -> int:
     record: dict[str, Any] = {}
     if payload["part"] == "forwards":
         for family in FAMILIES:
-            for split in ("", "1"):  # the embeddings and LM head replicated, then split by vocabulary rows
+            for split in ("0", "1"):  # the embeddings and LM head replicated, then split by vocabulary rows
                 os.environ[environment.TP_VOCAB_SPLIT] = split
                 config: ModelConfig = saved[family]["config"]
                 shard = shard_weights(saved[family]["weights"], config, tp.rank, tp.world)
                 model = build_model(config, shard, device=tp.device, tensor_parallel=tp)
-                record[family + ("_vocab_split" if split else "")] = scripted_forwards(model, tp.device)
-                record[family + ("_vocab_split" if split else "")]["head_rows"] = int(model.lm_head.weight.shape[0])
+                name = family + ("_vocab_split" if split == "1" else "")
+                record[name] = scripted_forwards(model, tp.device)
+                record[name]["head_rows"] = int(model.lm_head.weight.shape[0])
         os.environ.pop(environment.TP_VOCAB_SPLIT)
     else:
         record = engine_program(tp, saved["engine"], graphed=payload["part"] == "graphed")

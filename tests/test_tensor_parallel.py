@@ -231,7 +231,7 @@ def test_shard_config_refuses_uneven_splits() -> None:
 
 
 def test_shard_spans_cover_each_split_tensor_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DFLASH_TP_VOCAB_SPLIT", "1")
+    monkeypatch.delenv("DFLASH_TP_VOCAB_SPLIT", raising=False)  # the default: split
     model = ours_from_hf(hf_tiny("qwen3"))
     weights = hf_named(model)
     config = model.config
@@ -251,7 +251,7 @@ def test_shard_spans_cover_each_split_tensor_once(monkeypatch: pytest.MonkeyPatc
     odd = replace(config, vocab_size=513)
     assert shard_span("model.embed_tokens.weight", odd, 1, WORLD) is None
     assert shard_config(odd, WORLD).vocab_size == 513 and shard_config(config, WORLD).vocab_size == 256
-    monkeypatch.delenv("DFLASH_TP_VOCAB_SPLIT")  # the default: replicated
+    monkeypatch.setenv("DFLASH_TP_VOCAB_SPLIT", "0")  # replicated
     assert shard_span("model.embed_tokens.weight", config, 1, WORLD) is None
     assert shard_config(config, WORLD).vocab_size == 512
 

@@ -9,7 +9,7 @@
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
 | `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric, fused (`collectives`)      |
-| `DFLASH_TP_VOCAB_SPLIT`        | off      | 1: split embeddings and LM head by vocabulary rows across ranks         |
+| `DFLASH_TP_VOCAB_SPLIT`        | on       | 0: embeddings and LM head whole on every rank, not split by vocab rows  |
 | `DFLASH_API_KEY`               | none     | the key `dflash serve` requires (`dflash.cli.api_key`)                  |
 | `DFLASH_MIN_TOKENS`            | off      | agent stall recovery (`dflash.server.stall`): no EOS before N tokens    |
 | `DFLASH_STALL_TOOL_PREFIX`     | off      | agent stall recovery: continue a turn that stops at an action preamble  |
@@ -85,8 +85,8 @@ def tp_allreduce(env: Mapping[str, str] | None = None) -> str:
 
 
 def tp_vocab_split(env: Mapping[str, str] | None = None) -> bool:
-    """`DFLASH_TP_VOCAB_SPLIT`: on only when 1/true/yes/on (`dflash.parallel.sharding.vocab_split`)."""
-    return env_flag(_environ(env), TP_VOCAB_SPLIT)
+    """`DFLASH_TP_VOCAB_SPLIT`: on unless 0, false, no or off (`dflash.parallel.sharding.vocab_split`)."""
+    return _environ(env).get(TP_VOCAB_SPLIT, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def api_key(env: Mapping[str, str] | None = None) -> str | None:

@@ -8,6 +8,7 @@ and be ended by NCCL's watchdog after its timeout.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,6 +82,11 @@ def start_tensor_parallel(
 
 
 def stop_tensor_parallel() -> None:
-    """Leave the run (every rank, once its last collective is done)."""
+    """Leave the run (every rank, once its last collective is done). CUDA graphs that captured NCCL collectives
+    (the vocabulary-split head's all-gather) are freed first, and the device's work finished: destroying the
+    process group while such graphs lived left both ranks waiting in `destroy_process_group` on two GPUs."""
     if dist.is_initialized():
+        gc.collect()  # the engine's graph runner sits in reference cycles: collect it (and its graphs) now
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         dist.destroy_process_group()
