@@ -24,11 +24,17 @@ from gpu_round_profile import graph_gpu_ms  # benchmarks/ is the script's folder
 from dflash.bench.provenance import provenance
 from dflash.kernels.triton_attention import few_row_attention
 
-SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # heads, key-value heads, head_dim
+# heads, key-value heads, head_dim (a 32B rank under two-way tensor parallelism: half the heads)
+SHAPES = {
+    "smollm2-135m": (9, 3, 64), "qwen3-8b": (32, 8, 128), "qwen3-32b": (64, 8, 128), "qwen3-32b-tp2": (32, 4, 128),
+}
 
 
-def time_shape(heads: int, kv_heads: int, head_dim: int, rows: int, context: int) -> dict[str, float]:
-    """Device ms of SDPA and of the split-key program for `rows` new rows after `context - rows` cached ones."""
+def time_shape(
+    heads: int, kv_heads: int, head_dim: int, rows: int, context: int, slices: tuple[int, ...] = ()
+) -> dict[str, float]:
+    """Device ms of SDPA and of the split-key program for `rows` new rows after `context - rows` cached ones; with
+    `slices`, also the program with each of these shortest key slices (`split_slice<N>_ms`)."""
     device = torch.device("cuda")
     generator = torch.Generator().manual_seed(rows + context)
     q = torch.randn((rows, heads, head_dim), generator=generator).to(device, torch.bfloat16)
@@ -48,24 +54,36 @@ def time_shape(heads: int, kv_heads: int, head_dim: int, rows: int, context: int
         return few_row_attention(q, keys, values, additive, context, scale)
 
     torch.testing.assert_close(split(), sdpa(), rtol=2e-2, atol=2e-2)
-    return {"sdpa_ms": round(graph_gpu_ms(sdpa), 4), "split_ms": round(graph_gpu_ms(split), 4)}
+    timing = {"sdpa_ms": round(graph_gpu_ms(sdpa), 4), "split_ms": round(graph_gpu_ms(split), 4)}
+    for shortest in slices:
+        def sliced(shortest: int = shortest) -> torch.Tensor:
+            return few_row_attention(q, keys, values, additive, context, scale, min_slice=shortest)
+
+        torch.testing.assert_close(sliced(), sdpa(), rtol=2e-2, atol=2e-2)
+        timing[f"split_slice{shortest}_ms"] = round(graph_gpu_ms(sliced), 4)
+    return timing
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,8,16,40,72,128")
     parser.add_argument("--contexts", default="512,2048,8192,16384")
+    parser.add_argument("--shapes", default="smollm2-135m,qwen3-8b", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--slices", default="", help="also time these shortest key slices, e.g. 64,128")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    slices = tuple(int(s) for s in args.slices.split(",") if s)
     table: dict[str, Any] = {}
-    for name, (heads, kv_heads, head_dim) in SHAPES.items():
+    for name in args.shapes.split(","):
+        heads, kv_heads, head_dim = SHAPES[name]
         for context in (int(c) for c in args.contexts.split(",")):
             for rows in (int(r) for r in args.rows.split(",")):
-                timing = time_shape(heads, kv_heads, head_dim, rows, context)
+                timing = time_shape(heads, kv_heads, head_dim, rows, context, slices)
                 timing["split_over_sdpa"] = round(timing["split_ms"] / timing["sdpa_ms"], 3)
                 table[f"{name}/ctx{context}/rows{rows}"] = timing
                 print(name, context, rows, timing, flush=True)
-    result = {**provenance(torch.device("cuda")), "shapes": SHAPES, "attention_ms": table}
+    result = {**provenance(torch.device("cuda")), "shapes": {name: SHAPES[name] for name in args.shapes.split(",")},
+              "attention_ms": table}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -131,18 +131,20 @@ def attention_kernel_usable(head_dim: int) -> bool:
 
 
 def few_row_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, additive_mask: torch.Tensor, bucket: int, scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, additive_mask: torch.Tensor, bucket: int, scale: float,
+    min_slice: int = MIN_SLICE,
 ) -> torch.Tensor:
     """q: [rows, heads, head_dim] (unit stride along head_dim); keys, values: [kv_heads, capacity, head_dim]
     contiguous (one layer of the static cache); additive_mask: [rows, >= bucket] (0 or -inf, unit stride along the
-    keys); attends over keys [0, bucket) -> [rows, heads, head_dim] in q's dtype."""
+    keys); attends over keys [0, bucket) -> [rows, heads, head_dim] in q's dtype. `min_slice`: keys per program at
+    least (a power of two, at least `BLOCK_N`)."""
     rows, heads, head_dim = q.shape
     kv_heads, capacity, _ = keys.shape
     group = heads // kv_heads
     block_m = min(64, max(16, next_power_of_two(group * rows)))
     m_blocks = -(-group * rows // block_m)
     wanted = max(1, TARGET_PROGRAMS // (kv_heads * m_blocks))
-    slice_len = max(MIN_SLICE, BLOCK_N, next_power_of_two(-(-bucket // wanted)))
+    slice_len = max(min_slice, BLOCK_N, next_power_of_two(-(-bucket // wanted)))
     slices = -(-bucket // slice_len)
     direct = slices == 1
     device = q.device
