@@ -36,6 +36,9 @@ from dflash.parallel.spmd import LeaderEngine, follow, join_engine
 from dflash.tokenizer import Tokenizer
 
 FAMILIES = ("llama", "qwen3", "gemma3")
+# the sharded-forward models: the families, and Qwen3 with biases on its attention projections (the row-parallel
+# output projection adds its bias once, after the sum)
+FORWARD_MODELS = (*FAMILIES, "qwen3_attention_bias")
 ENGINE_VOCAB = 48
 DRAFTER_RAW: dict[str, Any] = {
     "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
@@ -232,7 +235,7 @@ def rank_program(tp: TensorParallel, payload: dict[str, Any]) -> int:
     saved = torch.load(folder / "models.pt", weights_only=False)
     record: dict[str, Any] = {}
     if payload["part"] == "forwards":
-        for family in FAMILIES:
+        for family in FORWARD_MODELS:
             for split in ("0", "1"):  # the embeddings and LM head replicated, then split by vocabulary rows
                 os.environ[environment.TP_VOCAB_SPLIT] = split
                 config: ModelConfig = saved[family]["config"]

@@ -69,3 +69,15 @@ def test_greedy_generation_matches_transformers_generate(pair: tuple[torch.nn.Mo
         tokens.append(token)
         out = ours(torch.tensor([[token]]), cache=cache)
     assert tokens == ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_attention_biases_match_transformers(family: str) -> None:
+    """With attention_bias every attention projection has a bias, the output projection's included (it was once
+    dropped without a word): logits equal transformers' with random biases."""
+    hf = hf_tiny(family, attention_bias=True)
+    assert hf.model.layers[0].self_attn.o_proj.bias.abs().sum() > 0
+    ours = ours_from_hf(hf)
+    ids = _prompt(3)
+    assert (ours(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4

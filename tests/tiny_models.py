@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dflash.config import ModelConfig
@@ -20,20 +22,22 @@ TINY_COMMON = dict(
 )
 
 
-def hf_tiny(family: str, seed: int = 0) -> torch.nn.Module:
-    """A transformers model with random weights (float32, eager attention)."""
+def hf_tiny(family: str, seed: int = 0, attention_bias: bool = False) -> torch.nn.Module:
+    """A transformers model with random weights (float32, eager attention); `attention_bias`: biases on every
+    attention projection, drawn at random (transformers starts them at zero)."""
     import transformers
 
     torch.manual_seed(seed)
+    common: dict[str, Any] = {**TINY_COMMON, "attention_bias": attention_bias}
     if family == "llama":
-        cfg = transformers.LlamaConfig(**TINY_COMMON, rope_theta=10000.0, tie_word_embeddings=True)
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
         cls = transformers.LlamaForCausalLM
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**TINY_COMMON, rope_theta=10000.0, tie_word_embeddings=False)
+        cfg = transformers.Qwen3Config(**common, rope_theta=10000.0, tie_word_embeddings=False)
         cls = transformers.Qwen3ForCausalLM
     elif family == "gemma3":
         cfg = transformers.Gemma3TextConfig(
-            **TINY_COMMON,
+            **common,
             sliding_window=16,
             query_pre_attn_scalar=16,
             rope_theta=1_000_000.0,
@@ -46,7 +50,7 @@ def hf_tiny(family: str, seed: int = 0) -> torch.nn.Module:
     model = cls(cfg).eval()
     with torch.no_grad():  # HF initialises norms to 1 (or 0 for gemma): randomise them so wrong norms show
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
     return model
 

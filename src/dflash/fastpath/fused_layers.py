@@ -67,7 +67,7 @@ def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if isinstance(module, Int8Linear):
         return fast_linear(x, module.values, module.bias, module.scales)
     if isinstance(module, RowParallelLinear):
-        return module.reduce(fast_linear(x, module.weight))
+        return module.reduce(fast_linear(x, module.weight))  # the sum over the ranks, then any bias
     if isinstance(module, VocabParallelHead):
         return module.gather(fast_linear(x, module.weight))
     assert isinstance(module, nn.Linear)
@@ -91,9 +91,9 @@ ATTENTION_REGION, MLP_REGION = 0, 1
 def last_product(x: torch.Tensor, module: nn.Module) -> Owed:
     """A sub-layer's last product, module(x) for x [rows, in]; a row-parallel one's sum over the ranks is left to
     the add+RMSNorm that follows (`add_norm`)."""
-    if isinstance(module, RowParallelLinear):
+    if isinstance(module, RowParallelLinear) and module.bias is None:
         return Owed(fast_linear(x, module.weight), module.tensor_parallel.sums)
-    return Owed(apply_linear(x, module))
+    return Owed(apply_linear(x, module))  # a biased row-parallel product: summed (then the bias) right away
 
 
 def add_norm(x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int) -> tuple[torch.Tensor, torch.Tensor]:

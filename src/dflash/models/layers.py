@@ -98,7 +98,8 @@ class Attention(nn.Module):
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        # attention_bias (Llama, Qwen3, Gemma 3 in transformers): every attention projection has a bias, the output's too
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if config.qk_norm:

@@ -43,7 +43,9 @@ def build_quantized_model(checkpoint: QuantizedCheckpoint, *, device: torch.devi
             [matrix(f"{hf}mlp.{n}_proj.weight") for n in ("gate", "up")], f"{hf}gate_up"
         )
         model.set_submodule(f"{own}self_attn.qkv_proj", QuantizedLinear(qkv, bias=config.attention_bias))
-        model.set_submodule(f"{own}self_attn.o_proj", QuantizedLinear(matrix(f"{hf}self_attn.o_proj.weight")))
+        model.set_submodule(
+            f"{own}self_attn.o_proj", QuantizedLinear(matrix(f"{hf}self_attn.o_proj.weight"), bias=config.attention_bias)
+        )
         model.set_submodule(f"{own}mlp.gate_up_proj", QuantizedLinear(gate_up))
         model.set_submodule(f"{own}mlp.down_proj", QuantizedLinear(matrix(f"{hf}mlp.down_proj.weight")))
     embedding = matrix("model.embed_tokens.weight")

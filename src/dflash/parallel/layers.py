@@ -24,19 +24,21 @@ __all__ = ["RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead", "
 
 
 class RowParallelLinear(nn.Linear):
-    """A bias-free linear layer over this rank's input columns whose output is summed across the ranks."""
+    """A linear layer over this rank's input columns whose output is summed across the ranks; a bias (whole on every
+    rank) is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, tensor_parallel: TensorParallel) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, tensor_parallel: TensorParallel, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
         self.tensor_parallel = tensor_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(F.linear(x, self.weight))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """This rank's product x @ weight.T -> the whole projection (the sum over the ranks); for callers that
-        compute the product their own way (`dflash.fastpath.fused_layers`)."""
-        return self.tensor_parallel.sums(partial)
+        """This rank's product x @ weight.T -> the whole projection (the sum over the ranks, plus the bias); for
+        callers that compute the product their own way (`dflash.fastpath.fused_layers`)."""
+        summed = self.tensor_parallel.sums(partial)
+        return summed if self.bias is None else summed + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -85,9 +87,9 @@ def split_layers(layers: nn.ModuleList, tensor_parallel: TensorParallel) -> None
     for layer in layers:
         for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             plain = getattr(owner, name)
-            if plain.bias is not None:
-                raise ValueError(f"a row-parallel {name} has no bias (the sum would add it once per rank)")
-            setattr(owner, name, RowParallelLinear(plain.in_features, plain.out_features, tensor_parallel))
+            setattr(owner, name, RowParallelLinear(
+                plain.in_features, plain.out_features, tensor_parallel, bias=plain.bias is not None
+            ))
 
 
 def prepare_sums(model: nn.Module, tensor_parallel: TensorParallel) -> str:
