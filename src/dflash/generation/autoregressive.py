@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from dflash.generation.cached_prefill import prefill_prompt
+from dflash.generation.clock import elapsed_since
 from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
@@ -45,7 +46,7 @@ def decode_autoregressive(
         return stats
     logits = prefilled.logits
     stats.cached_tokens = prefilled.cached_tokens
-    stats.prefill_s = time.perf_counter() - started
+    stats.prefill_s = elapsed_since(started, device)
     started = time.perf_counter()
     step_input = torch.empty((1, 1), dtype=torch.long, device=device)
     resident = forwards.resident(model, chooser, cache)

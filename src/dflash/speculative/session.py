@@ -14,6 +14,7 @@ import torch
 
 from dflash.drafter.model import DFlashDrafter
 from dflash.generation.cached_prefill import prefill_prompt
+from dflash.generation.clock import elapsed_since
 from dflash.generation.forwards import Forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
@@ -84,7 +85,7 @@ def begin_speculation(
     logits, features = prefilled.logits, prefilled.features
     assert features is not None  # [1, prompt, n*hidden]
     stats.cached_tokens = prefilled.cached_tokens
-    stats.prefill_s = time.perf_counter() - started
+    stats.prefill_s = elapsed_since(started, device)
     decode_started = time.perf_counter()
     first = int(chooser.choose(logits, 0)[0])
     chooser.observe([first])
