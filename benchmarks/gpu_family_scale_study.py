@@ -1,0 +1,205 @@
+"""Scale study of the newer families on one GPU: a Qwen3.5-27B-shaped hybrid and a Qwen3-30B-A3B-shaped mixture of
+experts, random bf16 weights at the published shapes.
+
+For each model, in one run and on the same device:
+* copy bandwidth (device to device, bytes read + written per second) and the weight bytes one token reads (every
+  matrix for the hybrid; for the mixture the attention, routers, LM head and the 8 chosen experts of each layer),
+  hence the weight-streaming floor of a one-token step (bytes / copy bandwidth);
+* our forward of 1 token (a decoding step) and of 16 (a linear verification) after `--context` cached positions,
+  eager (neither family is captured in CUDA graphs yet: the hybrid's recurrent state and the experts' routing take
+  host decisions), and a 32-node tree verification for the mixture (the hybrid verifies linearly);
+* for the hybrid, the rollback of a rejected draft: cropping the linear-attention state back into the last
+  16-row forward (the kept rows replayed from the state before it) after 1 and after 8 accepted rows;
+* verification over step, and the break-even acceptance it implies: a speculative round pays when its committed
+  tokens exceed (verify + rollback) / step, drafter excluded. No projection of tokens/s is made here: no published
+  acceptance for these targets was at hand.
+
+Usage: python benchmarks/gpu_family_scale_study.py --out results/gpu_family_scale_study_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from gpu_scale_study import (  # benchmarks/ is on the path
+    DTYPE,
+    copy_bandwidth,
+    median_ms,
+    randomise,
+    tree_parents,
+)
+
+from dflash.bench.provenance import provenance
+from dflash.config import ModelConfig
+from dflash.kv.cache import KVCache
+from dflash.models.model import CausalLM
+from dflash.models.registry import MODEL_CLASSES
+
+# transformers' names and the published sizes (Qwen3.5-27B: 3 Gated DeltaNet layers to 1 gated attention layer)
+QWEN3_5_27B: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, partial_rotary_factor=0.25,
+    rope_theta=10_000_000.0, max_position_embeddings=262144, tie_word_embeddings=False,
+)
+QWEN3_30B_A3B: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+    rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False, norm_topk_prob=True,
+)
+
+
+def model_configs() -> dict[str, ModelConfig]:
+    import transformers
+
+    return {
+        "qwen3.5-27b": ModelConfig.from_hf(transformers.Qwen3_5TextConfig(**QWEN3_5_27B).to_dict()),
+        "qwen3-30b-a3b": ModelConfig.from_hf(transformers.Qwen3MoeConfig(**QWEN3_30B_A3B).to_dict()),
+    }
+
+
+def build(config: ModelConfig, device: torch.device) -> CausalLM:
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.architecture](config)
+    model = model.to_empty(device=device).to(DTYPE)
+    randomise(model)
+    return model.eval().requires_grad_(False)
+
+
+def token_bytes(model: CausalLM) -> int:
+    """Weight bytes one token reads: every parameter except the embedding table (one row of it) and the experts
+    not chosen (each layer's mixture reads its top-k experts of the total)."""
+    config = model.config
+    total = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if name.startswith("embed_tokens"):
+            size = param.shape[-1] * param.element_size()
+        elif param.dim() == 3 and config.is_moe:  # stacked experts [experts, out, in]
+            size = size * config.num_experts_per_tok // config.num_experts
+        total += size
+    return total
+
+
+def filled_cache(model: CausalLM, capacity: int, context: int) -> KVCache:
+    """A cache that has absorbed `context` positions (random keys and values; for the hybrid, random states)."""
+    cache = model.new_cache(capacity)
+    cache.keys.normal_()
+    cache.values.normal_()
+    cache.positions[0, :context] = torch.arange(context, device=cache.keys.device)
+    cache.length = context
+    if cache.recurrent is not None:
+        for state in cache.recurrent.states:
+            state.normal_(0.0, 0.02)
+        cache.recurrent.length = context
+    return cache
+
+
+def forward(model: CausalLM, cache: KVCache, context: int, tokens: int, tree: bool) -> Callable[[], object]:
+    """`tokens` new rows after `context` cached positions, the cache (and any recurrent state) rewound first."""
+    device = cache.keys.device
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    positions, mask = None, None
+    if tree:
+        parents = tree_parents(tokens)
+        depth = [0] * tokens
+        visible = torch.zeros(tokens, context + tokens, dtype=torch.bool)
+        visible[:, :context] = True
+        for node in range(tokens):
+            walk = node
+            while walk >= 0:
+                visible[node, context + walk] = True
+                walk = parents[walk]
+            depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
+        mask = visible[None].to(device)  # [1, tokens, context + tokens]
+        positions = (context + torch.tensor(depth, device=device))[None]
+    recurrent = cache.recurrent
+    snapshot = recurrent.snapshot() if recurrent is not None else None
+
+    def run() -> object:
+        cache.length = context
+        if recurrent is not None and snapshot is not None:
+            recurrent.restore(snapshot, context)
+        return model(ids, positions, cache, attn_mask=mask)
+
+    return run
+
+
+def rollback(model: CausalLM, cache: KVCache, context: int, rows: int, kept: int) -> float:
+    """Device ms of cropping the state back to `kept` of the last forward's `rows` rows (median of 20)."""
+    recurrent = cache.recurrent
+    assert recurrent is not None
+    run = forward(model, cache, context, rows, tree=False)
+    times = []
+    for _ in range(25):
+        run()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        cache.crop(context + kept)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[5:])[len(times[5:]) // 2]
+
+
+def study(name: str, config: ModelConfig, context: int, bandwidth: float, device: torch.device) -> dict[str, Any]:
+    model = build(config, device)
+    cache = filled_cache(model, context + 64, context)
+    weights = token_bytes(model)
+    out: dict[str, Any] = {
+        "layers": config.num_layers, "hidden": config.hidden_size, "vocab": config.vocab_size,
+        "token_weight_gb": round(weights / 1e9, 3), "floor_step_ms": round(weights / bandwidth * 1e3, 3),
+        "gpu_memory_gib": round(torch.cuda.memory_allocated(device) / 2**30, 2),
+    }
+    shapes = {"step_1": (1, False), "verify_16": (16, False)}
+    if cache.recurrent is None:
+        shapes["tree_32"] = (32, True)
+    with torch.inference_mode():
+        for shape, (tokens, tree) in shapes.items():
+            out[f"{shape}_eager_ms"] = round(median_ms(forward(model, cache, context, tokens, tree), iters=10), 3)
+        if cache.recurrent is not None:
+            for kept in (1, 8):
+                out[f"rollback_16_keep{kept}_ms"] = round(rollback(model, cache, context, 16, kept), 3)
+    step = out["step_1_eager_ms"]
+    out["step_over_floor"] = round(step / out["floor_step_ms"], 2)
+    out["verify16_over_step"] = round(out["verify_16_eager_ms"] / step, 2)
+    rollback_ms = out.get("rollback_16_keep8_ms", 0.0)
+    out["break_even_acceptance_verify16"] = round((out["verify_16_eager_ms"] + rollback_ms) / step, 2)
+    if "tree_32_eager_ms" in out:
+        out["tree32_over_step"] = round(out["tree_32_eager_ms"] / step, 2)
+    print(name, json.dumps(out), flush=True)
+    del model, cache
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="qwen3.5-27b,qwen3-30b-a3b")
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    configs = model_configs()
+    result: dict[str, Any] = {
+        **provenance(device), "context": args.context, "copy_bandwidth_gbps": round(bandwidth / 1e9, 1),
+        "shapes": {name: (QWEN3_5_27B if name == "qwen3.5-27b" else QWEN3_30B_A3B) for name in args.models.split(",")},
+        "models": {},
+    }
+    for name in args.models.split(","):
+        result["models"][name] = study(name, configs[name], args.context, bandwidth, device)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
