@@ -6,8 +6,9 @@ For each model, in one run and on the same device:
   matrix for the hybrid; for the mixture the attention, routers, LM head and the 8 chosen experts of each layer),
   hence the weight-streaming floor of a one-token step (bytes / copy bandwidth);
 * our forward of 1 token (a decoding step) and of 16 (a linear verification) after `--context` cached positions,
-  eager (neither family is captured in CUDA graphs yet: the hybrid's recurrent state and the experts' routing take
-  host decisions), and a 32-node tree verification for the mixture (the hybrid verifies linearly);
+  eager (the engine captures neither family in CUDA graphs yet) and, where the forward can be captured, replayed
+  from a graph (`*_graph_ms`, else `*_graph_error`), and a 32-node tree verification for the mixture (the hybrid
+  verifies linearly);
 * for the hybrid, the rollback of a rejected draft: cropping the linear-attention state back into the last
   16-row forward (the kept rows replayed from the state before it) after 1 and after 8 accepted rows;
 * verification over step, and the break-even acceptance it implies: a speculative round pays when its committed
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from gpu_scale_study import (  # benchmarks/ is on the path
     DTYPE,
+    as_graph,
     copy_bandwidth,
     median_ms,
     randomise,
@@ -162,7 +164,12 @@ def study(name: str, config: ModelConfig, context: int, bandwidth: float, device
         shapes["tree_32"] = (32, True)
     with torch.inference_mode():
         for shape, (tokens, tree) in shapes.items():
-            out[f"{shape}_eager_ms"] = round(median_ms(forward(model, cache, context, tokens, tree), iters=10), 3)
+            run = forward(model, cache, context, tokens, tree)
+            out[f"{shape}_eager_ms"] = round(median_ms(run, iters=10), 3)
+            try:  # what a captured forward would take, where the forward can be captured at all
+                out[f"{shape}_graph_ms"] = round(median_ms(as_graph(run), iters=10), 3)
+            except Exception as exc:  # recorded, not fatal: the eager figures stand
+                out[f"{shape}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         if cache.recurrent is not None:
             for kept in (1, 8):
                 out[f"rollback_16_keep{kept}_ms"] = round(rollback(model, cache, context, 16, kept), 3)

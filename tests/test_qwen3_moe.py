@@ -28,7 +28,7 @@ from dflash.models.checkpoint import Checkpoint
 from dflash.models.gguf_loader import load_gguf
 from dflash.models.hf_loader import load_hf_dir
 from dflash.models.model import CausalLM
-from dflash.models.moe import SparseMoeBlock
+from dflash.models.moe import GROUPED_MM, SparseMoeBlock, StackedExperts
 from dflash.models.qwen3_moe import Qwen3MoeForCausalLM
 from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
@@ -346,3 +346,21 @@ def test_batched_core_gives_each_request_its_plain_greedy_tokens(monkeypatch: py
     """Plain, linear and DDTree requests decoding together (their rows share each expert's product) each give
     what plain decoding gives alone, with a mostly right drafter."""
     check_batched_core_equals_plain(monkeypatch, target(), _drafter(), CHUNK)
+
+
+@pytest.mark.skipif(GROUPED_MM is None, reason="this PyTorch has no grouped product")
+def test_grouped_experts_equal_the_per_expert_products() -> None:
+    """The GPU's grouped product (run here on the CPU in float32) gives the per-expert loop's mix: tokens sharing
+    experts, experts with no token, one token alone."""
+    torch.manual_seed(3)
+    experts = StackedExperts(EXPERTS, 32, 16, "silu")
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0.0, 0.2)
+        experts.down_proj.normal_(0.0, 0.2)
+    for tokens in (9, 1):
+        x = torch.randn(tokens, 32)
+        chosen = torch.rand(tokens, EXPERTS).topk(TOP_K, dim=-1).indices
+        chosen[:, 0] = torch.where(chosen[:, 1] == 1, 0, 1)  # experts 0 and 1 shared, others may get nothing
+        weights = torch.rand(tokens, TOP_K)
+        expected = experts(x, chosen, weights)  # the per-expert products on the CPU
+        torch.testing.assert_close(experts.grouped(x, chosen, weights), expected, rtol=1e-5, atol=1e-6)
