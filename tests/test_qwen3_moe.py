@@ -45,7 +45,7 @@ from tests.loading_helpers import (
     train_byte_level_tokenizer,
     write_gguf,
 )
-from tests.spec_helpers import one_torch_thread, run
+from tests.spec_helpers import one_torch_thread, random_prompts, run
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -364,3 +364,36 @@ def test_grouped_experts_equal_the_per_expert_products() -> None:
         weights = torch.rand(tokens, TOP_K)
         expected = experts(x, chosen, weights)  # the per-expert products on the CPU
         torch.testing.assert_close(experts.grouped(x, chosen, weights), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6"])
+def test_graphed_experts_give_the_eager_tokens_on_the_gpu(mode: str) -> None:
+    """bf16 on a GPU: the experts run through the grouped product (close to the float32 per-expert mix), the
+    target is capturable, and greedy generations replayed from CUDA graphs give the eager tokens."""
+    import copy
+
+    from dflash.fastpath.runner import attach_graph_runner
+    from dflash.generation.forwards import register_forwards
+    from tests.test_fastpath import generate
+
+    cuda = torch.device("cuda")
+    model = copy.deepcopy(target()).to(cuda, torch.bfloat16)
+    drafter = _drafter().to(cuda, torch.bfloat16)
+    assert model.capturable
+    experts = model.layers[0].mlp.experts
+    x = torch.randn(5, 64)
+    chosen = torch.rand(5, EXPERTS).topk(TOP_K, dim=-1).indices
+    weights = torch.rand(5, TOP_K)
+    expected = copy.deepcopy(target().layers[0].mlp.experts)(x, chosen, weights)  # float32, per expert, CPU
+    mixed = experts(x.to(cuda, torch.bfloat16), chosen.to(cuda), weights.to(cuda, torch.bfloat16))
+    torch.testing.assert_close(mixed.float().cpu(), expected, rtol=3e-2, atol=3e-2)
+    try:
+        prompts = random_prompts(2, model.config.vocab_size, seed=31, lengths=(9, 40))
+        eager = [generate(model, drafter, mode, p, 30) for p in prompts]
+        runner = attach_graph_runner(model, drafter, capacity=512)
+        graphed = [generate(model, drafter, mode, p, 30) for p in prompts]
+        assert graphed == eager and runner.served > 10
+    finally:
+        register_forwards(model, None)

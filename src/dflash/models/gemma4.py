@@ -183,7 +183,10 @@ class Gemma4ForCausalLM(CausalLM):
     mixed head sizes and shared K/V were never checked under capture)."""
 
     layer_class: ClassVar[type[nn.Module]] = Gemma4DecoderLayer
-    capturable: ClassVar[bool] = False
+
+    @property
+    def capturable(self) -> bool:
+        return False
 
     def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None) -> None:
         if tensor_parallel is not None and tensor_parallel.world > 1:

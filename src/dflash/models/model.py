@@ -55,8 +55,11 @@ class CausalLM(nn.Module):
     always describes the whole model."""
 
     layer_class: ClassVar[type[nn.Module]] = DecoderLayer
-    # Whether a forward's work is fixed by its shapes, so CUDA graphs can capture it (not so with host-side routing).
-    capturable: ClassVar[bool] = True
+    @property
+    def capturable(self) -> bool:
+        """Whether a forward's work is fixed by its shapes, so CUDA graphs can capture it (not so where the host
+        decides what runs, as per-expert products do)."""
+        return True
 
     def __init__(self, config: ModelConfig, tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()

@@ -24,6 +24,12 @@ from dflash.models.layers import GatedMLP, activation
 GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def grouped_experts(like: torch.Tensor) -> bool:
+    """Whether experts run through the grouped product for activations like `like`: on a GPU in 16-bit floats,
+    where PyTorch has it."""
+    return GROUPED_MM is not None and like.is_cuda and like.dtype in (torch.bfloat16, torch.float16)
+
+
 class StackedExperts(nn.Module):
     """Every expert's gated MLP, stacked: gate_up_proj [experts, 2 * width, hidden], down_proj [experts, hidden,
     width]."""
@@ -39,7 +45,7 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden]; chosen: [tokens, k] expert ids; weights: [tokens, k] routing weights in x's dtype
         -> [tokens, hidden], the routing-weighted sum of each token's experts."""
-        if GROUPED_MM is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        if grouped_experts(x):
             return self.grouped(x, chosen, weights)
         k = chosen.shape[1]
         out = torch.zeros_like(x)

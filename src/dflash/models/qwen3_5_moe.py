@@ -9,8 +9,6 @@ projection (`dflash.models.moe_weights`).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from dflash.models.moe_weights import fuse_shared_experts, join_gate_up, stack_expert_weights
@@ -18,9 +16,11 @@ from dflash.models.qwen3_5 import Qwen35ForCausalLM
 
 
 class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
-    """The expert loop decides on the host which experts run, so a forward cannot be captured as a CUDA graph."""
+    """Not captured in CUDA graphs: the engine runs hybrids eagerly (their recurrent state is not in its graphs)."""
 
-    capturable: ClassVar[bool] = False
+    @property
+    def capturable(self) -> bool:
+        return False
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Experts in any checkpoint form stacked with gate and up joined; the shared expert's gate and up joined

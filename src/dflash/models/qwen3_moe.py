@@ -12,7 +12,7 @@ from dflash.config import ModelConfig
 from dflash.kv.cache import AttentionBackend, CacheWriter
 from dflash.models.layers import Attention, AttentionMask, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM
-from dflash.models.moe import SparseMoeBlock
+from dflash.models.moe import SparseMoeBlock, grouped_experts
 from dflash.models.moe_weights import join_gate_up, stack_expert_weights
 
 
@@ -44,10 +44,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    """The expert loop decides on the host which experts run, so a forward cannot be captured as a CUDA graph."""
+    """Captured in CUDA graphs where its experts run through the grouped product (a GPU in 16-bit floats: no host
+    decision); elsewhere the per-expert products read their token counts on the host, which no graph can replay."""
 
     layer_class: ClassVar[type[nn.Module]] = Qwen3MoeDecoderLayer
-    capturable: ClassVar[bool] = False
+
+    @property
+    def capturable(self) -> bool:
+        return grouped_experts(self.embed_tokens.weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Experts in any checkpoint form (`dflash.models.moe_weights`); gate and up joined per expert."""
