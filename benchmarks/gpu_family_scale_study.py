@@ -6,9 +6,10 @@ For each model, in one run and on the same device:
   matrix for the hybrid; for the mixture the attention, routers, LM head and the 8 chosen experts of each layer),
   hence the weight-streaming floor of a one-token step (bytes / copy bandwidth);
 * our forward of 1 token (a decoding step) and of 16 (a linear verification) after `--context` cached positions,
-  eager (the engine captures neither family in CUDA graphs yet) and, where the forward can be captured, replayed
-  from a graph (`*_graph_ms`, else `*_graph_error`), and a 32-node tree verification for the mixture (the hybrid
-  verifies linearly);
+  eager, replayed from a graph of the whole forward where it can be captured (`*_graph_ms`, else
+  `*_graph_error`), and what the engine runs where it captures the model (`*_engine_ms`: its graph runner, with
+  the fused layers where the model takes them; the mixture on a GPU), and a 32-node tree verification for the
+  mixture (the hybrid verifies linearly);
 * for the hybrid, the rollback of a rejected draft: cropping the linear-attention state back into the last
   16-row forward (the kept rows replayed from the state before it) after 1 and after 8 accepted rows;
 * verification over step, and the break-even acceptance it implies: a speculative round pays when its committed
@@ -38,6 +39,7 @@ from gpu_scale_study import (  # benchmarks/ is on the path
 
 from dflash.bench.provenance import provenance
 from dflash.config import ModelConfig
+from dflash.fastpath.runner import MAX_GRAPH_ROWS, GraphRunner
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
@@ -132,6 +134,36 @@ def forward(model: CausalLM, cache: KVCache, context: int, tokens: int, tree: bo
     return run
 
 
+def engine_forward(runner: GraphRunner, context: int, tokens: int, tree: bool) -> Callable[[], object]:
+    """The engine's forward of `tokens` rows (`GraphRunner.target_forward`: the fused layers where the model takes
+    them, graphs captured on first use) over the runner's cache rewound to `context` random positions."""
+    cache = runner.lease_target_cache(context + MAX_GRAPH_ROWS)
+    assert cache is not None
+    device = runner.device
+    ids = torch.randint(0, runner.target.config.vocab_size, (1, tokens), device=device)
+    tree_mask, positions = None, None
+    if tree:
+        parents = tree_parents(tokens)
+        depth = [0] * tokens
+        visible = torch.zeros(tokens, tokens, dtype=torch.bool)
+        for node in range(tokens):
+            walk = node
+            while walk >= 0:
+                visible[node, walk] = True
+                walk = parents[walk]
+            depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
+        tree_mask = visible.to(device)
+        positions = (context + torch.tensor(depth, device=device))[None]
+
+    def run() -> object:
+        cache.length = context
+        out = runner.target_forward(ids, positions, cache, tree_mask, (), "all")
+        assert out is not None, "not a graph shape"
+        return out
+
+    return run
+
+
 def rollback(model: CausalLM, cache: KVCache, context: int, rows: int, kept: int) -> float:
     """Device ms of cropping the state back to `kept` of the last forward's `rows` rows (median of 20)."""
     recurrent = cache.recurrent
@@ -170,6 +202,15 @@ def study(name: str, config: ModelConfig, context: int, bandwidth: float, device
                 out[f"{shape}_graph_ms"] = round(median_ms(as_graph(run), iters=10), 3)
             except Exception as exc:  # recorded, not fatal: the eager figures stand
                 out[f"{shape}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        if model.capturable:  # what the engine runs: its graph runner (fused layers where the model takes them)
+            runner = GraphRunner(model, None, context + 2 * MAX_GRAPH_ROWS)
+            runner.target_storage.keys.normal_()
+            runner.target_storage.values.normal_()
+            runner.target_storage.positions[0, :context] = torch.arange(context, device=device)
+            out["engine_fused"] = runner.fused
+            for shape, (tokens, tree) in shapes.items():
+                out[f"{shape}_engine_ms"] = round(median_ms(engine_forward(runner, context, tokens, tree), iters=10), 3)
+            del runner
         if cache.recurrent is not None:
             for kept in (1, 8):
                 out[f"rollback_16_keep{kept}_ms"] = round(rollback(model, cache, context, 16, kept), 3)

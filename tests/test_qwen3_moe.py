@@ -368,10 +368,12 @@ def test_grouped_experts_equal_the_per_expert_products() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fused", [False, True], ids=["static", "fused"])
 @pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6"])
-def test_graphed_experts_give_the_eager_tokens_on_the_gpu(mode: str) -> None:
-    """bf16 on a GPU: the experts run through the grouped product (close to the float32 per-expert mix), the
-    target is capturable, and greedy generations replayed from CUDA graphs give the eager tokens."""
+def test_graphed_experts_give_the_eager_tokens_on_the_gpu(mode: str, fused: bool) -> None:
+    """On a GPU the experts run through the grouped product (float32: the per-expert products' values; bf16: close
+    to them), the target is capturable, and greedy generations replayed from CUDA graphs, through the static
+    forward or the fused layers, give the eager tokens (float32)."""
     import copy
 
     from dflash.fastpath.runner import attach_graph_runner
@@ -379,21 +381,24 @@ def test_graphed_experts_give_the_eager_tokens_on_the_gpu(mode: str) -> None:
     from tests.test_fastpath import generate
 
     cuda = torch.device("cuda")
-    model = copy.deepcopy(target()).to(cuda, torch.bfloat16)
-    drafter = _drafter().to(cuda, torch.bfloat16)
-    assert model.capturable
-    experts = model.layers[0].mlp.experts
+    model = copy.deepcopy(target()).to(cuda)
+    drafter = _drafter().to(cuda)
+    assert model.capturable and fused_layers.supports_fused_layers(model)
+    experts = target().layers[0].mlp.experts
     x = torch.randn(5, 64)
     chosen = torch.rand(5, EXPERTS).topk(TOP_K, dim=-1).indices
     weights = torch.rand(5, TOP_K)
-    expected = copy.deepcopy(target().layers[0].mlp.experts)(x, chosen, weights)  # float32, per expert, CPU
-    mixed = experts(x.to(cuda, torch.bfloat16), chosen.to(cuda), weights.to(cuda, torch.bfloat16))
+    expected = experts(x, chosen, weights)  # float32, per expert, CPU
+    on_gpu = model.layers[0].mlp.experts
+    torch.testing.assert_close(on_gpu(x.to(cuda), chosen.to(cuda), weights.to(cuda)).cpu(), expected)
+    half = copy.deepcopy(on_gpu).to(torch.bfloat16)
+    mixed = half(x.to(cuda, torch.bfloat16), chosen.to(cuda), weights.to(cuda, torch.bfloat16))
     torch.testing.assert_close(mixed.float().cpu(), expected, rtol=3e-2, atol=3e-2)
     try:
         prompts = random_prompts(2, model.config.vocab_size, seed=31, lengths=(9, 40))
         eager = [generate(model, drafter, mode, p, 30) for p in prompts]
-        runner = attach_graph_runner(model, drafter, capacity=512)
+        runner = attach_graph_runner(model, drafter, capacity=512, fused=fused)
         graphed = [generate(model, drafter, mode, p, 30) for p in prompts]
-        assert graphed == eager and runner.served > 10
+        assert runner.fused == fused and graphed == eager and runner.served > 10
     finally:
         register_forwards(model, None)

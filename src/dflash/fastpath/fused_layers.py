@@ -1,7 +1,8 @@
 """The static target forward with fused element-wise kernels (`dflash.kernels.triton_decode`).
 
 Same inputs, outputs and cache writes as `static_target_forward`'s layer loop, for the pre-norm families whose
-layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3). Per layer: add+RMSNorm, QKV product,
+layers are plain `DecoderLayer`s with SiLU MLPs (Llama, SmolLM2, Qwen3), and Qwen3-MoE's where its experts run
+through the grouped product (the mixture is the block's own forward). Per layer: add+RMSNorm, QKV product,
 q/k norm + rotary + cache store, attention (SDPA for one row, the split-key program for a few), output product,
 add+RMSNorm, gate/up product, SiLU*up, down product. The products (and the LM head, `fused_logits`) go through
 `dflash.kernels.triton_skinny.fast_linear`: the skinny program for up to 64 rows, cuBLAS beyond.
@@ -29,8 +30,10 @@ from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_
 from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
 from dflash.models.int8_linear import Int8Linear
-from dflash.models.layers import DecoderLayer, RMSNorm
+from dflash.models.layers import DecoderLayer, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM
+from dflash.models.moe import SparseMoeBlock
+from dflash.models.qwen3_moe import Qwen3MoeDecoderLayer
 from dflash.parallel.collectives import PartialSums
 from dflash.parallel.layers import RowParallelLinear, VocabParallelHead
 
@@ -46,17 +49,25 @@ def split_key_attention(rows: int) -> bool:
 
 
 def supports_fused_layers(model: CausalLM) -> bool:
+    """Dense pre-norm layers (`DecoderLayer`), or Qwen3-MoE's (the same attention; a `SparseMoeBlock` MLP run as
+    it is, through the grouped product, so only where the model is capturable)."""
     config = model.config
     return (
         triton_available()
-        and all(type(layer) is DecoderLayer for layer in model.layers)
-        and not config.is_moe  # experts have no fused kernels (their layers are not `DecoderLayer`s either)
+        and all(type(layer) is DecoderLayer or _fusable_expert_layer(model, layer) for layer in model.layers)
         and config.hidden_act == "silu"
         and not config.norm_adds_one
         and not any(model.sliding)
         and config.head_dim % 2 == 0
         and config.head_dim & (config.head_dim - 1) == 0
         and not config.final_logit_softcapping
+    )
+
+
+def _fusable_expert_layer(model: CausalLM, layer: nn.Module) -> bool:
+    return (
+        type(layer) is Qwen3MoeDecoderLayer and model.capturable
+        and (type(layer.mlp) is SparseMoeBlock or type(layer.mlp) is GatedMLP)
     )
 
 
@@ -169,6 +180,8 @@ def attention_residual_and_mlp(layer: Any, x: torch.Tensor, attended: Owed) -> t
     """The rest of a layer after attention: x + attended, its RMSNorm and the MLP -> (the residual stream, the MLP
     output not yet added: the next add+RMSNorm adds it)."""
     h, x = add_norm(x, attended, layer.post_attention_layernorm, ATTENTION_REGION)
+    if isinstance(layer.mlp, SparseMoeBlock):  # routed experts: the block's own forward (grouped products)
+        return x, Owed(layer.mlp(h))
     return x, last_product(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
 
 
