@@ -5,7 +5,8 @@ Routing follows transformers' Qwen3-MoE exactly: router logits -> softmax in flo
 rescaled to sum to 1 -> cast back to the hidden dtype. Experts are stored stacked, [experts, out, in] per
 projection (gate and up joined as in the dense MLP), so that a grouped GPU kernel can take them as they are.
 The eager compute groups tokens by expert and runs only the experts that received tokens: a decode step of one
-row touches k experts' weights, not all of them. On a GPU the grouped rows go through PyTorch's grouped product (`grouped_mm`: two launches per layer for all experts, no host sync; empty groups cost nothing);
+row touches k experts' weights, not all of them. On a GPU in 16-bit floats the grouped rows go through PyTorch's
+grouped product (`grouped_mm`: two launches per layer for all experts, no host sync; empty groups cost nothing);
 elsewhere one product per expert that received tokens, the count per expert read on the host.
 """
 
@@ -24,9 +25,9 @@ GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", Non
 
 
 def grouped_experts(like: torch.Tensor) -> bool:
-    """Whether experts run through the grouped product for activations like `like`: on a GPU, where PyTorch has it
-    (16-bit floats through its grouped kernels; float32 too, exactly the per-expert products on an H200)."""
-    return GROUPED_MM is not None and like.is_cuda and like.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    """Whether experts run through the grouped product for activations like `like`: on a GPU in 16-bit floats,
+    where PyTorch has it. (Its float32 form on CUDA copies between host and device, which no graph can replay.)"""
+    return GROUPED_MM is not None and like.is_cuda and like.dtype in (torch.bfloat16, torch.float16)
 
 
 class StackedExperts(nn.Module):

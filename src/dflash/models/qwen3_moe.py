@@ -44,8 +44,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    """Captured in CUDA graphs where its experts run through the grouped product (on a GPU: no host decision);
-    elsewhere the per-expert products read their token counts on the host, which no graph can replay."""
+    """Captured in CUDA graphs where its experts run through the grouped product (a GPU in 16-bit floats: no host
+    decision); elsewhere the per-expert products read their token counts on the host, which no graph can replay."""
 
     layer_class: ClassVar[type[nn.Module]] = Qwen3MoeDecoderLayer
 
