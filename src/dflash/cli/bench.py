@@ -1,5 +1,5 @@
-"""`dflash bench`: acceptance length on prompt sets, decoding speed against baselines, and the prefix cache
-under agent loops (agent-loop, agent-session, prefix-repro)."""
+"""`dflash bench`: acceptance length on prompt sets, decoding speed against baselines, the prefix cache under agent
+loops (agent-loop, agent-session, prefix-repro), and random-weight GGUF files at real shapes (make-gguf)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ def register(commands: Any) -> None:
     concurrency.add_argument("--out", type=Path, default=None)
     concurrency.set_defaults(run=run_concurrency)
 
+    make_gguf = kinds.add_parser(
+        "make-gguf", help="write a random-weight GGUF at a real model shape (for speed comparisons on one file)"
+    )
+    make_gguf.add_argument("--shape", default="qwen3-8b", help="qwen3-8b, qwen3-32b, qwen3-0.6b or tiny")
+    make_gguf.add_argument("--quant", default="q4_k_m", help="q4_k_m (llama.cpp's mix) or q8_0")
+    make_gguf.add_argument("--seed", type=int, default=0)
+    make_gguf.add_argument("--out", type=Path, required=True)
+    make_gguf.set_defaults(run=run_make_gguf)
+
     register_agent_commands(kinds)
 
 
@@ -116,4 +125,12 @@ def run_concurrency(args: argparse.Namespace) -> int:
         requests=args.requests, sequential=args.sequential, warmup=args.warmup,
     )
     _emit(result, args, format_concurrency_table(result))
+    return 0
+
+
+def run_make_gguf(args: argparse.Namespace) -> int:
+    from dflash.bench.random_gguf import write_random_gguf
+
+    path = write_random_gguf(args.out, args.shape, args.quant, seed=args.seed)
+    print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB)")
     return 0

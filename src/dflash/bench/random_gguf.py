@@ -1,0 +1,194 @@
+"""Random-weight GGUF files at real model shapes, for speed comparisons on the same file (`dflash bench make-gguf`).
+
+Speed depends on the shapes and the block formats, not on the values, so the blocks are random bytes with their
+scales set so that the weights come out N(0, ~0.02)-like: no float model is made or quantized (the `gguf` package
+cannot quantize the K formats anyway), and a 32B file is written in a minute, one tensor at a time. The layout
+follows llama.cpp's conventions (tensor names, metadata keys, `qwen3` architecture), with a synthetic byte-level
+vocabulary of the shape's size, so llama.cpp and dflash both load it.
+
+Quant mixes: `q8_0` (every matrix Q8_0) and `q4_k_m` (llama.cpp's Q4_K_M rule: Q4_K, with Q6_K for the output
+matrix and for attn_v / ffn_down in the layers that get more bits: the first and last eighth, and every third in
+between). Norms stay float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
+
+Q8_0, Q4_K, Q6_K, F32 = (
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
+)
+QUANT_MIXES = ("q8_0", "q4_k_m")
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Qwen3-family decoder's sizes."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False
+
+
+SHAPES = {
+    "qwen3-8b": Shape(36, 4096, 12288, 32, 8, 128, 151936),
+    "qwen3-32b": Shape(64, 5120, 25600, 64, 8, 128, 151936),
+    "qwen3-0.6b": Shape(28, 1024, 3072, 16, 8, 128, 151936, tied=True),
+    "tiny": Shape(2, 256, 512, 4, 2, 64, 1024),  # for tests
+}
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third one in between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def layer_tensors(shape: Shape, layer: int, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
+    """(GGUF name, (rows, columns), format) of one layer's matrices and norms."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    base = Q8_0 if mix == "q8_0" else Q4_K
+    rich = Q8_0 if mix == "q8_0" else (Q6_K if more_bits(layer, shape.layers) else Q4_K)
+    p = f"blk.{layer}."
+    return [
+        (p + "attn_norm.weight", (1, h), F32),
+        (p + "attn_q.weight", (q, h), base),
+        (p + "attn_k.weight", (kv, h), base),
+        (p + "attn_v.weight", (kv, h), rich),
+        (p + "attn_output.weight", (h, q), base),
+        (p + "attn_q_norm.weight", (1, shape.head_dim), F32),
+        (p + "attn_k_norm.weight", (1, shape.head_dim), F32),
+        (p + "ffn_norm.weight", (1, h), F32),
+        (p + "ffn_gate.weight", (shape.intermediate, h), base),
+        (p + "ffn_up.weight", (shape.intermediate, h), base),
+        (p + "ffn_down.weight", (h, shape.intermediate), rich),
+    ]
+
+
+def all_tensors(shape: Shape, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
+    """Every tensor of the file, in llama.cpp's order."""
+    embedding = Q8_0 if mix == "q8_0" else Q4_K
+    tensors = [("token_embd.weight", (shape.vocab, shape.hidden), embedding)]
+    for layer in range(shape.layers):
+        tensors += layer_tensors(shape, layer, mix)
+    tensors.append(("output_norm.weight", (1, shape.hidden), F32))
+    if not shape.tied:
+        tensors.append(("output.weight", (shape.vocab, shape.hidden), Q8_0 if mix == "q8_0" else Q6_K))
+    return tensors
+
+
+def random_blocks(rows: int, columns: int, kind: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """[rows, bytes per row] uint8: random blocks of `kind` whose weights have a spread of about 0.02."""
+    block_values, block_bytes = GGML_QUANT_SIZES[kind]
+    if columns % block_values:
+        raise ValueError(f"{columns} columns do not split into {kind.name} blocks of {block_values}")
+    blocks = rows * (columns // block_values)
+    raw = rng.integers(0, 256, size=(blocks, block_bytes), dtype=np.uint8)
+    _SCALES[kind](raw, rng)
+    return raw.reshape(rows, -1)
+
+
+def _fp16_bytes(values: np.ndarray | float) -> np.ndarray:
+    """[n] floats -> [n, 2] uint8, little-endian float16."""
+    return np.asarray(values).astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _q8_0_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
+    # d (fp16) then 32 int8: random int8 have a spread of ~74, so d ~ 0.02 / 74
+    raw[:, 0:2] = _fp16_bytes(rng.uniform(2.0e-4, 3.4e-4, raw.shape[0]))
+
+
+def _q4_k_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
+    # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: w = d * sc * q - dmin * m, q in 0..15
+    # with random 6-bit sc (~32) and q (spread ~4.6): d ~ 0.02 / (32 * 4.6); dmin * m ~ d * sc * 7.5 centres them
+    d = rng.uniform(1.0e-4, 1.6e-4, raw.shape[0])
+    raw[:, 0:2] = _fp16_bytes(d)
+    raw[:, 2:4] = _fp16_bytes(d * 7.5)
+
+
+def _q6_k_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
+    # 128 bytes low bits, 64 high bits, 16 int8 scales, then d (fp16): w = d * sc * (q - 32), q in 0..63 (spread
+    # ~18.5); scales kept in 16..63 so that d ~ 0.02 / (40 * 18.5)
+    raw[:, 192:208] = rng.integers(16, 64, size=(raw.shape[0], 16), dtype=np.uint8)
+    raw[:, 208:210] = _fp16_bytes(rng.uniform(2.0e-5, 3.4e-5, raw.shape[0]))
+
+
+_SCALES: dict[GGMLQuantizationType, Callable[[np.ndarray, np.random.Generator], None]] = {
+    Q8_0: _q8_0_scales, Q4_K: _q4_k_scales, Q6_K: _q6_k_scales,
+}
+
+
+def _tensor_data(
+    shape: tuple[int, int], kind: GGMLQuantizationType, rng: np.random.Generator
+) -> np.ndarray:
+    rows, columns = shape
+    if kind == F32:  # norms: around 1
+        return (1.0 + 0.1 * rng.standard_normal(columns)).astype(np.float32)
+    return random_blocks(rows, columns, kind, rng)
+
+
+def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> Path:
+    """Write the random model `shape_name` in quant mix `mix` to `path`, tensor by tensor."""
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+    if mix not in QUANT_MIXES:
+        raise ValueError(f"unknown quant mix {mix!r}; choose one of {', '.join(QUANT_MIXES)}")
+    shape = SHAPES[shape_name]
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), "qwen3")
+    writer.add_name(f"random {shape_name} {mix}")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(40960)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if mix == "q8_0" else LlamaFileType.MOSTLY_Q4_K_M)
+    _add_vocabulary(writer, shape.vocab)
+    tensors = all_tensors(shape, mix)
+    for name, dims, kind in tensors:
+        rows, columns = dims
+        block_values, block_bytes = GGML_QUANT_SIZES[kind]
+        nbytes = rows * columns // block_values * block_bytes
+        if kind == F32:
+            writer.add_tensor_info(name, (columns,), np.dtype(np.float32), nbytes)
+        else:
+            writer.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, dims, kind in tensors:
+        writer.write_tensor_data(_tensor_data(dims, kind, rng))
+    writer.close()
+    return path
+
+
+def _add_vocabulary(writer: GGUFWriter, size: int) -> None:
+    """A byte-level BPE vocabulary of `size` entries: the 256 byte symbols, one merged pair (loaders want merges),
+    filler tokens, the chat specials last (random weights: only the ids matter)."""
+    alphabet = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + [chr(c) for c in range(174, 256)]
+    alphabet += [chr(256 + i) for i in range(256 - len(alphabet))]
+    merged = alphabet[0] + alphabet[1]
+    fillers = [f"<t{i}>" for i in range(size - len(alphabet) - 1 - len(SPECIALS))]
+    tokens = [*alphabet, merged, *fillers, *SPECIALS]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (size - len(SPECIALS)) + [3] * len(SPECIALS))
+    writer.add_token_merges([f"{alphabet[0]} {alphabet[1]}"])
+    writer.add_bos_token_id(size - 2)
+    writer.add_eos_token_id(size - 3)
