@@ -88,24 +88,109 @@ def _engine(target: CausalLM, tmp_path: Path, options: EngineOptions) -> Engine:
     return Engine(target, checkpoint.tokenizer, _drafter(), options)
 
 
-def test_engine_falls_back_for_hybrid_models(
+def test_engine_verifies_trees_one_request_at_a_time(
     target: CausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """DDTree becomes linear verification (logged); with max batch 1 (the single-request loops) every strategy a
-    request asks for gives the plain tokens."""
+    """With max batch 1 (the single-request loops) DDTree verifies trees on a hybrid, eagerly (logged); every
+    strategy a request asks for gives the plain tokens. In the batched step DDTree becomes linear (logged)."""
     with caplog.at_level(logging.INFO, logger="dflash.engine"):
         engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1))
     options = engine.options
-    assert (options.spec, options.max_batch, options.cuda_graphs) == ("linear", 1, False)
-    assert not engine.batched
-    assert "verifying drafts linearly" in caplog.text
+    assert (options.spec, options.max_batch, options.cuda_graphs) == ("ddtree", 1, False)
+    assert not engine.batched and "eager forwards" in caplog.text
+    assert "verifying drafts linearly" not in caplog.text
     prompt = random_prompts(1, VOCAB, seed=9, lengths=(17,))[0]
     results = {
         spec: engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=20, ignore_eos=True), spec=spec)
         for spec in ("none", "linear", "ddtree")
     }
     assert results["ddtree"].token_ids == results["linear"].token_ids == results["none"].token_ids
-    assert results["ddtree"].stats.rounds > 0  # it did speculate (linearly)
+    assert results["ddtree"].stats.rounds > 0
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash.engine"):
+        batched = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=4))
+    assert batched.options.spec == "linear" and "verifying drafts linearly" in caplog.text
+    batched.close()
+
+
+def _tree_inputs(parents: list[int], start: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random tokens [1, n], positions [1, n] (start + depth) and the ancestor mask [n, n] of a tree."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    depth = [0] * n
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] |= mask[parent]
+            depth[node] = depth[parent] + 1
+    tokens = torch.randint(0, VOCAB - 1, (1, n), generator=torch.Generator().manual_seed(seed))
+    return tokens, (start + torch.tensor(depth))[None], mask
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@torch.no_grad()
+def test_tree_rows_equal_linear_passes_along_their_paths(target: CausalLM) -> None:
+    """Every row of a tree verification (each from its parent's recurrent state and convolution window) gives the
+    logits of a linear pass along its own path; keeping a path that is not a prefix of the rows (`compact`)
+    leaves the cache where a linear pass along it would, and the next step agrees."""
+    prompt = torch.tensor([random_prompts(1, VOCAB, seed=21, lengths=(19,))[0]])
+    parents = [-1, 0, 0, 1, 2, 2, 5, 3]  # branches at rows 0 and 2; paths deeper than the convolution's window
+    tokens, positions, mask = _tree_inputs(parents, prompt.shape[1], seed=3)
+
+    def prefilled() -> Any:
+        cache = target.new_cache(64)
+        target(prompt, cache=cache)
+        return cache
+
+    cache = prefilled()
+    tree = target(tokens, positions, cache, tree_mask=mask).logits[0]  # [rows, vocab]
+    for node in range(len(parents)):
+        path = _path(parents, node)
+        linear_cache = prefilled()
+        linear = target(tokens[:, path], cache=linear_cache).logits[0, -1]
+        torch.testing.assert_close(tree[node], linear, rtol=1e-5, atol=1e-5, msg=f"row {node}")
+    kept = _path(parents, 6)  # [0, 2, 5, 6]: not the first rows
+    cache.compact(prompt.shape[1], torch.tensor(kept) + prompt.shape[1])
+    linear_cache = prefilled()
+    target(tokens[:, kept], cache=linear_cache)
+    assert cache.length == linear_cache.length == prompt.shape[1] + len(kept)
+    following = torch.tensor([[7]])
+    torch.testing.assert_close(
+        target(following, cache=cache).logits, target(following, cache=linear_cache).logits, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_tree_verification_rolls_back_only_to_a_path(target: CausalLM) -> None:
+    """After a tree forward the state must be cut to one of its paths: a kept row list that skips the tree's
+    order, or a forward that did not start where the cache says, is an error, not a silent wrong state."""
+    prompt = torch.tensor([random_prompts(1, VOCAB, seed=22, lengths=(9,))[0]])
+    cache = target.new_cache(32)
+    with torch.no_grad():
+        target(prompt, cache=cache)
+        tokens, positions, mask = _tree_inputs([-1, 0, 0], 9, seed=4)
+        target(tokens, positions, cache, tree_mask=mask)
+    recurrent = cache.recurrent
+    assert recurrent is not None
+    with pytest.raises(GenerationError, match="cannot keep"):
+        recurrent.keep(9, [11, 10])
+    with pytest.raises(GenerationError, match="cannot keep"):
+        recurrent.keep(8, [9, 10])
+    with pytest.raises(GenerationError, match="no attention mask"):
+        target(tokens, positions, cache, attn_mask=torch.ones(1, 3, 12, dtype=torch.bool))
+
+
+def test_ddtree_greedy_equals_plain_greedy_on_the_hybrid(target: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDTree with a random drafter and with a mostly right one (trees whose accepted paths run through
+    non-first children, so the cache keeps paths that are not a prefix of the rows): the plain greedy tokens."""
+    from tests.family_checks import check_linear_and_ddtree_equal_plain
+
+    check_linear_and_ddtree_equal_plain(monkeypatch, target, _drafter(), 16)
 
 
 def test_fast_paths_decline_hybrid_models(target: CausalLM) -> None:

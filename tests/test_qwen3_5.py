@@ -194,8 +194,8 @@ def test_crop_before_last_forward_is_refused(pair: tuple[Any, CausalLM]) -> None
     ours(ids[:, 30:34], cache=cache)
     with pytest.raises(GenerationError, match="roll back only to 30"):
         cache.crop(29)
-    with pytest.raises(GenerationError, match="tree verification"):
-        cache.compact(30, torch.tensor([31, 33]))
+    with pytest.raises(GenerationError, match="cannot keep"):  # a path of the last forward's rows only
+        cache.compact(30, torch.tensor([29, 31]))
     cache.crop(0)  # back to empty: the state starts over
     assert cache.recurrent is not None and cache.recurrent.length == 0
     torch.testing.assert_close(ours(ids[:, :5], cache=cache).logits, ours(ids[:, :5]).logits, atol=1e-6, rtol=0)
@@ -204,8 +204,10 @@ def test_crop_before_last_forward_is_refused(pair: tuple[Any, CausalLM]) -> None
 def test_masks_and_foreign_caches_are_refused(pair: tuple[Any, CausalLM]) -> None:
     _, ours = pair
     ids = _prompt(4)
-    with pytest.raises(GenerationError, match="no tree or attention mask"):
-        ours(ids, tree_mask=torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(GenerationError, match="no attention mask"):
+        ours(ids, attn_mask=torch.ones(1, 4, 4, dtype=torch.bool))
+    with pytest.raises(GenerationError, match="tree verification of a hybrid model needs its cache"):
+        ours(ids, tree_mask=torch.ones(4, 4, dtype=torch.bool).tril())
     from dflash.kv.cache import KVCache
 
     with pytest.raises(GenerationError, match="recurrent state"):

@@ -192,12 +192,14 @@ def test_batched_core_gives_each_request_its_plain_greedy_tokens(
 
 
 def test_guards_of_both_families_apply(pair: tuple[Any, CausalLM], folder: Path) -> None:
-    """No CUDA graphs (the expert loop decides on the host), no DDTree, no tensor parallelism, dense weights."""
+    """No CUDA graphs (hybrids run eagerly), no DDTree in the batched step, no tensor parallelism, dense weights."""
     _, ours = pair
     assert not ours.capturable and ours.config.is_moe and ours.config.is_hybrid
-    options = resolve_options(EngineOptions(spec="ddtree"), device=torch.device("cuda"), has_drafter=True,
-                              tensor_parallel=False, capturable=ours.capturable, hybrid=ours.config.is_hybrid)
-    assert not options.cuda_graphs and options.spec == "linear"
+    for batch, spec in ((1, "ddtree"), (4, "linear")):
+        options = resolve_options(EngineOptions(spec="ddtree", max_batch=batch), device=torch.device("cuda"),
+                                  has_drafter=True, tensor_parallel=False, capturable=ours.capturable,
+                                  hybrid=ours.config.is_hybrid)
+        assert not options.cuda_graphs and options.spec == spec
     with pytest.raises(ModelLoadError, match="not split"):
         shard_config(ours.config, 2)
     assert choose_weights("auto", folder, torch.device("cpu"), torch.float32).kind == "dense"

@@ -168,8 +168,8 @@ def test_guards_of_both_families_apply(pair: tuple[Any, CausalLM]) -> None:
     """Hybrid and mixture of experts at once: no CUDA graphs, no tensor parallelism."""
     _, ours = pair
     assert not ours.capturable and ours.config.is_moe and ours.config.is_hybrid
-    options = resolve_options(EngineOptions(), device=torch.device("cuda"), has_drafter=True, tensor_parallel=False,
-                              capturable=ours.capturable, hybrid=ours.config.is_hybrid)
-    assert not options.cuda_graphs and options.spec == "linear"
+    options = resolve_options(EngineOptions(max_batch=4), device=torch.device("cuda"), has_drafter=True,
+                              tensor_parallel=False, capturable=ours.capturable, hybrid=ours.config.is_hybrid)
+    assert not options.cuda_graphs and options.spec == "linear"  # the batched step verifies a hybrid linearly
     with pytest.raises(ModelLoadError, match="tensor-parallel"):
         shard_config(ours.config, 2)

@@ -149,9 +149,9 @@ class KVCache:
 
         Used after tree verification: the accepted path's rows become contiguous after the committed prefix.
         """
-        if self.recurrent is not None:
-            raise GenerationError("tree verification cannot keep a path of a linear-attention state")
         count = int(keep_slots.numel())
+        if self.recurrent is not None:  # the path's rows replayed into the linear-attention state
+            self.recurrent.keep(start, [int(slot) for slot in keep_slots.tolist()])
         if count:
             dest = slice(start, start + count)
             self.keys[:, :, :, dest] = self.keys[:, :, :, keep_slots]

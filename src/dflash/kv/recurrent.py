@@ -5,7 +5,9 @@ convolution (the window) and the delta rule's state matrix per value head. `KVCa
 when the model has such layers, so every loop that passes a cache carries them without new arguments.
 
 Speculative decoding runs a block of draft rows and then crops the cache to the accepted length. K/V slots past
-that length are simply ignored, but a recurrent state has already absorbed every row. So each write keeps the
+that length are simply ignored, but a recurrent state has already absorbed every row. A tree verification (DDTree)
+runs its rows each from its parent's state (`tree_parents`, set for that forward) and keeps nothing of them: the
+accepted path is replayed afterwards (`keep`, what `KVCache.compact` calls). So each write keeps the
 state from before the forward (`base`) and, for short forwards, what each row fed the state (`DeltaRows`); a crop
 inside the last forward replays the kept rows from `base` with the token-by-token rule, which gives the state after
 exactly those rows, the convolution window included. A long forward (a prefill chunk) keeps no rows, and cropping
@@ -88,6 +90,9 @@ class RecurrentStates:
         self._base_length = 0  # positions before the last forward
         self.checkpoint_every = 0  # when > 0, `advance` keeps a snapshot at every multiple of it in `checkpoints`
         self.checkpoints: dict[int, RecurrentSnapshot] = {}
+        # during a tree verification's forward: each new row's parent among them (-1: the committed prefix)
+        self.tree_parents: list[int] | None = None
+        self._tree_pending = False  # the last forward was a tree: its rows must be cropped to a path or kept
 
     def _empty_window(self) -> torch.Tensor:
         s = self.shape
@@ -108,6 +113,7 @@ class RecurrentStates:
         projections (a prefill chunk, or every request of a packed batch) alive."""
         self._base_windows[slot], self._base_states[slot] = self.windows[slot], self.states[slot]
         self.windows[slot], self.states[slot] = window.clone(), state
+        self._tree_pending = self.tree_parents is not None
         keep = rows.k.shape[2] <= ROLLBACK_MAX_ROWS
         self._rows[slot] = DeltaRows(rows.conv_inputs.clone(), rows.k, rows.v, rows.g, rows.beta) if keep else None
 
@@ -130,36 +136,51 @@ class RecurrentStates:
         self._base_windows, self._base_states = list(self.windows), list(self.states)
         self._rows = [None] * len(self.windows)
         self.length = self._base_length = length
+        self._tree_pending = False
 
     def crop(self, length: int) -> None:
-        """Keep the states after the first `length` positions: a prefix of the last forward, or nothing at all."""
-        if length == self.length:
+        """Keep the states after the first `length` positions: a prefix of the last forward, or nothing at all
+        (after a tree forward, that prefix must be a path of the tree: its first rows, each the next's parent)."""
+        if length == self.length and not self._tree_pending:
             return
         if length == 0:
             self.reset()
             return
-        if not self._base_length <= length < self.length:
+        if not self._base_length <= length <= self.length:
             raise GenerationError(
                 f"linear-attention state covers {self.length} positions and can roll back only to "
                 f"{self._base_length} .. {self.length}, not {length}"
             )
-        keep = length - self._base_length
+        self._replay(list(range(length - self._base_length)))
+
+    def keep(self, start: int, positions: list[int]) -> None:
+        """Keep the states after the rows at `positions` (ascending, of the last forward, which began at `start`:
+        a root-to-leaf path of a tree verification), as if the forward had taken those rows alone."""
+        rows = [position - start for position in positions]
+        count = self.length - self._base_length
+        if start != self._base_length or any(not 0 <= row < count for row in rows) or rows != sorted(set(rows)):
+            raise GenerationError(
+                f"cannot keep positions {positions} of the last forward ({count} rows from {self._base_length})"
+            )
+        self._replay(rows)
+
+    def _replay(self, rows: list[int]) -> None:
+        """The states after the last forward's `rows` alone, replayed from the states before it."""
         kernel = self.shape.conv_kernel
-        for slot, rows in enumerate(self._rows):
-            if rows is None:
+        index = torch.tensor(rows, dtype=torch.long)
+        for slot, kept in enumerate(self._rows):
+            if kept is None:
                 raise GenerationError(f"the last forward was too long to roll back ({self.length - self._base_length} rows)")
-            window = torch.cat((self._base_windows[slot], rows.conv_inputs[:, :keep]), dim=1)[:, -(kernel - 1) :]
-            part = slice(0, keep)
-            state = delta_rule_state(
-                rows.k[:, :, part], rows.v[:, :, part], rows.g[:, :, part], rows.beta[:, :, part],
-                self._base_states[slot],
+            picked = DeltaRows(
+                kept.conv_inputs[:, index.to(kept.conv_inputs.device)], *(
+                    t[:, :, index.to(t.device)] for t in (kept.k, kept.v, kept.g, kept.beta)
+                ),
             )
-            self.windows[slot], self.states[slot] = window, state
-            self._rows[slot] = DeltaRows(
-                rows.conv_inputs[:, :keep], rows.k[:, :, part], rows.v[:, :, part], rows.g[:, :, part],
-                rows.beta[:, :, part],
-            )
-        self.length = length
+            window = torch.cat((self._base_windows[slot], picked.conv_inputs), dim=1)[:, -(kernel - 1) :]
+            state = delta_rule_state(picked.k, picked.v, picked.g, picked.beta, self._base_states[slot])
+            self.windows[slot], self.states[slot], self._rows[slot] = window, state, picked
+        self.length = self._base_length + len(rows)
+        self._tree_pending = False
 
     def reset(self) -> None:
         """Back to an empty sequence."""
@@ -170,3 +191,4 @@ class RecurrentStates:
         self._rows = [None] * count
         self.checkpoints = {}
         self.length = self._base_length = 0
+        self._tree_pending = False

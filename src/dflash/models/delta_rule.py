@@ -10,6 +10,7 @@ space), a write strength beta_t in (0, 1), an L2-normalised key k_t and a scaled
 
 `recurrent_delta_rule` runs this token by token: cheap for a few rows (decode steps, verification blocks) and the
 form the cache replays when speculative decoding keeps only part of a block (`dflash.kv.recurrent`).
+`tree_delta_rule` runs the rows of a verification tree, each from its parent's state.
 `chunked_delta_rule` gives the same result for long prefills with matrix products: within a chunk of C tokens the
 writes u solve a unit lower-triangular system (I + L) U = beta V - beta exp(G) K S_0, where
 L_ij = beta_i exp(G_i - G_j) k_i.k_j for j < i and G is the cumulative decay inside the chunk; outputs and the
@@ -20,6 +21,8 @@ value_dim]; g, beta [batch, heads, seq]; state [batch, heads, key_dim, value_dim
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -48,6 +51,25 @@ def delta_rule_state(
     for t in range(k.shape[2]):
         state = _step(state, k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
     return state
+
+
+def tree_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    parents: Sequence[int],
+) -> torch.Tensor:
+    """Rows of a tree (`parents[t]` < t, -1 for a child of the committed prefix): each row's state is its parent's
+    advanced by the row, with the steps a linear pass along its path would take -> outputs [batch, heads, rows,
+    value_dim]. The rows' own states are not kept: the cache replays the accepted path afterwards."""
+    batch, heads, _, value_dim = v.shape
+    states: list[torch.Tensor] = []
+    outputs = [v.new_zeros(batch, heads, 0, value_dim)]
+    for t, parent in enumerate(parents):
+        if not -1 <= parent < t:
+            raise ValueError(f"tree row {t} has parent {parent}: parents must come first")
+        after = _step(state if parent < 0 else states[parent], k[:, :, t], v[:, :, t], g[:, :, t], beta[:, :, t])
+        states.append(after)
+        outputs.append(torch.einsum("bhkv,bhk->bhv", after, q[:, :, t])[:, :, None])
+    return torch.cat(outputs, dim=2)
 
 
 def _step(

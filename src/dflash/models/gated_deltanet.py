@@ -5,7 +5,9 @@ Per token: project to q, k, v (one matrix), run them through a causal depthwise 
 g = -exp(A_log) * softplus(a + dt_bias) and a write strength beta = sigmoid(b). The read-out of each value head is
 RMS-normalised, gated by SiLU(z) and projected back to the hidden size.
 
-The past lives in a `RecurrentStates` (convolution window plus state matrix per head), indexed by this layer's
+A tree verification (the state's `tree_parents` set) convolves and updates each row from its parent's path
+instead of the row before it. The past lives in a `RecurrentStates` (convolution window plus state matrix per
+head), indexed by this layer's
 position among the linear layers (`slot`): the `KVCache`'s of a single sequence, or one per request of a packed
 batch (the batched core's attention backend lists them with their rows). Parameter names follow transformers'
 checkpoints.
@@ -23,7 +25,12 @@ from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import GenerationError
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.kv.recurrent import DeltaRows, RecurrentShape, RecurrentStates
-from dflash.models.delta_rule import RECURRENT_MAX_ROWS, chunked_delta_rule, recurrent_delta_rule
+from dflash.models.delta_rule import (
+    RECURRENT_MAX_ROWS,
+    chunked_delta_rule,
+    recurrent_delta_rule,
+    tree_delta_rule,
+)
 
 
 def recurrent_shape(config: ModelConfig) -> RecurrentShape:
@@ -129,7 +136,11 @@ class GatedDeltaNet(nn.Module):
             size = (batch, self.value_heads, self.key_dim, self.value_dim)
             state = torch.zeros(size, dtype=torch.float32, device=conv_inputs.device)
         extended = torch.cat((window, conv_inputs), dim=1)  # [batch, kernel - 1 + seq, channels]
-        mixed = F.silu(F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=self.shape.conv_channels))
+        parents = states.tree_parents if states is not None else None
+        if parents is None:
+            mixed = F.silu(F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=self.shape.conv_channels))
+        else:
+            mixed = self._tree_convolution(extended, parents)
         q, k, v = mixed.transpose(1, 2).split(self.split_sizes, dim=-1)  # each [batch, seq, heads * dim]
         group = self.value_heads // self.key_heads  # each q/k head serves `group` consecutive value heads
         q = self._heads(q, self.key_heads, self.key_dim).repeat_interleave(group, dim=1)
@@ -140,12 +151,37 @@ class GatedDeltaNet(nn.Module):
         beta = write_strength.float().sigmoid().transpose(1, 2)  # [batch, value_heads, seq]
         g = -self.A_log.float().exp() * F.softplus(decay_input.float() + self.dt_bias.float())
         g = g.transpose(1, 2)  # [batch, value_heads, seq], log decay <= 0
-        rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else chunked_delta_rule
-        out, state = rule(q, k, v, g, beta, state)
-        if states is not None:
+        if parents is not None:  # each row from its parent's state; the accepted path is replayed afterwards
+            out = tree_delta_rule(q, k, v, g, beta, state, parents)
+            new_window = window
+        else:
+            rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else chunked_delta_rule
+            out, state = rule(q, k, v, g, beta, state)
             new_window = extended[:, extended.shape[1] - (self.shape.conv_kernel - 1) :]
+        if states is not None:
             states.write(self.slot, new_window, state, DeltaRows(conv_inputs, k, v, g, beta))
         return out
+
+    def _tree_convolution(self, extended: torch.Tensor, parents: list[int]) -> torch.Tensor:
+        """The causal convolution of tree rows, each over its own path: itself, its parent, grandparent, ...,
+        then the window before the tree. extended: [batch, kernel - 1 + rows, channels] (window then rows) ->
+        SiLU'd [batch, channels, rows], as the linear convolution gives for a chain."""
+        kernel = self.shape.conv_kernel
+        taps = []
+        for row in range(len(parents)):
+            path: list[int] = []  # indices into `extended`, newest first
+            node = row
+            while node >= 0 and len(path) < kernel:
+                path.append(kernel - 1 + node)
+                node = parents[node]
+            path += range(kernel - 2, kernel - 2 - (kernel - len(path)), -1)  # the window's last rows
+            taps.append(path[::-1])
+        index = torch.tensor(taps, dtype=torch.long, device=extended.device)  # [rows, kernel]
+        batch, _, channels = extended.shape
+        gathered = extended[:, index]  # [batch, rows, kernel, channels]
+        per_row = gathered.reshape(-1, kernel, channels).transpose(1, 2)  # [batch * rows, channels, kernel]
+        mixed = F.silu(F.conv1d(per_row, self.conv1d.weight, groups=channels))  # [batch * rows, channels, 1]
+        return mixed.view(batch, len(parents), channels).transpose(1, 2)
 
     @staticmethod
     def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

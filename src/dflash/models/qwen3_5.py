@@ -142,9 +142,30 @@ class Qwen35ForCausalLM(CausalLM):
         capture: Sequence[int] = (),
         logits: LogitsMode = "all",
     ) -> ForwardOutput:
-        """As `CausalLM.forward`, for causal rows only: a recurrent state cannot follow a tree or a custom mask."""
-        if tree_mask is not None or attn_mask is not None:
-            raise GenerationError("linear-attention layers take causal rows only (no tree or attention mask)")
+        """As `CausalLM.forward`, for causal rows or a verification tree (`tree_mask`: the linear layers then take
+        each row from its parent's state, `tree_parents`); no custom attention mask (a recurrent state cannot
+        follow one)."""
+        if attn_mask is not None:
+            raise GenerationError("linear-attention layers take causal rows or a tree only (no attention mask)")
         if cache is not None and cache.recurrent is None:
             raise GenerationError("a hybrid model needs a cache from its own new_cache (with recurrent state)")
-        return super().forward(input_ids, positions, cache, capture=capture, logits=logits)
+        if tree_mask is None:
+            return super().forward(input_ids, positions, cache, capture=capture, logits=logits)
+        if cache is None or cache.recurrent is None:
+            raise GenerationError("a tree verification of a hybrid model needs its cache")
+        cache.recurrent.tree_parents = tree_parents(tree_mask)
+        try:
+            return super().forward(input_ids, positions, cache, tree_mask=tree_mask, capture=capture, logits=logits)
+        finally:
+            cache.recurrent.tree_parents = None
+
+
+def tree_parents(tree_mask: torch.Tensor) -> list[int]:
+    """Each row's parent in a verification tree from its ancestor mask [rows, rows] (a row sees itself and its
+    ancestors, all earlier rows): the nearest ancestor, -1 for a root (a child of the committed prefix)."""
+    mask = tree_mask.to("cpu", torch.bool)
+    parents = []
+    for row in range(mask.shape[0]):
+        earlier = torch.nonzero(mask[row, :row]).flatten()
+        parents.append(int(earlier[-1]) if earlier.numel() else -1)
+    return parents
