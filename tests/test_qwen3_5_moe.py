@@ -154,6 +154,14 @@ def test_fused_expert_parameters_load_like_per_expert_files(pair: tuple[Any, Cau
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=TOLERANCE, rtol=0)
 
 
+def test_ddtree_is_lossless(pair: tuple[Any, CausalLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trees over the recurrent layers (rows from their parents' states, the accepted path replayed): the plain
+    greedy tokens with a random drafter and with a mostly right one."""
+    from tests.family_checks import check_linear_and_ddtree_equal_plain
+
+    check_linear_and_ddtree_equal_plain(monkeypatch, pair[1], _drafter(), CHUNK)
+
+
 def test_linear_dflash_is_lossless(pair: tuple[Any, CausalLM], monkeypatch: pytest.MonkeyPatch) -> None:
     """A random drafter (drafts mostly rejected) and a mostly right one (several accepted per round): both give
     the plain greedy tokens, so rejected drafts leave no trace in the recurrent state."""

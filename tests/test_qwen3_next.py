@@ -89,6 +89,14 @@ def test_greedy_matches_transformers_generate(pair: tuple[Any, CausalLM]) -> Non
     assert tokens == expected
 
 
+def test_ddtree_is_lossless(pair: tuple[Any, CausalLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trees over the recurrent layers (rows from their parents' states, the accepted path replayed): the plain
+    greedy tokens with a random drafter and with a mostly right one."""
+    from tests.family_checks import check_linear_and_ddtree_equal_plain
+
+    check_linear_and_ddtree_equal_plain(monkeypatch, pair[1], _drafter(), 16)
+
+
 def test_linear_dflash_is_lossless(pair: tuple[Any, CausalLM]) -> None:
     _, ours = pair
     drafter = _drafter()
