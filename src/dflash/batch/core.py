@@ -80,6 +80,9 @@ class CoreSettings:
     draft_window: int | None = None
     cuda_graphs: bool = False  # on a CUDA device, replay the decoding rows' target pass as graphs
     prefill_chunks_per_step: int = 1  # prompt chunks a step may prefill (more where a chunk costs little: GPUs)
+    # the decoding rows through the fixed-shape passes of `cuda_graphs`, run eagerly on any device: the CUDA path's
+    # host work, tested and measured on the CPU
+    eager_padded: bool = False
 
 
 class BatchCore:
@@ -117,14 +120,17 @@ class BatchCore:
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
         # graphs keep no recurrent state (hybrids) and cannot replay data-dependent work (`CausalLM.capturable`)
-        if settings.cuda_graphs and weight.is_cuda and target.capturable and not target.config.is_hybrid:
+        graphed = settings.cuda_graphs and weight.is_cuda
+        if (graphed or settings.eager_padded) and target.capturable and not target.config.is_hybrid:
             from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
-            memory = torch.cuda.graph_pool_handle()
-            self.graphs = GraphedTargetPasses(target, self.target_pool, self.capture, settings.max_batch, memory=memory)
+            memory = torch.cuda.graph_pool_handle() if graphed else None
+            self.graphs = GraphedTargetPasses(
+                target, self.target_pool, self.capture, settings.max_batch, memory=memory, graphed=graphed
+            )
             if drafter is not None and self.drafter_pool is not None:
                 self.drafter_graphs = GraphedDrafterPasses(
-                    drafter, target, self.drafter_pool, settings.max_batch, memory
+                    drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed
                 )
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
