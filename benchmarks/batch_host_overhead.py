@@ -3,7 +3,8 @@
 On a GPU the batched step is host-bound: the forward is a graph replay of ~1 ms, the rest of the step is the core's
 per-request Python (rows, padded inputs, choices, commits, rollback, streaming). This benchmark runs the real core
 (`dflash.batch.core.BatchCore`) over a model so small that its forward costs little, so what remains is that host
-work, and splits it by phase with manual timers (exclusive: a phase's figure leaves out the phases inside it).
+work, and with `--breakdown` splits it by phase with manual timers (exclusive: a phase's figure leaves out the
+phases inside it).
 
 `--path padded` (default) runs the decoding rows through the fixed-shape passes that CUDA graphs replay
 (`batch/padded.py`, `batch/graphs.py` with `graphed=False`: the same buffers loaded from the host, the same
@@ -16,7 +17,7 @@ device, on the CPU they would swamp the host figures. The speculation policy is 
 random drafter would otherwise switch it off; it still runs) and EOS is ignored, so every step does the same work.
 
 Usage: python benchmarks/batch_host_overhead.py [--requests 1,4,8,16] [--modes plain,linear,ddtree]
-    [--path padded|packed] [--steps 40] [--repeats 3] [--json out.json] [--profile]
+    [--path padded|packed] [--steps 40] [--repeats 3] [--json out.json] [--breakdown] [--profile]
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from typing import Any
 
 import torch
 
-from dflash.batch import core as core_module
 from dflash.batch import graphs as graphs_module
 from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.sequence import Sequence
@@ -166,7 +166,7 @@ def new_sequence(target: CausalLM, prompt: list[int], max_new: int, mode: str,
 
 def run_level(
     target: CausalLM, drafter: DFlashDrafter, decode: Callable[[list[int]], str] | None, *, mode: str, path: str,
-    requests: int, steps: int, warmup: int, budget: int, max_step_rows: int, seed: int,
+    requests: int, steps: int, warmup: int, budget: int, max_step_rows: int, seed: int, breakdown: bool,
 ) -> dict[str, Any]:
     timers = Timers()
     undo = patch_padded_forwards(timers) if path == "padded" else (lambda: None)
@@ -184,7 +184,8 @@ def run_level(
         for _ in range(requests):
             prompt = torch.randint(0, target.config.vocab_size - 1, (PROMPT_TOKENS,), generator=generator).tolist()
             core.add(new_sequence(target, prompt, max_new, MODES[mode], decode, received))
-        instrument(core, timers, path)
+        if breakdown:
+            instrument(core, timers, path)
         while any(seq.phase != "decode" for seq in core.active) or core.waiting:
             core.step()
         for _ in range(warmup):
@@ -204,7 +205,8 @@ def run_level(
     device = sum(timers.totals.get(label, 0.0) for label in DEVICE_LABELS)
     to_us = 1e6 / steps
     phases = {label: round(seconds * to_us, 1) for label, seconds in sorted(timers.totals.items())}
-    phases["other (step bookkeeping)"] = round((wall - sum(timers.totals.values())) * to_us, 1)
+    if breakdown:
+        phases["other (step bookkeeping)"] = round((wall - sum(timers.totals.values())) * to_us, 1)
     return {
         "mode": mode, "path": path, "requests": requests, "steps": steps,
         "step_us": round(wall * to_us, 1), "step_median_us": round(statistics.median(walls) * 1e6, 1),
@@ -228,6 +230,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32, help="DDTree budget (the CUDA default)")
     parser.add_argument("--max-step-rows", type=int, default=256, help="the CUDA default")
     parser.add_argument("--no-tokenizer", action="store_true", help="sinks decode nothing (no SmolLM2 text)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time the step's phases too (their timers add a few microseconds per request)")
     parser.add_argument("--profile", action="store_true", help="cProfile the levels and print the top functions")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -246,6 +250,7 @@ def main() -> None:
                     runs.append(run_level(
                         target, drafter, decode, mode=mode, path=args.path, requests=requests, steps=args.steps,
                         warmup=args.warmup, budget=args.budget, max_step_rows=args.max_step_rows, seed=repeat,
+                        breakdown=args.breakdown,
                     ))
                     if profiler is not None:
                         profiler.disable()
