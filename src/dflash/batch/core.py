@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
@@ -228,38 +230,40 @@ class BatchCore:
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
             items += [self._round_rows(r) for r in rounds]
-            out = self._target_pass(items, len(prefills))
+            greedy = any(_plain_greedy(r.seq.chooser, r.seq.produced) for r in rounds)
+            out = self._target_pass(items, len(prefills), greedy)
         except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
             log.exception("batched step failed")
             for seq in served:
                 self._end(seq, exc)
             return len(served)
-        features = out.features or [None] * len(items)  # type: ignore[list-item]
+        features = out.features
         for index, (seq, lo, hi) in enumerate(prefills):
-            self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index], features[index])
+            self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index],
+                          features[index] if features is not None else None)
         for offset, r in enumerate(rounds, start=len(prefills)):
-            best = out.argmax[offset] if out.argmax is not None else None
-            self._guarded(r.seq, self._after_round, r, out.logits[offset], features[offset], best)
+            self._guarded(r.seq, self._after_round, r, out, offset)
         rows = sum(int(item.tokens.numel()) for item in items)
         self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
         return len(served)
 
-    def _target_pass(self, items: list[TargetRows], prefills: int) -> TargetOutput:
-        """One packed pass, or on a CUDA device the prefill chunks packed and the decoding rows through a graph."""
+    def _target_pass(self, items: list[TargetRows], prefills: int, greedy: bool) -> TargetOutput:
+        """One packed pass, or on a CUDA device the prefill chunks packed and the decoding rows through a graph.
+        `greedy`: some round chooses by the plain argmax (the pass gives every row's on the host)."""
         if self.graphs is None or len(items) == prefills:
-            return run_target(self.target, self.target_pool, items, self.capture)
+            return run_target(self.target, self.target_pool, items, self.capture, argmax=greedy)
         decoded = self.graphs.run(items[prefills:])
         if not prefills:
             return decoded
         prefilled = run_target(self.target, self.target_pool, items[:prefills], self.capture)
         features = None
         if prefilled.features is not None and decoded.features is not None:
-            features = prefilled.features + decoded.features
-        argmax = None
+            features = [*prefilled.features, *decoded.features]
+        argmax: list[list[int]] | None = None
         if decoded.argmax is not None:
-            argmax = [torch.empty(0, dtype=torch.long)] * prefills + decoded.argmax
-        return TargetOutput(prefilled.logits + decoded.logits, features, argmax)
+            argmax = [[] for _ in range(prefills)] + decoded.argmax
+        return TargetOutput([*prefilled.logits, *decoded.logits], features, argmax)
 
     def _guarded(self, seq: Sequence, fn: object, *args: object) -> None:
         try:
@@ -411,10 +415,12 @@ class BatchCore:
         scores = run_drafter(self.drafter, self.target, self.drafter_pool, items, self.drafter_graphs)
         trees = [(r, score) for r, score in zip(drafting, scores, strict=True) if r.kind == "tree"]
         candidates = _tree_candidates(trees)
+        chains = _greedy_drafts([(r, score) for r, score in zip(drafting, scores, strict=True) if r.kind == "linear"])
         for r, score in zip(drafting, scores, strict=True):
             r.seq.new_features = r.seq.new_features[:0] if r.seq.new_features is not None else None  # absorbed
             if r.kind == "linear":
-                r.drafts = score.greedy().tolist()
+                found_chain = chains.get(id(r))
+                r.drafts = found_chain if found_chain is not None else score.greedy().tolist()
                 continue
             max_depth = min(block - 1, r.seq.request.max_new_tokens - r.seq.produced - 1)
             found = candidates.get(id(r))
@@ -443,14 +449,14 @@ class BatchCore:
         assert seq.target is not None
         if r.kind == "linear":
             assert r.drafts is not None
-            tokens = torch.tensor([seq.pending, *r.drafts], dtype=torch.long, device=device)
-            positions = torch.arange(seq.start, seq.start + len(tokens), device=device)
-            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, len(tokens)))
+            count = len(r.drafts) + 1
+            tokens = _long_tensor([seq.pending, *r.drafts], device)
+            positions = _long_tensor(range(seq.start, seq.start + count), device)
+            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, count))
             return r.rows
         if r.kind == "plain":
-            tokens = torch.tensor([seq.pending], dtype=torch.long, device=device)
-            positions = torch.tensor([seq.start], dtype=torch.long, device=device)
-            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, 1))
+            r.rows = TargetRows(seq.target, _long_tensor([seq.pending], device), _long_tensor([seq.start], device),
+                                logit_rows=slice(0, 1))
             return r.rows
         tree = r.tree if r.tree is not None else linear_chain_tree([])
         r.tree = tree
@@ -460,52 +466,62 @@ class BatchCore:
                             logit_rows=slice(0, tree.num_nodes + 1))
         return r.rows
 
-    def _after_round(
-        self, r: _Round, logits: torch.Tensor, features: torch.Tensor | None, argmax: torch.Tensor | None = None
-    ) -> None:
-        """`argmax`: the rows' argmax when already computed (host) — a plain greedy request's choices."""
+    def _after_round(self, r: _Round, out: TargetOutput, index: int) -> None:
+        """Choose, accept and commit (or roll back) a round from its rows of the target pass `out` (request
+        `index`); a plain greedy request reads its choices from the pass's host argmax, touching no tensor."""
         seq = r.seq
         assert seq.target is not None
         produced = seq.produced
-        greedy = argmax if argmax is not None and _plain_greedy(seq.chooser, produced) else None
+        best = out.argmax[index] if out.argmax is not None else None
+        greedy = best if best is not None and _plain_greedy(seq.chooser, produced) else None
+        rows: torch.Tensor | None = None  # the kept tree rows, where they are not the first `kept`
         if r.kind == "plain":
-            choice = int(greedy[0]) if greedy is not None else int(seq.chooser.choose(logits, produced)[0])
+            choice = greedy[0] if greedy is not None else int(seq.chooser.choose(out.logits[index], produced)[0])
             committed, kept = [choice], 1
             if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             seq.target.crop(seq.start + 1)
-            kept_features = features[:1] if features is not None else None
         elif r.kind == "linear":
             assert r.drafts is not None
-            allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
-            choices = greedy if greedy is not None else seq.chooser.choose(logits, produced, allowed)  # [k+1]
-            drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
-            accepted = accepted_prefix_length(drafts, choices)
-            committed = [*r.drafts[:accepted], int(choices[accepted])]
+            if greedy is not None:
+                accepted = _matching_prefix(r.drafts, greedy)
+                bonus = greedy[accepted]
+            else:
+                allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
+                choices = seq.chooser.choose(out.logits[index], produced, allowed)  # [k+1]
+                drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
+                accepted = accepted_prefix_length(drafts, choices)
+                bonus = int(choices[accepted])
+            committed = [*r.drafts[:accepted], bonus]
             seq.record_drafted_round(len(r.drafts), accepted)
             seq.target.crop(seq.start + accepted + 1)
-            kept_features = features[: accepted + 1] if features is not None else None
             kept = accepted + 1
         else:
             assert r.tree is not None
-            choices = greedy if greedy is not None else tree_choices(seq.chooser, logits, r.tree, produced)  # [n+1]
-            visited, bonus = follow_tree(r.tree, choices)
+            if greedy is not None:
+                choices_of_nodes: list[int] | torch.Tensor = greedy
+            else:
+                choices_of_nodes = tree_choices(seq.chooser, out.logits[index], r.tree, produced)  # [n+1]
+            visited, bonus = follow_tree(r.tree, choices_of_nodes)
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
                 seq.record_drafted_round(r.tree.num_nodes, len(visited) - 1)
             elif seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             kept = len(visited)
-            if visited == list(range(kept)):
+            if visited[-1] == kept - 1:  # the path is nodes 0 .. kept-1 (parents precede children)
                 seq.target.crop(seq.start + kept)
-                kept_features = features[:kept] if features is not None else None
             else:
                 rows = torch.tensor(visited, dtype=torch.long, device=self.target_pool.device)
                 seq.target.compact(seq.start, rows + seq.start)
-                kept_features = features[rows] if features is not None else None
-        if seq.speculative and kept_features is not None:
+        if seq.speculative and out.features is not None:
+            features = out.features[index]  # [n, F]
+            kept_features = features[:kept] if rows is None else features[rows.to(features.device)]
             carried = seq.new_features
-            seq.new_features = kept_features if carried is None else torch.cat((carried, kept_features))
+            if carried is None or not carried.shape[0]:
+                seq.new_features = kept_features
+            else:
+                seq.new_features = torch.cat((carried, kept_features))
         seq.start += kept
         seq.pending = committed[-1]
         seq.chooser.observe(committed)
@@ -538,6 +554,38 @@ def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
         chooser.params.greedy and chooser.constraint is None and chooser.counts is None
         and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.eos.numel())
     )
+
+
+def _matching_prefix(drafts: list[int], choices: list[int]) -> int:
+    """How many leading drafts equal the target's choices at their rows (`accepted_prefix_length` on lists)."""
+    accepted = 0
+    for draft, choice in zip(drafts, choices, strict=False):  # one choice more than drafts: the bonus row
+        if draft != choice:
+            break
+        accepted += 1
+    return accepted
+
+
+def _long_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] on `device`, built through numpy (torch.tensor of a Python list costs several times
+    more)."""
+    host = torch.from_numpy(np.fromiter(values, dtype=np.int64))
+    return host if device.type == "cpu" else host.to(device)
+
+
+def _greedy_drafts(chains: list[tuple[_Round, DraftScores]]) -> dict[int, list[int]]:
+    """The greedy drafts of every linear round whose draft scores share one shape and columns, from one argmax and
+    one host transfer (instead of one per request): {id(round): drafts}."""
+    if len(chains) < 2:
+        return {}
+    shapes = {tuple(score.logits.shape) for _, score in chains}
+    ids = {id(score.ids) for _, score in chains}
+    if len(shapes) != 1 or len(ids) != 1:
+        return {}
+    first = chains[0][1]
+    stacked = DraftScores(torch.stack([score.logits for _, score in chains]), first.ids, first.vocab_size)  # [n, k, cols]
+    drafts: list[list[int]] = stacked.greedy().tolist()  # [n, k]
+    return {id(r): row for (r, _), row in zip(chains, drafts, strict=True)}
 
 
 def _tree_candidates(trees: list[tuple[_Round, DraftScores]]) -> dict[int, tuple[list[list[float]], list[list[int]]]]:

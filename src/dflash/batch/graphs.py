@@ -19,7 +19,7 @@ import torch
 
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import BlockPool
-from dflash.batch.target_pass import TargetOutput, TargetRows
+from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
 
@@ -112,16 +112,17 @@ class GraphedTargetPasses:
 
     def run(self, items: Sequence[TargetRows]) -> TargetOutput:
         entry = self.graphs.replay(items)
-        best = entry.logits[: len(items)].argmax(dim=-1).cpu()  # [requests, rows]: one transfer for every greedy row
+        count = len(items)
+        # [requests, rows]: one operation and one transfer for every greedy row of the step
+        best: list[list[int]] = entry.logits[:count].argmax(dim=-1).tolist()
         # copied once: kept rows outlive the next replay (they become drafter context)
-        copied = entry.features[: len(items)].clone() if entry.features is not None else None
-        logits, features, argmax = [], [], []
-        for index, item in enumerate(items):
-            logits.append(entry.logits[index, item.logit_rows])
-            argmax.append(best[index, item.logit_rows])
-            if copied is not None:
-                features.append(copied[index, : int(item.tokens.numel())])
-        return TargetOutput(logits, features if copied is not None else None, argmax)
+        copied = entry.features[:count].clone() if entry.features is not None else None
+        wanted = [item.logit_rows for item in items]
+        argmax = [row[rows] for row, rows in zip(best, wanted, strict=True)]
+        features = None
+        if copied is not None:
+            features = RowViews(copied, [slice(0, int(item.tokens.numel())) for item in items])
+        return TargetOutput(RowViews(entry.logits, wanted), features, argmax)
 
 
 def padded_drafter_forward(
