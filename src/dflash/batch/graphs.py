@@ -133,6 +133,7 @@ def padded_drafter_forward(
     from dflash.batch.padded import PaddedAttention
 
     dtype = drafter.fc.weight.dtype
+    batch.derive()
     backend = PaddedAttention(pool, batch, drafter.sliding)
     cos, sin = drafter.rotary.cos_sin(batch.positions, dtype)  # [requests, 1, block, head_dim]
     x = target.embed(batch.tokens).to(dtype)  # [requests, block, hidden]
