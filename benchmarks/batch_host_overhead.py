@@ -10,6 +10,9 @@ phases inside it).
 (`batch/padded.py`, `batch/graphs.py` with `graphed=False`: the same buffers loaded from the host, the same
 forward run eagerly), which is what the GPU runs; `--path packed` runs the CPU's packed passes. "device" is the
 time inside the padded target and drafter forwards (a graph replay on the GPU); "host" is the rest of the step.
+`--path graphed --device cuda` runs the real thing on a GPU (graphs captured ahead of the timed steps): there the
+step's wall time is reported, host and GPU together (`--shape qwen3-8b`: a Qwen3-8B-shaped target and
+published-shape drafter with random bf16 weights, `benchmarks/gpu_scale_study.py`).
 
 The model's vocabulary is the first `--vocab` ids of SmolLM2's (the sinks decode text with the SmolLM2 tokenizer
 when it is installed, as the server's do): on the GPU the LM head, argmax and top-k over the vocabulary run on the
@@ -52,6 +55,13 @@ from dflash.models.rope import Rotary
 
 MODES = {"plain": "none", "linear": "linear", "ddtree": "ddtree"}
 PROMPT_TOKENS = 24
+
+
+def build_large_pair(device: torch.device) -> tuple[CausalLM, DFlashDrafter]:
+    """The Qwen3-8B-shaped target and its published-shape drafter, random bf16 weights."""
+    from gpu_scale_study import build_drafter, build_target  # benchmarks/ is the script's folder
+
+    return build_target(device), build_drafter(device)
 
 
 def build_pair(vocab: int, layers: int, hidden: int, seed: int = 0) -> tuple[CausalLM, DFlashDrafter]:
@@ -160,7 +170,8 @@ def new_sequence(target: CausalLM, prompt: list[int], max_new: int, mode: str,
     request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling)
     sink = OutputSink(decode or (lambda ids: ""), eos_ids=(), max_new_tokens=max_new,
                       on_text=lambda text, ids: received.append(text))
-    chooser = TokenChooser(sampling, eos_ids=(), min_tokens=0, vocab_size=target.config.vocab_size, device="cpu")
+    device = target.embed_tokens.weight.device
+    chooser = TokenChooser(sampling, eos_ids=(), min_tokens=0, vocab_size=target.config.vocab_size, device=device)
     return Sequence(request, mode, sink, chooser)
 
 
@@ -175,8 +186,12 @@ def run_level(
         settings = CoreSettings(
             max_batch=requests, prefill_chunk=64, pool_tokens=requests * (PROMPT_TOKENS + max_new + 64),
             ddtree_budget=budget, linear_drafts=15, max_step_rows=max_step_rows, eager_padded=path == "padded",
+            cuda_graphs=path == "graphed",
         )
         core = BatchCore(target, drafter, (), settings)
+        if path == "graphed":
+            assert core.graphs is not None, "graphs need a CUDA device"
+            core.capture_graphs(max_keys=512)  # the timed steps stay within 512 keys; others are captured on use
         plan = core.policy.plan  # its cost stays in the step; its answer is always to speculate
         core.policy.plan = lambda *args, **kwargs: plan(*args, **kwargs) or True  # type: ignore[method-assign]
         generator = torch.Generator().manual_seed(seed)
@@ -220,7 +235,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", default="1,4,8,16")
     parser.add_argument("--modes", default="plain,linear,ddtree")
-    parser.add_argument("--path", choices=("padded", "packed"), default="padded")
+    parser.add_argument("--path", choices=("padded", "packed", "graphed"), default="padded")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=("tiny", "qwen3-8b"), default="tiny")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="levels run this many times; the best is kept")
@@ -235,8 +252,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile the levels and print the top functions")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    target, drafter = build_pair(args.vocab, args.layers, args.hidden)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    if args.shape == "qwen3-8b":
+        target, drafter = build_large_pair(device)
+    else:
+        target, drafter = build_pair(args.vocab, args.layers, args.hidden)
+        target, drafter = target.to(device), drafter.to(device)
     decode = None if args.no_tokenizer else smollm2_decode()
     results = []
     profiler = cProfile.Profile() if args.profile else None
@@ -266,6 +289,7 @@ def main() -> None:
     if args.json is not None:
         meta = {"command": "python benchmarks/batch_host_overhead.py", "args": vars(args) | {"json": str(args.json)},
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "tokenizer": "SmolLM2" if decode is not None else None}
         args.json.write_text(json.dumps({"meta": meta, "levels": results}, indent=1) + "\n")
 

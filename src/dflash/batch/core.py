@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash.batch")
 
 POOL_BLOCK_TOKENS = 16
+_FIRST_ROW = slice(0, 1)
 
 
 @dataclass
@@ -229,7 +230,7 @@ class BatchCore:
             rounds = self._plan_rounds(decoders)
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
-            items += [self._round_rows(r) for r in rounds]
+            items += self._decoding_rows(rounds)
             greedy = any(_plain_greedy(r.seq.chooser, r.seq.produced) for r in rounds)
             out = self._target_pass(items, len(prefills), greedy)
         except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
@@ -443,9 +444,27 @@ class BatchCore:
             max_depth = min(block - 1, seq.request.max_new_tokens - seq.produced - 1)
             r.tree = selector_tree(lattice, seq.pending, r.budget, max_depth)
 
-    def _round_rows(self, r: _Round) -> TargetRows:
-        seq = r.seq
+    def _decoding_rows(self, rounds: list[_Round]) -> list[TargetRows]:
+        """Every round's target rows; plain rounds' tokens and positions as views of two tensors built at once."""
         device = torch.device("cpu") if self.graphs is not None else self.target_pool.device  # graphs load from host
+        plain = [r for r in rounds if r.kind == "plain"]
+        if plain:
+            tokens = _long_tensor([r.seq.pending for r in plain], device)  # [plain]
+            positions = _long_tensor([r.seq.start for r in plain], device)  # [plain]
+            for index, r in enumerate(plain):
+                assert r.seq.target is not None
+                r.rows = TargetRows(r.seq.target, tokens[index : index + 1], positions[index : index + 1],
+                                    logit_rows=_FIRST_ROW)
+        rows = []
+        for r in rounds:
+            if r.rows is None:
+                r.rows = self._round_rows(r, device)
+            rows.append(r.rows)
+        return rows
+
+    def _round_rows(self, r: _Round, device: torch.device) -> TargetRows:
+        """A linear round's block or a tree round's nodes (plain rounds: `_decoding_rows`)."""
+        seq = r.seq
         assert seq.target is not None
         if r.kind == "linear":
             assert r.drafts is not None
@@ -453,10 +472,6 @@ class BatchCore:
             tokens = _long_tensor([seq.pending, *r.drafts], device)
             positions = _long_tensor(range(seq.start, seq.start + count), device)
             r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, count))
-            return r.rows
-        if r.kind == "plain":
-            r.rows = TargetRows(seq.target, _long_tensor([seq.pending], device), _long_tensor([seq.start], device),
-                                logit_rows=slice(0, 1))
             return r.rows
         tree = r.tree if r.tree is not None else linear_chain_tree([])
         r.tree = tree
