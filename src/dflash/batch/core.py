@@ -616,6 +616,10 @@ def _tree_candidates(trees: list[tuple[_Round, DraftScores]]) -> dict[int, tuple
     k = min(budgets.pop(), stacked.shape[-1])
     top_lp, top_ids = topk_log_probs(stacked.flatten(0, 1), k)  # [trees * depth, k]
     depth = stacked.shape[1]
-    lp = top_lp.view(len(trees), depth, k).cpu().tolist()
-    ids = top_ids.view(len(trees), depth, k).cpu().tolist()
+    if stacked.shape[-1] <= 1 << 24:  # ids exact in float64: one transfer for both
+        both = torch.stack((top_lp.double(), top_ids.double())).view(2, len(trees), depth, k).cpu()
+        lp, ids = both[0].tolist(), both[1].long().tolist()
+    else:
+        lp = top_lp.view(len(trees), depth, k).cpu().tolist()
+        ids = top_ids.view(len(trees), depth, k).cpu().tolist()
     return {id(r): (lp[i], ids[i]) for i, (r, _) in enumerate(trees)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -149,11 +150,9 @@ def _absorb(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows])
         return
     device = pool.device
     features = torch.cat([item.new_features for item in live])[None]  # [1, new, n*target_hidden]
-    counts = np.fromiter((i.new_features.shape[0] for i in live), dtype=np.int64, count=len(live))  # [live]
-    firsts = np.fromiter((i.table.length for i in live), dtype=np.int64, count=len(live))
     # each request's new positions length .. length + count - 1, end to end: [new]
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    positions = torch.from_numpy(np.repeat(firsts, counts) + offsets).to(device)[None]
+    spans = (range(i.table.length, i.table.length + i.new_features.shape[0]) for i in live)
+    positions = torch.from_numpy(np.fromiter(chain.from_iterable(spans), dtype=np.int64)).to(device)[None]
     slots = torch.cat([i.table.slots(i.table.length, i.table.length + i.new_features.shape[0]) for i in live])
     ctx = drafter.context(features)  # [1, new, hidden]
     cos, sin = drafter.rotary.cos_sin(positions, drafter.fc.weight.dtype)
