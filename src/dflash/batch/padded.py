@@ -60,37 +60,41 @@ class PaddedBatch:
         b, r, k, device = shape.requests, shape.rows, shape.keys, pool.device
         self.shape, self.pool, self.window = shape, pool, window
         self.key_blocks = -(-k // pool.block_size)  # block-table entries that cover `keys` positions
-        # one int64 row per request: tokens [r], positions [r], committed length, row count, block table [kb]
-        width = 2 * r + 2 + self.key_blocks
+        # all int64 inputs in one buffer, each a contiguous part: tokens [b, r], positions [b, r], committed lengths
+        # [b], row counts [b], block tables [b, kb]
+        sizes = (b * r, b * r, b, b, b * self.key_blocks)
         pinned = pool.device.type == "cuda"
-        self._host_ints = torch.zeros(b, width, dtype=torch.long, pin_memory=pinned)
+        self._host_ints = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pinned)
         self._host_visibility = torch.zeros(b, r, r, dtype=torch.bool, pin_memory=pinned)
-        self._ints = torch.zeros(b, width, dtype=torch.long, device=device)
-        self.tokens = self._ints[:, :r]  # [b, r]
-        self.positions = self._ints[:, r : 2 * r]  # [b, r]
-        self.past = self._ints[:, 2 * r]  # [b]: committed positions (keys before the new rows)
-        self.counts = self._ints[:, 2 * r + 1]  # [b]: real rows (0: a padding request)
-        self.blocks = self._ints[:, 2 * r + 2 :]  # [b, kb]: the request's pool blocks, in position order
+        self._ints = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        tokens, positions, past, counts, blocks = self._ints.split(sizes)
+        self.tokens = tokens.view(b, r)
+        self.positions = positions.view(b, r)
+        self.past = past  # [b]: committed positions (keys before the new rows)
+        self.counts = counts  # [b]: real rows (0: a padding request)
+        self.blocks = blocks.view(b, self.key_blocks)  # [b, kb]: the request's pool blocks, in position order
         self.visibility = torch.zeros(b, r, r, dtype=torch.bool, device=device)  # [b, r, r] among the new rows
+        self._sizes = sizes
         self._key_index = torch.arange(k, device=device)  # [k]
         self.derive()
 
     def load(self, items: Sequence[TargetRows]) -> None:
         """Fill the buffers for `items` (at most `shape.requests`, each within the shape): a few numpy writes per
         request into one host buffer of ints and one of booleans, then one copy each."""
-        r, count = self.shape.rows, len(items)
-        ints = self._host_ints.numpy()
+        b, r, count = self.shape.requests, self.shape.rows, len(items)
+        flat = self._host_ints.numpy()
         visibility = self._host_visibility.numpy()
-        ints.fill(0)
+        flat.fill(0)
         visibility.fill(False)
+        tokens, positions, past, counts, tables = np.split(flat, np.cumsum(self._sizes)[:-1])
+        tokens, positions, tables = tokens.reshape(b, r), positions.reshape(b, r), tables.reshape(b, -1)
         rows = np.fromiter((int(item.tokens.numel()) for item in items), dtype=np.int64, count=count)  # [count]
         live = np.arange(r)[None, :] < rows[:, None]  # [count, r]
-        ints[:count, :r][live] = torch.cat([item.tokens for item in items]).numpy()
-        ints[:count, r : 2 * r][live] = torch.cat([item.positions for item in items]).numpy()
-        ints[:count, 2 * r] = np.fromiter((item.table.length for item in items), dtype=np.int64, count=count)
-        ints[:count, 2 * r + 1] = rows
+        tokens[:count][live] = torch.cat([item.tokens for item in items]).numpy()
+        positions[:count][live] = torch.cat([item.positions for item in items]).numpy()
+        past[:count] = np.fromiter((item.table.length for item in items), dtype=np.int64, count=count)
+        counts[:count] = rows
         visibility[:count] = _LOWER[None, :r, :r] & live[:, :, None] & live[:, None, :]  # causal among real rows
-        tables = ints[:, 2 * r + 2 :]
         for index, item in enumerate(items):
             blocks = item.table.block_array(self.key_blocks)
             tables[index, : len(blocks)] = blocks
