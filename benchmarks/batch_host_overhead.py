@@ -150,8 +150,10 @@ DEVICE_LABELS = ("device: target forward", "device: drafter forward")
 
 def instrument(core: BatchCore, timers: Timers, path: str) -> None:
     """Time the step's phases on this core (instance attributes shadow the methods)."""
-    for name in ("_plan_rounds", "_draft", "_round_rows", "_target_pass", "_after_round", "_admit"):
-        setattr(core, name, timers.wrap(name.strip("_"), getattr(core, name)))
+    for name in ("_plan_rounds", "_draft", "_decoding_rows", "_round_rows", "_target_pass", "_after_round", "_admit"):
+        if hasattr(core, name):  # (`_decoding_rows`: newer cores build every round's rows in one call)
+            label = "round_rows" if name == "_decoding_rows" else name.strip("_")
+            setattr(core, name, timers.wrap(label, getattr(core, name)))
     if path == "packed":  # the packed passes' per-request attention runs inside the forward: counted there
         core.target.run_layers = timers.wrap("packed: target forward", core.target.run_layers)  # type: ignore[method-assign]
         core.target.finish = timers.wrap("packed: target forward", core.target.finish)  # type: ignore[method-assign]
