@@ -74,20 +74,22 @@ class PaddedBatch:
         self.counts = counts  # [b]: real rows (0: a padding request)
         self.blocks = blocks.view(b, self.key_blocks)  # [b, kb]: the request's pool blocks, in position order
         self.visibility = torch.zeros(b, r, r, dtype=torch.bool, device=device)  # [b, r, r] among the new rows
-        self._sizes = sizes
+        # numpy views of the host buffers, in the same parts (load writes through them)
+        host = self._host_ints.numpy()
+        parts = np.split(host, np.cumsum(sizes)[:-1])
+        self._host_parts = (parts[0].reshape(b, r), parts[1].reshape(b, r), parts[2], parts[3],
+                            parts[4].reshape(b, self.key_blocks))
         self._key_index = torch.arange(k, device=device)  # [k]
         self.derive()
 
     def load(self, items: Sequence[TargetRows]) -> None:
         """Fill the buffers for `items` (at most `shape.requests`, each within the shape): a few numpy writes per
         request into one host buffer of ints and one of booleans, then one copy each."""
-        b, r, count = self.shape.requests, self.shape.rows, len(items)
-        flat = self._host_ints.numpy()
+        r, count = self.shape.rows, len(items)
         visibility = self._host_visibility.numpy()
-        flat.fill(0)
+        self._host_ints.zero_()
         visibility.fill(False)
-        tokens, positions, past, counts, tables = np.split(flat, np.cumsum(self._sizes)[:-1])
-        tokens, positions, tables = tokens.reshape(b, r), positions.reshape(b, r), tables.reshape(b, -1)
+        tokens, positions, past, counts, tables = self._host_parts
         rows = np.fromiter((int(item.tokens.numel()) for item in items), dtype=np.int64, count=count)  # [count]
         live = np.arange(r)[None, :] < rows[:, None]  # [count, r]
         tokens[:count][live] = torch.cat([item.tokens for item in items]).numpy()
