@@ -27,10 +27,11 @@ def make_core(
     pool_tokens: int = 4096,
     prefix_cache: PrefixCache | None = None,
     cuda_graphs: bool = False,
+    eager_padded: bool = False,
 ) -> BatchCore:
     settings = CoreSettings(
         max_batch=max_batch, prefill_chunk=prefill_chunk, pool_tokens=pool_tokens, ddtree_budget=ddtree_budget,
-        linear_drafts=linear_drafts, max_step_rows=max_step_rows, cuda_graphs=cuda_graphs,
+        linear_drafts=linear_drafts, max_step_rows=max_step_rows, cuda_graphs=cuda_graphs, eager_padded=eager_padded,
     )
     return BatchCore(target, drafter, (), settings, prefix_cache)
 

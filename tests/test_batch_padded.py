@@ -1,8 +1,10 @@
 """The fixed-shape (padded) passes that CUDA graphs capture compute what the packed passes compute: run eagerly on
-the CPU, the target's decoding rows and the drafter's blocks of several requests match the packed ones."""
+the CPU, the target's decoding rows and the drafter's blocks of several requests match the packed ones, and the core
+run through them eagerly gives each request its tokens alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash.batch.draft_pass import DraftRows, run_drafter
@@ -10,8 +12,9 @@ from dflash.batch.graphs import padded_drafter_forward
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.target_pass import TargetRows, run_target
 from dflash.speculative.tree import build_tree, tree_verify_inputs
-from tests.batch_helpers import make_core, make_sequence
-from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
+from tests.batch_helpers import drain, make_core, make_sequence
+from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
+from tests.tiny_models import hf_tiny, ours_from_hf
 
 _one_thread = one_torch_thread  # autouse, module scope
 
@@ -77,3 +80,129 @@ def test_the_padded_drafter_block_pass_equals_the_packed_one() -> None:
         logits, _ = padded_drafter_forward(drafter, target, core.drafter_pool, batch)
     for index, scores in enumerate(packed):
         torch.testing.assert_close(logits[index, : block - 1], scores.full(), atol=2e-5, rtol=1e-5)
+
+
+def test_the_eager_padded_core_gives_each_request_its_tokens_alone() -> None:
+    """The CUDA path's core (padded rows, buffers loaded from the host, outputs read back per request) run eagerly
+    on the CPU: a mixed batch of plain, linear and DDTree requests of different lengths, some joining while others
+    decode, gives each request its tokens alone (float32)."""
+    target, drafter = golden_pair()
+    prompts = random_prompts(7, target.config.vocab_size, seed=21, lengths=(7, 90, 40, 3))
+    references = [run(target, None, p, 24)[0] for p in prompts]
+    core = make_core(target, drafter, max_batch=5, prefill_chunk=32, eager_padded=True)
+    assert core.graphs is not None and core.drafter_graphs is not None
+    seqs = [make_sequence(target, p, 24, ("none", "linear", "ddtree")[i % 3]) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    assert core.graphs.captured > 1  # several shapes were met
+    for seq, reference in zip(seqs, references, strict=True):
+        assert seq.error is None
+        assert seq.sink.token_ids == reference, seq.mode
+    assert core.target_pool.free_blocks == core.target_pool.num_blocks
+
+
+def test_derived_slots_and_masks_follow_each_request_s_table() -> None:
+    """The slots and masks the device derives from the loaded buffers: each request reads its committed slots and
+    then its new rows' slots, writes its real rows only, and sees its committed keys plus its rows' own visibility
+    (a chain causal, a tree by ancestors); padding rows and requests write the trash slot and see key 0."""
+    target, _, core, seqs = _decoding_core()
+    pool = core.target_pool
+    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(1)), 6)
+    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
+    items = [
+        TargetRows(seqs[0].target, tokens, positions, visibility),
+        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending, 5, 6]), torch.arange(seqs[1].start, seqs[1].start + 3)),
+    ]
+    shape = PaddedShape.of(items, 4)
+    batch = PaddedBatch(shape, pool, None)
+    batch.load(items)
+    batch.derive()
+    rows, keys = shape.rows, shape.keys
+    for index, item in enumerate(items):
+        n, past = int(item.tokens.numel()), item.table.length
+        slots = item.table.slots(0, past + n)
+        assert torch.equal(batch.read_slots[index, : past + n], slots)
+        assert (batch.read_slots[index, past + n :] == pool.trash_slot).all()
+        written = batch.write_slots.view(-1, rows)[index]
+        assert torch.equal(written[:n], slots[past:])
+        assert (written[n:] == pool.trash_slot).all()
+        assert (batch.store_slots.view(-1, rows)[index, n:] == -1).all()
+        expected = torch.zeros(rows, keys, dtype=torch.bool)
+        expected[:, 0] = True
+        expected[:n, :past] = True
+        among = item.visibility if item.visibility is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        expected[:n, past : past + n] = among
+        # a padding row of a real request may see more than key 0 (its output is never read): compare real rows
+        assert torch.equal(batch.full_mask[index, 0, :n], expected[:n])
+    assert (batch.read_slots[len(items) :] == pool.trash_slot).all()  # padding requests
+    assert (batch.write_slots.view(-1, rows)[len(items) :] == pool.trash_slot).all()
+    padding = batch.full_mask[len(items) :, 0]
+    assert padding[..., 0].all() and not padding[..., 1:].any()
+
+
+def test_the_eager_padded_core_keeps_sliding_windows() -> None:
+    """A model with sliding-window layers (window 16) through the padded passes: its windowed masks are derived on
+    the device from the rows' positions, and prompts past the window give each request its tokens alone."""
+    target = ours_from_hf(hf_tiny("gemma3"))
+    assert target.sliding_window is not None
+    prompts = random_prompts(4, target.config.vocab_size, seed=23, lengths=(5, 40, 23))
+    references = [run(target, None, p, 20)[0] for p in prompts]
+    core = make_core(target, None, max_batch=3, prefill_chunk=16, eager_padded=True)
+    seqs = [make_sequence(target, p, 20, "none") for p in prompts]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    for seq, reference in zip(seqs, references, strict=True):
+        assert seq.error is None and seq.sink.token_ids == reference
+
+
+def _fused_kernels_runnable() -> bool:
+    from dflash.kernels.triton_decode import interpreting, triton_available
+
+    return triton_available() and (torch.cuda.is_available() or interpreting())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fused_kernels_runnable(), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)")
+def test_the_fused_padded_pass_equals_the_module_pass() -> None:
+    """The fused kernels' padded pass (what the CUDA graphs replay) reads the same derived slots and masks: a
+    plain row, a chain and a tree in one batch give the module-by-module padded pass's logits and features, and
+    store the same K/V (padding rows store nothing). On the CPU through Triton's interpreter."""
+    from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, _, core, seqs = _decoding_core()
+    target = target.to(device)
+    try:
+        assert supports_fused_layers(target)
+        core = make_core(target, None, max_batch=4)
+        fresh = [make_sequence(target, seq.request.prompt_ids, 10, "none") for seq in seqs]  # on `device`
+        for seq in fresh:
+            core.add(seq)
+        while any(seq.phase != "decode" for seq in fresh):
+            core.step()
+        tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(2)), 7)
+        tokens, positions, visibility = tree_verify_inputs(tree, fresh[0].pending, fresh[0].start, 0)
+        items = [
+            TargetRows(fresh[0].target, tokens, positions, visibility),
+            TargetRows(fresh[1].target, torch.tensor([fresh[1].pending]), torch.tensor([fresh[1].start])),
+            TargetRows(fresh[2].target, torch.tensor([fresh[2].pending, 3, 4]),
+                       torch.arange(fresh[2].start, fresh[2].start + 3)),
+        ]
+        pool = core.target_pool
+        with torch.inference_mode():
+            batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)
+            batch.load(items)
+            logits, features = padded_forward(target, pool, batch, core.capture)
+            written = pool.keys.clone()
+            fused_logits, fused_features = fused_padded_forward(target, pool, batch, core.capture)
+        for index, item in enumerate(items):
+            n = int(item.tokens.numel())
+            torch.testing.assert_close(fused_logits[index, :n], logits[index, :n], atol=1e-4, rtol=1e-4)
+            if features is not None and fused_features is not None:
+                torch.testing.assert_close(fused_features[index, :n], features[index, :n], atol=1e-4, rtol=1e-4)
+            slots = item.table.slots(item.table.length, item.table.length + n)
+            torch.testing.assert_close(pool.keys[:, :, slots], written[:, :, slots], atol=1e-4, rtol=1e-4)
+    finally:
+        target.to("cpu")

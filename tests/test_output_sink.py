@@ -97,3 +97,15 @@ def test_streamed_text_matches_decoding_everything(seed: int) -> None:
     assert sink.push_many(stream)
     assert sink.stop_reason == stop and len(sink.token_ids) == first + 1
     assert sink.text == whole[first][: whole[first].find(stop)]
+
+
+def test_single_id_decodes_are_remembered_and_equal_the_backend_s() -> None:
+    """Streaming decodes each committed token alone once: the tokenizer keeps those texts. Every id (special
+    tokens kept, as `decode` keeps them) gives the backend's text, the first time and from memory."""
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path()).metadata, source="smollm2")
+    ids = [*range(0, 49152, 97), 0, 1, 2, *tokenizer.eos_token_ids]
+    for token in ids:
+        expected = tokenizer.backend.decode([token], skip_special_tokens=False)
+        assert tokenizer.decode([token]) == expected == tokenizer.decode([token])
+    assert tokenizer.decode([2], skip_special_tokens=True) == tokenizer.backend.decode([2], skip_special_tokens=True)
+    assert tokenizer.decode([2]) != tokenizer.decode([2], skip_special_tokens=True)  # <|im_end|> is special

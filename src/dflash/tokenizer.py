@@ -84,6 +84,9 @@ class Tokenizer:
         self.add_bos = add_bos
         self.source = source
         self._special_text: SpecialText | None = None  # built on first use
+        # the text of single ids: streaming decodes every committed token alone once (`StreamDecoder`), and a
+        # vocabulary's worth of short strings is small
+        self._single: dict[int, str] = {}
 
     # ----------------------------------------------------------------------------------- construction
     @classmethod
@@ -242,6 +245,12 @@ class Tokenizer:
         return self._special_text.guard()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        if len(ids) == 1 and not skip_special_tokens:
+            token = int(ids[0])
+            text = self._single.get(token)
+            if text is None:
+                text = self._single[token] = str(self.backend.decode([token], skip_special_tokens=False))
+            return text
         return str(self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(

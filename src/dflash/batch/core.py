@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("dflash.batch")
 
 POOL_BLOCK_TOKENS = 16
+_FIRST_ROW = slice(0, 1)
 
 
 @dataclass
@@ -80,6 +83,9 @@ class CoreSettings:
     draft_window: int | None = None
     cuda_graphs: bool = False  # on a CUDA device, replay the decoding rows' target pass as graphs
     prefill_chunks_per_step: int = 1  # prompt chunks a step may prefill (more where a chunk costs little: GPUs)
+    # the decoding rows through the fixed-shape passes of `cuda_graphs`, run eagerly on any device: the CUDA path's
+    # host work, tested and measured on the CPU
+    eager_padded: bool = False
 
 
 class BatchCore:
@@ -117,14 +123,17 @@ class BatchCore:
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
         # graphs keep no recurrent state (hybrids) and cannot replay data-dependent work (`CausalLM.capturable`)
-        if settings.cuda_graphs and weight.is_cuda and target.capturable and not target.config.is_hybrid:
+        graphed = settings.cuda_graphs and weight.is_cuda
+        if (graphed or settings.eager_padded) and target.capturable and not target.config.is_hybrid:
             from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
-            memory = torch.cuda.graph_pool_handle()
-            self.graphs = GraphedTargetPasses(target, self.target_pool, self.capture, settings.max_batch, memory=memory)
+            memory = torch.cuda.graph_pool_handle() if graphed else None
+            self.graphs = GraphedTargetPasses(
+                target, self.target_pool, self.capture, settings.max_batch, memory=memory, graphed=graphed
+            )
             if drafter is not None and self.drafter_pool is not None:
                 self.drafter_graphs = GraphedDrafterPasses(
-                    drafter, target, self.drafter_pool, settings.max_batch, memory
+                    drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed
                 )
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -221,39 +230,41 @@ class BatchCore:
             rounds = self._plan_rounds(decoders)
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
-            items += [self._round_rows(r) for r in rounds]
-            out = self._target_pass(items, len(prefills))
+            items += self._decoding_rows(rounds)
+            greedy = any(_plain_greedy(r.seq.chooser, r.seq.produced) for r in rounds)
+            out = self._target_pass(items, len(prefills), greedy)
         except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
             log.exception("batched step failed")
             for seq in served:
                 self._end(seq, exc)
             return len(served)
-        features = out.features or [None] * len(items)  # type: ignore[list-item]
+        features = out.features
         for index, (seq, lo, hi) in enumerate(prefills):
-            self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index], features[index])
+            self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index],
+                          features[index] if features is not None else None)
         for offset, r in enumerate(rounds, start=len(prefills)):
-            best = out.argmax[offset] if out.argmax is not None else None
-            self._guarded(r.seq, self._after_round, r, out.logits[offset], features[offset], best)
+            self._guarded(r.seq, self._after_round, r, out, offset)
         rows = sum(int(item.tokens.numel()) for item in items)
         self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
         return len(served)
 
-    def _target_pass(self, items: list[TargetRows], prefills: int) -> TargetOutput:
-        """One packed pass, or on a CUDA device the prefill chunks packed and the decoding rows through a graph."""
+    def _target_pass(self, items: list[TargetRows], prefills: int, greedy: bool) -> TargetOutput:
+        """One packed pass, or on a CUDA device the prefill chunks packed and the decoding rows through a graph.
+        `greedy`: some round chooses by the plain argmax (the pass gives every row's on the host)."""
         if self.graphs is None or len(items) == prefills:
-            return run_target(self.target, self.target_pool, items, self.capture)
+            return run_target(self.target, self.target_pool, items, self.capture, argmax=greedy)
         decoded = self.graphs.run(items[prefills:])
         if not prefills:
             return decoded
         prefilled = run_target(self.target, self.target_pool, items[:prefills], self.capture)
         features = None
         if prefilled.features is not None and decoded.features is not None:
-            features = prefilled.features + decoded.features
-        argmax = None
+            features = [*prefilled.features, *decoded.features]
+        argmax: list[list[int]] | None = None
         if decoded.argmax is not None:
-            argmax = [torch.empty(0, dtype=torch.long)] * prefills + decoded.argmax
-        return TargetOutput(prefilled.logits + decoded.logits, features, argmax)
+            argmax = [[] for _ in range(prefills)] + decoded.argmax
+        return TargetOutput([*prefilled.logits, *decoded.logits], features, argmax)
 
     def _guarded(self, seq: Sequence, fn: object, *args: object) -> None:
         try:
@@ -405,10 +416,12 @@ class BatchCore:
         scores = run_drafter(self.drafter, self.target, self.drafter_pool, items, self.drafter_graphs)
         trees = [(r, score) for r, score in zip(drafting, scores, strict=True) if r.kind == "tree"]
         candidates = _tree_candidates(trees)
+        chains = _greedy_drafts([(r, score) for r, score in zip(drafting, scores, strict=True) if r.kind == "linear"])
         for r, score in zip(drafting, scores, strict=True):
             r.seq.new_features = r.seq.new_features[:0] if r.seq.new_features is not None else None  # absorbed
             if r.kind == "linear":
-                r.drafts = score.greedy().tolist()
+                found_chain = chains.get(id(r))
+                r.drafts = found_chain if found_chain is not None else score.greedy().tolist()
                 continue
             max_depth = min(block - 1, r.seq.request.max_new_tokens - r.seq.produced - 1)
             found = candidates.get(id(r))
@@ -431,20 +444,34 @@ class BatchCore:
             max_depth = min(block - 1, seq.request.max_new_tokens - seq.produced - 1)
             r.tree = selector_tree(lattice, seq.pending, r.budget, max_depth)
 
-    def _round_rows(self, r: _Round) -> TargetRows:
-        seq = r.seq
+    def _decoding_rows(self, rounds: list[_Round]) -> list[TargetRows]:
+        """Every round's target rows; plain rounds' tokens and positions as views of two tensors built at once."""
         device = torch.device("cpu") if self.graphs is not None else self.target_pool.device  # graphs load from host
+        plain = [r for r in rounds if r.kind == "plain"]
+        if plain:
+            tokens = _long_tensor([r.seq.pending for r in plain], device)  # [plain]
+            positions = _long_tensor([r.seq.start for r in plain], device)  # [plain]
+            for index, r in enumerate(plain):
+                assert r.seq.target is not None
+                r.rows = TargetRows(r.seq.target, tokens[index : index + 1], positions[index : index + 1],
+                                    logit_rows=_FIRST_ROW)
+        rows = []
+        for r in rounds:
+            if r.rows is None:
+                r.rows = self._round_rows(r, device)
+            rows.append(r.rows)
+        return rows
+
+    def _round_rows(self, r: _Round, device: torch.device) -> TargetRows:
+        """A linear round's block or a tree round's nodes (plain rounds: `_decoding_rows`)."""
+        seq = r.seq
         assert seq.target is not None
         if r.kind == "linear":
             assert r.drafts is not None
-            tokens = torch.tensor([seq.pending, *r.drafts], dtype=torch.long, device=device)
-            positions = torch.arange(seq.start, seq.start + len(tokens), device=device)
-            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, len(tokens)))
-            return r.rows
-        if r.kind == "plain":
-            tokens = torch.tensor([seq.pending], dtype=torch.long, device=device)
-            positions = torch.tensor([seq.start], dtype=torch.long, device=device)
-            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, 1))
+            count = len(r.drafts) + 1
+            tokens = _long_tensor([seq.pending, *r.drafts], device)
+            positions = _long_tensor(range(seq.start, seq.start + count), device)
+            r.rows = TargetRows(seq.target, tokens, positions, logit_rows=slice(0, count))
             return r.rows
         tree = r.tree if r.tree is not None else linear_chain_tree([])
         r.tree = tree
@@ -454,52 +481,62 @@ class BatchCore:
                             logit_rows=slice(0, tree.num_nodes + 1))
         return r.rows
 
-    def _after_round(
-        self, r: _Round, logits: torch.Tensor, features: torch.Tensor | None, argmax: torch.Tensor | None = None
-    ) -> None:
-        """`argmax`: the rows' argmax when already computed (host) — a plain greedy request's choices."""
+    def _after_round(self, r: _Round, out: TargetOutput, index: int) -> None:
+        """Choose, accept and commit (or roll back) a round from its rows of the target pass `out` (request
+        `index`); a plain greedy request reads its choices from the pass's host argmax, touching no tensor."""
         seq = r.seq
         assert seq.target is not None
         produced = seq.produced
-        greedy = argmax if argmax is not None and _plain_greedy(seq.chooser, produced) else None
+        best = out.argmax[index] if out.argmax is not None else None
+        greedy = best if best is not None and _plain_greedy(seq.chooser, produced) else None
+        rows: torch.Tensor | None = None  # the kept tree rows, where they are not the first `kept`
         if r.kind == "plain":
-            choice = int(greedy[0]) if greedy is not None else int(seq.chooser.choose(logits, produced)[0])
+            choice = greedy[0] if greedy is not None else int(seq.chooser.choose(out.logits[index], produced)[0])
             committed, kept = [choice], 1
             if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             seq.target.crop(seq.start + 1)
-            kept_features = features[:1] if features is not None else None
         elif r.kind == "linear":
             assert r.drafts is not None
-            allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
-            choices = greedy if greedy is not None else seq.chooser.choose(logits, produced, allowed)  # [k+1]
-            drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
-            accepted = accepted_prefix_length(drafts, choices)
-            committed = [*r.drafts[:accepted], int(choices[accepted])]
+            if greedy is not None:
+                accepted = _matching_prefix(r.drafts, greedy)
+                bonus = greedy[accepted]
+            else:
+                allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
+                choices = seq.chooser.choose(out.logits[index], produced, allowed)  # [k+1]
+                drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
+                accepted = accepted_prefix_length(drafts, choices)
+                bonus = int(choices[accepted])
+            committed = [*r.drafts[:accepted], bonus]
             seq.record_drafted_round(len(r.drafts), accepted)
             seq.target.crop(seq.start + accepted + 1)
-            kept_features = features[: accepted + 1] if features is not None else None
             kept = accepted + 1
         else:
             assert r.tree is not None
-            choices = greedy if greedy is not None else tree_choices(seq.chooser, logits, r.tree, produced)  # [n+1]
-            visited, bonus = follow_tree(r.tree, choices)
+            if greedy is not None:
+                choices_of_nodes: list[int] | torch.Tensor = greedy
+            else:
+                choices_of_nodes = tree_choices(seq.chooser, out.logits[index], r.tree, produced)  # [n+1]
+            visited, bonus = follow_tree(r.tree, choices_of_nodes)
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
                 seq.record_drafted_round(r.tree.num_nodes, len(visited) - 1)
             elif seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             kept = len(visited)
-            if visited == list(range(kept)):
+            if visited[-1] == kept - 1:  # the path is nodes 0 .. kept-1 (parents precede children)
                 seq.target.crop(seq.start + kept)
-                kept_features = features[:kept] if features is not None else None
             else:
                 rows = torch.tensor(visited, dtype=torch.long, device=self.target_pool.device)
                 seq.target.compact(seq.start, rows + seq.start)
-                kept_features = features[rows] if features is not None else None
-        if seq.speculative and kept_features is not None:
+        if seq.speculative and out.features is not None:
+            features = out.features[index]  # [n, F]
+            kept_features = features[:kept] if rows is None else features[rows.to(features.device)]
             carried = seq.new_features
-            seq.new_features = kept_features if carried is None else torch.cat((carried, kept_features))
+            if carried is None or not carried.shape[0]:
+                seq.new_features = kept_features
+            else:
+                seq.new_features = torch.cat((carried, kept_features))
         seq.start += kept
         seq.pending = committed[-1]
         seq.chooser.observe(committed)
@@ -534,6 +571,38 @@ def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
     )
 
 
+def _matching_prefix(drafts: list[int], choices: list[int]) -> int:
+    """How many leading drafts equal the target's choices at their rows (`accepted_prefix_length` on lists)."""
+    accepted = 0
+    for draft, choice in zip(drafts, choices, strict=False):  # one choice more than drafts: the bonus row
+        if draft != choice:
+            break
+        accepted += 1
+    return accepted
+
+
+def _long_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
+    """int64 [len(values)] on `device`, built through numpy (torch.tensor of a Python list costs several times
+    more)."""
+    host = torch.from_numpy(np.fromiter(values, dtype=np.int64))
+    return host if device.type == "cpu" else host.to(device)
+
+
+def _greedy_drafts(chains: list[tuple[_Round, DraftScores]]) -> dict[int, list[int]]:
+    """The greedy drafts of every linear round whose draft scores share one shape and columns, from one argmax and
+    one host transfer (instead of one per request): {id(round): drafts}."""
+    if len(chains) < 2:
+        return {}
+    shapes = {tuple(score.logits.shape) for _, score in chains}
+    ids = {id(score.ids) for _, score in chains}
+    if len(shapes) != 1 or len(ids) != 1:
+        return {}
+    first = chains[0][1]
+    stacked = DraftScores(torch.stack([score.logits for _, score in chains]), first.ids, first.vocab_size)  # [n, k, cols]
+    drafts: list[list[int]] = stacked.greedy().tolist()  # [n, k]
+    return {id(r): row for (r, _), row in zip(chains, drafts, strict=True)}
+
+
 def _tree_candidates(trees: list[tuple[_Round, DraftScores]]) -> dict[int, tuple[list[list[float]], list[list[int]]]]:
     """Per-depth top-k candidates of every tree round whose draft scores share one shape, from one top-k over all
     of them and one host transfer (instead of one per request): {id(round): (log-probabilities, token ids)}."""
@@ -547,6 +616,10 @@ def _tree_candidates(trees: list[tuple[_Round, DraftScores]]) -> dict[int, tuple
     k = min(budgets.pop(), stacked.shape[-1])
     top_lp, top_ids = topk_log_probs(stacked.flatten(0, 1), k)  # [trees * depth, k]
     depth = stacked.shape[1]
-    lp = top_lp.view(len(trees), depth, k).cpu().tolist()
-    ids = top_ids.view(len(trees), depth, k).cpu().tolist()
+    if stacked.shape[-1] <= 1 << 24:  # ids exact in float64: one transfer for both
+        both = torch.stack((top_lp.double(), top_ids.double())).view(2, len(trees), depth, k).cpu()
+        lp, ids = both[0].tolist(), both[1].long().tolist()
+    else:
+        lp = top_lp.view(len(trees), depth, k).cpu().tolist()
+        ids = top_ids.view(len(trees), depth, k).cpu().tolist()
     return {id(r): (lp[i], ids[i]) for i, (r, _) in enumerate(trees)}

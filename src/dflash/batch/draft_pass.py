@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from dflash.batch.attention import PackedAttention, segment
@@ -132,11 +134,11 @@ def _convolved_layer(
 def _graphed_blocks(drafter: DFlashDrafter, graphs: GraphedDrafterPasses, items: Sequence[DraftRows]) -> list[DraftScores]:
     block = drafter.config.block_size
     visible = torch.ones(block, block, dtype=torch.bool)  # the block sees itself both ways
-    rows = []
-    for item in items:
-        tokens = torch.full((block,), drafter.config.mask_token_id, dtype=torch.long)
-        tokens[0] = item.pending
-        rows.append(TargetRows(item.table, tokens, torch.arange(item.start, item.start + block), visible))
+    tokens = torch.full((len(items), block), drafter.config.mask_token_id, dtype=torch.long)  # [requests, block]
+    tokens[:, 0] = torch.from_numpy(np.fromiter((item.pending for item in items), dtype=np.int64, count=len(items)))
+    starts = torch.from_numpy(np.fromiter((item.start for item in items), dtype=np.int64, count=len(items)))
+    positions = starts[:, None] + torch.arange(block)[None]  # [requests, block]
+    rows = [TargetRows(item.table, tokens[i], positions[i], visible) for i, item in enumerate(items)]
     logits = graphs.run(rows, [item.outputs for item in items])
     return [DraftScores(part, None, part.shape[-1]) for part in logits]
 
@@ -148,9 +150,9 @@ def _absorb(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows])
         return
     device = pool.device
     features = torch.cat([item.new_features for item in live])[None]  # [1, new, n*target_hidden]
-    positions = torch.cat([
-        torch.arange(i.table.length, i.table.length + i.new_features.shape[0], device=device) for i in live
-    ])[None]
+    # each request's new positions length .. length + count - 1, end to end: [new]
+    spans = (range(i.table.length, i.table.length + i.new_features.shape[0]) for i in live)
+    positions = torch.from_numpy(np.fromiter(chain.from_iterable(spans), dtype=np.int64)).to(device)[None]
     slots = torch.cat([i.table.slots(i.table.length, i.table.length + i.new_features.shape[0]) for i in live])
     ctx = drafter.context(features)  # [1, new, hidden]
     cos, sin = drafter.rotary.cos_sin(positions, drafter.fc.weight.dtype)

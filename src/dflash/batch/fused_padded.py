@@ -38,6 +38,7 @@ def fused_padded_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`padded_forward` for models that `supports_fused_layers` -> (logits [requests, rows, vocab], features
     [requests, rows, F] or None)."""
+    batch.derive()
     config = model.layer_config  # this rank's heads under tensor parallelism
     requests, rows = batch.tokens.shape
     count = requests * rows

@@ -4,7 +4,8 @@ decoding rows, and the drafter's block pass.
 The engine chooses graphs (the models know nothing of them): the core hands its rows here on a CUDA device. A
 shape's graph is captured on first use (or ahead of traffic, `ensure`), replayed afterwards; its input buffers are
 refilled before each replay. All graphs share one memory pool, and the K/V pools they write are the engine's
-(fixed addresses).
+(fixed addresses). Built with `graphed=False`, the same buffers are loaded and the same passes run eagerly, on any
+device: the CUDA path's host work, tested and measured on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import BlockPool
-from dflash.batch.target_pass import TargetOutput, TargetRows
+from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
 
@@ -29,7 +30,7 @@ PaddedForward = Callable[[PaddedBatch], tuple[torch.Tensor, torch.Tensor | None]
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: the pass runs eagerly at each replay
     batch: PaddedBatch
     logits: torch.Tensor  # [requests, rows, vocab]
     features: torch.Tensor | None  # [requests, rows, F]
@@ -39,10 +40,11 @@ class PaddedGraphs:
     """Captured graphs of one padded forward, by shape."""
 
     def __init__(self, name: str, forward: PaddedForward, pool: BlockPool, window: int | None, max_requests: int,
-                 memory: Any) -> None:
+                 memory: Any, *, graphed: bool = True) -> None:
         self.name, self.forward, self.pool, self.window, self.max_requests = name, forward, pool, window, max_requests
         self._graphs: dict[PaddedShape, _Captured] = {}
         self._memory = memory
+        self.graphed = graphed
 
     @property
     def captured(self) -> int:
@@ -55,11 +57,18 @@ class PaddedGraphs:
     def replay(self, items: Sequence[TargetRows]) -> _Captured:
         entry = self.ensure(PaddedShape.of(items, self.max_requests))
         entry.batch.load(items)
-        entry.graph.replay()
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            entry.logits, entry.features = self.forward(entry.batch)
         return entry
 
     def _capture(self, shape: PaddedShape) -> _Captured:
         batch = PaddedBatch(shape, self.pool, self.window)  # all padding: nothing real is written
+        if not self.graphed:
+            entry = _Captured(None, batch, torch.empty(0), None)
+            self._graphs[shape] = entry
+            return entry
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -80,10 +89,10 @@ class GraphedTargetPasses:
 
     def __init__(
         self, model: CausalLM, pool: BlockPool, capture: Sequence[int], max_requests: int, *, fused: bool = True,
-        memory: Any = None,
+        memory: Any = None, graphed: bool = True,
     ) -> None:
         forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = padded_forward
-        if fused:
+        if fused and graphed:
             from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
 
             if supports_fused_layers(model):
@@ -91,7 +100,7 @@ class GraphedTargetPasses:
         layers = tuple(capture)
         self.graphs = PaddedGraphs(
             "target", lambda batch: forward(model, pool, batch, layers), pool, model.sliding_window, max_requests,
-            memory if memory is not None else torch.cuda.graph_pool_handle(),
+            memory if memory is not None or not graphed else torch.cuda.graph_pool_handle(), graphed=graphed,
         )
 
     @property
@@ -103,16 +112,17 @@ class GraphedTargetPasses:
 
     def run(self, items: Sequence[TargetRows]) -> TargetOutput:
         entry = self.graphs.replay(items)
-        best = entry.logits[: len(items)].argmax(dim=-1).cpu()  # [requests, rows]: one transfer for every greedy row
+        count = len(items)
+        # [requests, rows]: one operation and one transfer for every greedy row of the step
+        best: list[list[int]] = entry.logits[:count].argmax(dim=-1).tolist()
         # copied once: kept rows outlive the next replay (they become drafter context)
-        copied = entry.features[: len(items)].clone() if entry.features is not None else None
-        logits, features, argmax = [], [], []
-        for index, item in enumerate(items):
-            logits.append(entry.logits[index, item.logit_rows])
-            argmax.append(best[index, item.logit_rows])
-            if copied is not None:
-                features.append(copied[index, : int(item.tokens.numel())])
-        return TargetOutput(logits, features if copied is not None else None, argmax)
+        copied = entry.features[:count].clone() if entry.features is not None else None
+        wanted = [item.logit_rows for item in items]
+        argmax = [row[rows] for row, rows in zip(best, wanted, strict=True)]
+        features = None
+        if copied is not None:
+            features = RowViews(copied, [slice(0, int(item.tokens.numel())) for item in items])
+        return TargetOutput(RowViews(entry.logits, wanted), features, argmax)
 
 
 def padded_drafter_forward(
@@ -123,6 +133,7 @@ def padded_drafter_forward(
     from dflash.batch.padded import PaddedAttention
 
     dtype = drafter.fc.weight.dtype
+    batch.derive()
     backend = PaddedAttention(pool, batch, drafter.sliding)
     cos, sin = drafter.rotary.cos_sin(batch.positions, dtype)  # [requests, 1, block, head_dim]
     x = target.embed(batch.tokens).to(dtype)  # [requests, block, hidden]
@@ -139,11 +150,11 @@ class GraphedDrafterPasses:
     """The drafter's block pass of every speculating request (its context rows are absorbed eagerly before)."""
 
     def __init__(self, drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, max_requests: int,
-                 memory: Any) -> None:
+                 memory: Any, *, graphed: bool = True) -> None:
         window = drafter.config.sliding_window if any(drafter.sliding) else None
         self.graphs = PaddedGraphs(
             "drafter", lambda batch: padded_drafter_forward(drafter, target, pool, batch), pool, window,
-            max_requests, memory,
+            max_requests, memory, graphed=graphed,
         )
         self.block = drafter.config.block_size
 

@@ -49,58 +49,100 @@ class PaddedShape:
 
 
 class PaddedBatch:
-    """Device buffers of one shape, loaded from the step's rows before each replay."""
+    """Device buffers of one shape, loaded from the step's rows before each replay.
+
+    The host sends little: per request its tokens and positions, its committed length and row count, its block
+    table and the visibility among its new rows; the slots each row reads and writes and the attention masks
+    over all `keys` are derived from them on the device (`derive`, at the start of every padded forward, so
+    inside the captured graph): no [requests, rows, keys] mask is built on the host or copied over."""
 
     def __init__(self, shape: PaddedShape, pool: BlockPool, window: int | None) -> None:
         b, r, k, device = shape.requests, shape.rows, shape.keys, pool.device
         self.shape, self.pool, self.window = shape, pool, window
-        self.tokens = torch.zeros(b, r, dtype=torch.long, device=device)
-        self.positions = torch.zeros(b, r, dtype=torch.long, device=device)
-        self.write_slots = torch.full((b * r,), pool.trash_slot, dtype=torch.long, device=device)
-        self.store_slots = torch.full((b * r,), -1, dtype=torch.long, device=device)  # padding: -1, store nothing
-        self.read_slots = torch.full((b, k), pool.trash_slot, dtype=torch.long, device=device)
-        self.full_mask = torch.zeros(b, 1, r, k, dtype=torch.bool, device=device)
-        self.full_mask[..., 0] = True
-        self.sliding_mask = self.full_mask.clone() if window is not None else None
+        self.key_blocks = -(-k // pool.block_size)  # block-table entries that cover `keys` positions
+        # all int64 inputs in one buffer, each a contiguous part: tokens [b, r], positions [b, r], committed lengths
+        # [b], row counts [b], block tables [b, kb]
+        sizes = (b * r, b * r, b, b, b * self.key_blocks)
+        pinned = pool.device.type == "cuda"
+        self._host_ints = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pinned)
+        self._host_visibility = torch.zeros(b, r, r, dtype=torch.bool, pin_memory=pinned)
+        self._ints = torch.zeros(sum(sizes), dtype=torch.long, device=device)
+        tokens, positions, past, counts, blocks = self._ints.split(sizes)
+        self.tokens = tokens.view(b, r)
+        self.positions = positions.view(b, r)
+        self.past = past  # [b]: committed positions (keys before the new rows)
+        self.counts = counts  # [b]: real rows (0: a padding request)
+        self.blocks = blocks.view(b, self.key_blocks)  # [b, kb]: the request's pool blocks, in position order
+        self.visibility = torch.zeros(b, r, r, dtype=torch.bool, device=device)  # [b, r, r] among the new rows
+        # numpy views of the host buffers, in the same parts (load writes through them)
+        host = self._host_ints.numpy()
+        parts = np.split(host, np.cumsum(sizes)[:-1])
+        self._host_parts = (parts[0].reshape(b, r), parts[1].reshape(b, r), parts[2], parts[3],
+                            parts[4].reshape(b, self.key_blocks))
+        self._key_index = torch.arange(k, device=device)  # [k]
+        self.derive()
 
     def load(self, items: Sequence[TargetRows]) -> None:
-        """Fill the buffers for `items` (at most `shape.requests`, each within the shape). Built in numpy on the
-        host (a step's per-request bookkeeping is most of a small model's step) and copied over once per buffer."""
-        b, r, k = self.shape.requests, self.shape.rows, self.shape.keys
-        trash = self.pool.trash_slot
-        tokens = np.zeros((b, r), dtype=np.int64)
-        positions = np.zeros((b, r), dtype=np.int64)
-        write = np.full((b, r), trash, dtype=np.int64)
-        read = np.full((b, k), trash, dtype=np.int64)
-        full = np.zeros((b, r, k), dtype=np.bool_)
-        full[..., 0] = True  # padded rows read one finite slot
-        key_positions = np.zeros((b, k), dtype=np.int64) if self.window is not None else None
+        """Fill the buffers for `items` (at most `shape.requests`, each within the shape): a few numpy writes per
+        request into one host buffer of ints and one of booleans, then one copy each."""
+        r, count = self.shape.rows, len(items)
+        visibility = self._host_visibility.numpy()
+        self._host_ints.zero_()
+        visibility.fill(False)
+        tokens, positions, past, counts, tables = self._host_parts
+        rows = np.fromiter((int(item.tokens.numel()) for item in items), dtype=np.int64, count=count)  # [count]
+        live = np.arange(r)[None, :] < rows[:, None]  # [count, r]
+        tokens[:count][live] = torch.cat([item.tokens for item in items]).numpy()
+        positions[:count][live] = torch.cat([item.positions for item in items]).numpy()
+        past[:count] = np.fromiter((item.table.length for item in items), dtype=np.int64, count=count)
+        counts[:count] = rows
+        visibility[:count] = _LOWER[None, :r, :r] & live[:, :, None] & live[:, None, :]  # causal among real rows
         for index, item in enumerate(items):
-            n, past = int(item.tokens.numel()), item.table.length
-            tokens[index, :n] = item.tokens.numpy()
-            positions[index, :n] = item.positions.numpy()
-            slots = item.table.host_slots(0, past + n).numpy()
-            write[index, :n] = slots[past:]
-            read[index, : past + n] = slots
-            full[index, :n, :past] = True
-            if item.visibility is None:
-                full[index, :n, past : past + n] = _LOWER[:n, :n]
-            else:
-                full[index, :n, past : past + n] = item.visibility.numpy()
-            if key_positions is not None:
-                key_positions[index, :past] = np.arange(past)
-                key_positions[index, past : past + n] = item.positions.numpy()
-        self.tokens.copy_(torch.from_numpy(tokens), non_blocking=True)
-        self.positions.copy_(torch.from_numpy(positions), non_blocking=True)
-        self.write_slots.copy_(torch.from_numpy(write.reshape(-1)), non_blocking=True)
-        self.store_slots.copy_(torch.from_numpy(np.where(write == trash, -1, write).reshape(-1)), non_blocking=True)
-        self.read_slots.copy_(torch.from_numpy(read), non_blocking=True)
-        self.full_mask.copy_(torch.from_numpy(full[:, None]), non_blocking=True)
-        if self.sliding_mask is not None and self.window is not None and key_positions is not None:
-            distance = positions[:, :, None] - key_positions[:, None, :]  # [b, r, k]
+            blocks = item.table.block_array(self.key_blocks)
+            tables[index, : len(blocks)] = blocks
+            if item.visibility is not None:  # a tree: its ancestor mask
+                n = int(rows[index])
+                visibility[index, :n, :n] = item.visibility.numpy()
+        self._ints.copy_(self._host_ints, non_blocking=True)
+        self.visibility.copy_(self._host_visibility, non_blocking=True)
+
+    def derive(self) -> None:
+        """Slots and masks from the loaded buffers, on the device:
+
+        * `read_slots` [b, k]: the slot of each request's key positions 0 .. past + rows - 1, the trash slot after;
+        * `write_slots` [b * r]: the slot of each real row (position past + row), the trash slot for padding rows;
+          `store_slots` the same with -1 for padding rows (the fused kernels store nothing there);
+        * `full_mask` [b, 1, r, k]: a real row sees the committed keys and its new rows by `visibility`; every row
+          sees key 0 (padding rows read one finite slot, so that nothing turns NaN);
+        * `sliding_mask`: the same within the window (by position), where the model has sliding layers."""
+        b, r, k = self.shape.requests, self.shape.rows, self.shape.keys
+        size, trash = self.pool.block_size, self.pool.trash_slot
+        keys = self._key_index  # [k]
+        past, counts = self.past[:, None], self.counts[:, None]  # [b, 1]
+        last_block = self.key_blocks - 1
+        key_slots = self.blocks.gather(1, (keys // size)[None].expand(b, k)) * size + keys % size  # [b, k]
+        self.read_slots = torch.where(keys[None] < past + counts, key_slots, trash)  # [b, k]
+        row_index = keys[:r][None]  # [1, r]
+        row_keys = past + row_index  # [b, r]: each row's own position
+        row_blocks = self.blocks.gather(1, (row_keys // size).clamp(max=last_block))  # [b, r]
+        real = row_index < counts  # [b, r]
+        write = torch.where(real, row_blocks * size + row_keys % size, trash)  # [b, r]
+        self.write_slots = write.reshape(-1)  # [b * r]
+        self.store_slots = torch.where(real, write, -1).reshape(-1)  # [b * r]
+        relative = keys[None] - past  # [b, k]: key position minus the first new row's
+        new_row = relative.clamp(0, r - 1)  # [b, k]
+        among_new = self.visibility.gather(2, new_row[:, None, :].expand(b, r, k))  # [b, r, k]
+        full = (relative < 0)[:, None, :] | (among_new & ((relative >= 0) & (relative < counts))[:, None, :])
+        full[..., 0] = True
+        self.full_mask = full[:, None]  # [b, 1, r, k]
+        self.sliding_mask = None
+        if self.window is not None:
+            new_positions = self.positions.gather(1, new_row)  # [b, k]
+            key_positions = torch.where(relative < 0, keys[None], new_positions)  # [b, k]
+            distance = self.positions[:, :, None] - key_positions[:, None, :]  # [b, r, k]
             sliding = full & (distance < self.window)
             sliding[..., 0] |= ~sliding.any(-1)  # a padded row keeps its finite slot
-            self.sliding_mask.copy_(torch.from_numpy(sliding[:, None]), non_blocking=True)
+            self.sliding_mask = sliding[:, None]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The full-attention mask as additive float [requests, 1, rows, keys] (0 visible, -inf hidden)."""
@@ -139,6 +181,7 @@ def padded_forward(
     None). The pool's rows past each table's length are written; nothing is committed."""
     if model.config.is_hybrid:
         raise GenerationError("the padded (CUDA graph) passes keep no linear-attention state: hybrids run packed")
+    batch.derive()
     backend = PaddedAttention(pool, batch, model.sliding)
     hidden, features = model.run_layers(batch.tokens, batch.positions, None, None, backend, capture)
     logits = model.finish(hidden, None, "all").logits

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 # Verified rows per step by device class: on the CPU a row costs about a tenth of a plain step up to a few dozen
 # rows, on the GPU a step stays launch- and weight-bound for hundreds.
 DEFAULT_MAX_STEP_ROWS = {"cpu": 32, "cuda": 256}
@@ -36,28 +34,62 @@ class RoundPlan:
 
 
 class StepCosts:
-    """Online fit of step time = base + per_row * rows + draft * drafted (drafted: 1 if the drafter ran)."""
+    """Online fit of step time = base + per_row * rows + draft * drafted (drafted: 1 if the drafter ran).
+
+    Three unknowns: the sums are kept as Python floats and the 3x3 system is solved once per observation (not per
+    prediction), so the fit costs a few microseconds of a step instead of a dozen small tensor operations."""
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay
-        self.gram = torch.eye(3, dtype=torch.float64) * 1e-6  # weighted sum of x x^T (a small ridge keeps it solvable)
-        self.moment = torch.zeros(3, dtype=torch.float64)  # weighted sum of x * seconds
+        # weighted sum of x x^T (a small ridge keeps it solvable), row-major 3x3
+        self.gram = [[1e-6 if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.moment = [0.0, 0.0, 0.0]  # weighted sum of x * seconds
         self.observations = 0
+        self._coef: tuple[float, float, float] | None = None
 
     def observe(self, rows: int, drafted: bool, seconds: float) -> None:
-        x = torch.tensor([1.0, float(rows), 1.0 if drafted else 0.0], dtype=torch.float64)
-        self.gram = self.decay * self.gram + torch.outer(x, x)
-        self.moment = self.decay * self.moment + x * seconds
+        x = (1.0, float(rows), 1.0 if drafted else 0.0)
+        decay = self.decay
+        for i in range(3):
+            row = self.gram[i]
+            for j in range(3):
+                row[j] = decay * row[j] + x[i] * x[j]
+            self.moment[i] = decay * self.moment[i] + x[i] * seconds
         self.observations += 1
+        self._coef = None
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(base, per_row, draft): the least-squares solution of gram @ coef = moment."""
+        if self._coef is None:
+            self._coef = _solve3(self.gram, self.moment)
+        return self._coef
 
     def predict(self, rows: int, drafted: bool) -> float:
-        coef = torch.linalg.solve(self.gram, self.moment)
-        x = torch.tensor([1.0, float(rows), 1.0 if drafted else 0.0], dtype=torch.float64)
-        return max(float(coef @ x), 1e-9)
+        base, per_row, draft = self.coefficients
+        return max(base + per_row * rows + (draft if drafted else 0.0), 1e-9)
 
     @property
     def trusted(self) -> bool:
         return self.observations >= MIN_OBSERVATIONS
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float]:
+    """x with a @ x = b for a 3x3 `a` (Gaussian elimination with partial pivoting, as an LU solve does)."""
+    m = [[*a[i], b[i]] for i in range(3)]  # augmented rows
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        if m[col][col] == 0.0:
+            return (0.0, 0.0, 0.0)
+        for r in range(col + 1, 3):
+            factor = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= factor * m[col][c]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x[0], x[1], x[2]
 
 
 @dataclass

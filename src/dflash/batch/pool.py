@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dflash.errors import GenerationError
@@ -103,8 +104,8 @@ class SlotTable:
         # a hybrid model's linear-attention state for this request: advanced by the target pass, cropped with the
         # table (a rejected draft's effect is undone where the table forgets its slots)
         self.recurrent: RecurrentStates | None = None
+        self._block_array = np.zeros(0, dtype=np.int64)  # `blocks` as an array (fixed-shape passes read it)
         self._slots = torch.empty(0, dtype=torch.long, device=pool.device)  # [capacity]: slot of each position
-        self._host_slots = torch.empty(0, dtype=torch.long)  # the same on the host (fixed-shape passes fill from it)
 
     @property
     def capacity(self) -> int:
@@ -117,23 +118,21 @@ class SlotTable:
             return
         new = self.pool.allocate(missing)
         self.blocks.extend(new)
+        self._block_array = np.array(self.blocks, dtype=np.int64)
         size = self.pool.block_size
         starts = torch.tensor(new, dtype=torch.long) * size  # [missing]
         added = (starts[:, None] + torch.arange(size)[None]).reshape(-1)  # [missing * size]
-        self._host_slots = torch.cat((self._host_slots, added))
         self._slots = torch.cat((self._slots, added.to(self.pool.device)))
+
+    def block_array(self, limit: int) -> np.ndarray:
+        """The first `limit` (at most) blocks as int64 [<= limit] (a view: do not modify)."""
+        return self._block_array[:limit]
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         """Slots of positions [start, end): int64 [end - start] (a view: do not modify)."""
         if end > self.capacity:
             raise GenerationError(f"positions up to {end} exceed the {self.capacity} reserved")
         return self._slots[start:end]
-
-    def host_slots(self, start: int, end: int) -> torch.Tensor:
-        """`slots` as a host tensor."""
-        if end > self.capacity:
-            raise GenerationError(f"positions up to {end} exceed the {self.capacity} reserved")
-        return self._host_slots[start:end]
 
     def crop(self, length: int) -> None:
         """Keep positions [0, length) committed (rejected drafts after them are forgotten)."""
@@ -161,8 +160,8 @@ class SlotTable:
         if self.blocks:
             self.pool.release(self.blocks)
         self.blocks = []
+        self._block_array = self._block_array[:0]
         self.length = 0
         if self.recurrent is not None:
             self.recurrent.reset()
         self._slots = self._slots[:0]
-        self._host_slots = self._host_slots[:0]

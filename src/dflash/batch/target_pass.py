@@ -7,7 +7,7 @@ once over all rows; attention runs per request over the paged pool (`dflash.batc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.errors import GenerationError
+from dflash.kernels.fused_cpu import layer_ops
 from dflash.models.model import CausalLM
 
 
@@ -29,15 +30,44 @@ class TargetRows:
     logit_rows: slice = field(default_factory=lambda: slice(0, 0))  # its rows (relative) whose logits are wanted
 
 
+class RowViews:
+    """Per-request views of one output tensor, made when read: `source[index, rows[index]]` (a step whose
+    requests choose greedily from the host argmax never reads its logits)."""
+
+    def __init__(self, source: torch.Tensor, rows: Sequence[slice]) -> None:
+        self.source, self.rows = source, rows
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.source[index, self.rows[index]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[index] for index in range(len(self.rows)))
+
+
+Rows = list[torch.Tensor] | RowViews
+
+
 @dataclass(frozen=True)
 class TargetOutput:
-    logits: list[torch.Tensor]  # per request: [len(logit_rows), vocab]
-    features: list[torch.Tensor] | None  # per request: [n, len(capture) * hidden]
-    argmax: list[torch.Tensor] | None = None  # per request, on the host: the argmax of each logits row
+    logits: Rows  # per request: [len(logit_rows), vocab]
+    features: Rows | None  # per request: [n, len(capture) * hidden]
+    argmax: list[list[int]] | None = None  # per request, on the host: the argmax of each logits row
 
 
-def run_target(model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], capture: Sequence[int]) -> TargetOutput:
-    """Write every request's rows into `pool` (tables are not advanced: the caller commits) and compute them."""
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] -> the first index of each row's maximum [rows] (greedy choice's tokens)."""
+    ops = layer_ops(logits) if logits.dim() == 2 and logits.is_contiguous() else None
+    return logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits)
+
+
+def run_target(
+    model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], capture: Sequence[int], *, argmax: bool = False
+) -> TargetOutput:
+    """Write every request's rows into `pool` (tables are not advanced: the caller commits) and compute them.
+    `argmax`: also give every logits row's argmax on the host (one operation and one transfer for all requests)."""
     bounds: list[slice] = []
     row = 0
     for item in items:
@@ -68,4 +98,11 @@ def run_target(model: CausalLM, pool: BlockPool, items: Sequence[TargetRows], ca
     split_features = None
     if features is not None:
         split_features = [features[0, b] for b in bounds]
-    return TargetOutput(per_request, split_features)
+    best = None
+    if argmax:
+        flat: list[int] = argmax_rows(logits[0]).tolist()  # [wanted]
+        best, row = [], 0
+        for count in counts:
+            best.append(flat[row : row + count])
+            row += count
+    return TargetOutput(per_request, split_features, best)

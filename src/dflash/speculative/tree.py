@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -59,6 +60,9 @@ class DraftTree:
     parents: torch.Tensor  # [n+1] int64, parent index per node, -1 for the root
     visibility: torch.Tensor  # [n+1, n+1] bool, ancestor-or-self (lower triangular)
     child_maps: tuple[dict[int, int], ...]  # n+1 maps, child token -> child node index
+    # the same tokens and depths as Python ints (trees built here carry them: a batched step reads every tree's
+    # without a tensor operation); None: read from the tensors
+    host: HostTree | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n = int(self.token_ids.shape[0])
@@ -79,13 +83,33 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         """Depth of the deepest node (0 for a root-only tree)."""
+        if self.host is not None:
+            return max(self.host.depths, default=0)
         return int(self.depths.max().item()) if self.num_nodes else 0
+
+    @property
+    def host_tokens(self) -> tuple[int, ...]:
+        """Node tokens (nodes 1..n) as Python ints."""
+        return self.host.tokens if self.host is not None else tuple(self.token_ids.tolist())
+
+    @property
+    def host_depths(self) -> tuple[int, ...]:
+        """Node depths (nodes 1..n) as Python ints."""
+        return self.host.depths if self.host is not None else tuple(self.depths.tolist())
+
+
+@dataclass(frozen=True)
+class HostTree:
+    """A tree's node tokens and depths (nodes 1..n) as Python ints."""
+
+    tokens: tuple[int, ...]
+    depths: tuple[int, ...]
 
 
 def _assemble(tokens: list[int], depths: list[int], parents: list[int]) -> DraftTree:
     """Build a :class:`DraftTree` from per-node lists (``parents`` includes the root's -1)."""
     n = len(tokens)
-    vis_rows: list[list[bool]] = [[True] + [False] * n]
+    rows = [1]  # per node, its ancestors-or-self as the bits of a Python int: its parent's plus its own
     child_maps: list[dict[int, int]] = [{} for _ in range(n + 1)]
     for i in range(1, n + 1):
         p = parents[i]
@@ -97,16 +121,25 @@ def _assemble(tokens: list[int], depths: list[int], parents: list[int]) -> Draft
         if tok in child_maps[p]:
             raise ValueError(f"node {p} has two children with token {tok}")
         child_maps[p][tok] = i
-        row = list(vis_rows[p])
-        row[i] = True
-        vis_rows.append(row)
-    return DraftTree(
-        token_ids=torch.tensor(tokens, dtype=torch.int64),  # [n]
-        depths=torch.tensor(depths, dtype=torch.int64),  # [n]
-        parents=torch.tensor(parents, dtype=torch.int64),  # [n+1]
-        visibility=torch.tensor(vis_rows, dtype=torch.bool),  # [n+1, n+1]
+        rows.append(rows[p] | (1 << i))
+    return DraftTree(  # through numpy: torch.tensor of a Python list costs several times more
+        token_ids=torch.from_numpy(np.array(tokens, dtype=np.int64)),  # [n]
+        depths=torch.from_numpy(np.array(depths, dtype=np.int64)),  # [n]
+        parents=torch.from_numpy(np.array(parents, dtype=np.int64)),  # [n+1]
+        visibility=torch.from_numpy(_bit_rows(rows, n + 1)),  # [n+1, n+1]
         child_maps=tuple(child_maps),
+        host=HostTree(tuple(tokens), tuple(depths)),
     )
+
+
+def _bit_rows(rows: list[int], width: int) -> np.ndarray:
+    """Python ints whose bit j marks column j -> bool [len(rows), width]."""
+    if width <= 64:
+        bits = np.array(rows, dtype=np.uint64)[:, None] >> np.arange(width, dtype=np.uint64)  # [rows, width]
+        return (bits & np.uint64(1)).astype(np.bool_)
+    packed = b"".join(row.to_bytes((width + 7) // 8, "little") for row in rows)
+    table = np.frombuffer(packed, dtype=np.uint8).reshape(len(rows), -1)
+    return np.unpackbits(table, axis=1, count=width, bitorder="little").astype(np.bool_)
 
 
 def tree_from_parents(token_ids: Sequence[int], parents: Sequence[int]) -> DraftTree:
@@ -272,7 +305,7 @@ def follow_tree(tree: DraftTree, posterior: Sequence[int] | torch.Tensor) -> tup
 
 def accepted_tokens(tree: DraftTree, visited: Sequence[int]) -> list[int]:
     """Tokens of the visited drafted nodes (the root excluded), in path order."""
-    ids: list[int] = tree.token_ids.tolist()
+    ids = tree.host_tokens
     return [ids[i - 1] for i in visited if i > 0]
 
 
@@ -294,10 +327,14 @@ def tree_verify_inputs(
     if past_length < 0:
         raise ValueError(f"past_length must be >= 0, got {past_length}")
     n1 = tree.num_nodes + 1
-    root = torch.tensor([int(root_token)], dtype=torch.int64)  # [1]
-    input_ids = torch.cat([root, tree.token_ids.to(torch.int64).cpu()]).to(device)  # [n+1]
-    depths = torch.cat([torch.zeros(1, dtype=torch.int64), tree.depths.to(torch.int64).cpu()])  # [n+1]
-    position_ids = (depths + int(start)).to(device)  # [n+1]
+    start = int(start)
+    input_ids = torch.from_numpy(np.array([int(root_token), *tree.host_tokens], dtype=np.int64)).to(device)  # [n+1]
+    depths = np.array([0, *tree.host_depths], dtype=np.int64)  # [n+1]
+    position_ids = torch.from_numpy(depths + start).to(device)  # [n+1]
+    visibility = tree.visibility.to(device=device, dtype=torch.bool)
+    if past_length == 0:  # [n+1, n+1]: the tree's own mask (a copy: the caller may write into it)
+        mask = visibility.clone() if visibility is tree.visibility else visibility
+        return input_ids, position_ids, mask
     mask = torch.ones(n1, past_length + n1, dtype=torch.bool, device=device)  # [n+1, past + n+1]
-    mask[:, past_length:] = tree.visibility.to(device=device, dtype=torch.bool)
+    mask[:, past_length:] = visibility
     return input_ids, position_ids, mask
