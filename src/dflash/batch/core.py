@@ -122,9 +122,11 @@ class BatchCore:
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
-        # graphs keep no recurrent state (hybrids) and cannot replay data-dependent work (`CausalLM.capturable`)
+        # graphs keep no recurrent state (hybrids) and cannot replay data-dependent work (`CausalLM.capturable`);
+        # experts (capturable on a GPU in 16-bit) are not yet checked through the padded passes: they step packed
         graphed = settings.cuda_graphs and weight.is_cuda
-        if (graphed or settings.eager_padded) and target.capturable and not target.config.is_hybrid:
+        padded = target.capturable and not target.config.is_hybrid and not target.config.is_moe
+        if (graphed or settings.eager_padded) and padded:
             from dflash.batch.graphs import GraphedDrafterPasses, GraphedTargetPasses
 
             memory = torch.cuda.graph_pool_handle() if graphed else None
