@@ -297,9 +297,10 @@ def main() -> None:
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     if args.json is not None:
-        meta = {"command": "python benchmarks/batch_host_overhead.py", "args": vars(args) | {"json": str(args.json)},
+        arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        meta = {"command": "python benchmarks/batch_host_overhead.py", "args": arguments,
                 "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "tokenizer": "SmolLM2" if decode is not None else None}
         args.json.write_text(json.dumps({"meta": meta, "levels": results}, indent=1) + "\n")
 
