@@ -33,8 +33,8 @@ from gpu_scale_study import (  # benchmarks/ is on the path
     as_graph,
     copy_bandwidth,
     median_ms,
+    random_tree,
     randomise,
-    tree_parents,
 )
 
 from dflash.bench.provenance import provenance
@@ -110,17 +110,9 @@ def forward(model: CausalLM, cache: KVCache, context: int, tokens: int, tree: bo
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     positions, mask = None, None
     if tree:
-        parents = tree_parents(tokens)
-        depth = [0] * tokens
-        visible = torch.zeros(tokens, context + tokens, dtype=torch.bool)
-        visible[:, :context] = True
-        for node in range(tokens):
-            walk = node
-            while walk >= 0:
-                visible[node, context + walk] = True
-                walk = parents[walk]
-            depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
-        mask = visible[None].to(device)  # [1, tokens, context + tokens]
+        visible, depth = random_tree(tokens)
+        committed = torch.ones(tokens, context, dtype=torch.bool)
+        mask = torch.cat((committed, visible), dim=1)[None].to(device)  # [1, tokens, context + tokens]
         positions = (context + torch.tensor(depth, device=device))[None]
     recurrent = cache.recurrent
     snapshot = recurrent.snapshot() if recurrent is not None else None
@@ -143,15 +135,7 @@ def engine_forward(runner: GraphRunner, context: int, tokens: int, tree: bool) -
     ids = torch.randint(0, runner.target.config.vocab_size, (1, tokens), device=device)
     tree_mask, positions = None, None
     if tree:
-        parents = tree_parents(tokens)
-        depth = [0] * tokens
-        visible = torch.zeros(tokens, tokens, dtype=torch.bool)
-        for node in range(tokens):
-            walk = node
-            while walk >= 0:
-                visible[node, walk] = True
-                walk = parents[walk]
-            depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
+        visible, depth = random_tree(tokens)
         tree_mask = visible.to(device)
         positions = (context + torch.tensor(depth, device=device))[None]
 

@@ -155,17 +155,9 @@ def target_forward(model: CausalLM, cache: KVCache, context: int, tokens: int, t
     mask = None
     positions = None
     if tree:
-        parents = tree_parents(tokens)
-        depth = [0] * tokens
-        visible = torch.zeros(tokens, context + tokens, dtype=torch.bool)
-        visible[:, :context] = True
-        for node in range(tokens):
-            walk = node
-            while walk >= 0:
-                visible[node, context + walk] = True
-                walk = parents[walk]
-            depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
-        mask = visible[None].to(device)  # [1, tokens, context + tokens]
+        visible, depth = random_tree(tokens)
+        committed = torch.ones(tokens, context, dtype=torch.bool)
+        mask = torch.cat((committed, visible), dim=1)[None].to(device)  # [1, tokens, context + tokens]
         positions = (context + torch.tensor(depth, device=device))[None]
 
     def forward() -> object:
@@ -197,6 +189,21 @@ def tree_parents(tokens: int) -> list[int]:
     return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, tokens)]
 
 
+def random_tree(tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """A random tree of `tokens` nodes (`tree_parents`): its ancestor mask [tokens, tokens] (self included) and each
+    node's depth."""
+    parents = tree_parents(tokens)
+    depth = [0] * tokens
+    visible = torch.zeros(tokens, tokens, dtype=torch.bool)
+    for node in range(tokens):
+        walk = node
+        while walk >= 0:
+            visible[node, walk] = True
+            walk = parents[walk]
+        depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
+    return visible, depth
+
+
 def runner_target(runner: GraphRunner, cache: KVCache, context: int, tokens: int, tree: bool) -> Callable[[], object]:
     """`target_forward` through the runner: the tree is given as its [tokens, tokens] ancestor mask."""
     device = cache.keys.device
@@ -204,15 +211,7 @@ def runner_target(runner: GraphRunner, cache: KVCache, context: int, tokens: int
     tree_mask = None
     positions = None
     if tree:
-        parents = tree_parents(tokens)
-        depth = [0] * tokens
-        visible = torch.zeros(tokens, tokens, dtype=torch.bool)
-        for node in range(tokens):
-            walk = node
-            while walk >= 0:
-                visible[node, walk] = True
-                walk = parents[walk]
-            depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
+        visible, depth = random_tree(tokens)
         tree_mask = visible.to(device)
         positions = (context + torch.tensor(depth, device=device))[None]
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from gpu_scale_study import random_tree  # benchmarks/ is the script's folder
 
 from dflash.config import ModelConfig
 from dflash.environment import variables_set
@@ -120,16 +121,7 @@ def capture_layers(config: ModelConfig) -> tuple[int, ...]:
 def tree_inputs(rows: int, context: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A random tree of `rows` rows (root first, each node's parent before it): positions [1, rows] (context +
     depth) and the ancestor-or-self mask [rows, rows]."""
-    generator = torch.Generator().manual_seed(0)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, rows)]
-    depth = [0] * rows
-    mask = torch.zeros(rows, rows, dtype=torch.bool)
-    for node in range(rows):
-        walk = node
-        while walk >= 0:
-            mask[node, walk] = True
-            walk = parents[walk]
-        depth[node] = 0 if parents[node] < 0 else depth[parents[node]] + 1
+    mask, depth = random_tree(rows)
     return (context + torch.tensor(depth))[None].to(device), mask.to(device)
 
 
