@@ -47,10 +47,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "on the CPU, else all), off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
     )
     group.add_argument(
-        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx"],
-        help="kernel of the quantized matrices on the CPU: float32 products, or amx (bf16 products on the AMX "
-        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row); auto = amx "
-        "where the CPU has it",
+        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx", "int8"],
+        help="kernel of the quantized matrices on the CPU: float32 products, amx (bf16 products on the AMX "
+        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), or int8 "
+        "(inputs quantised to int8 blocks, integer dot products); auto = amx where the CPU has it",
     )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")

@@ -43,7 +43,7 @@ class LoadOptions:
     quantized (Q8_0 blocks on the CPU, `dflash.drafter.quantize`; int8 rows on a GPU, `dflash.drafter.int8`).
     `draft_vocab`: auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the
     CPU, where the LM head is a quarter of its round), off, or a shortlist file (`dflash.drafter.vocab`).
-    `cpu_matmul`: the kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
+    `cpu_matmul`: the kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32, amx or int8
     (`dflash.models.cpu_matmul`)."""
 
     device: str = "auto"  # auto or a torch device name: cpu, cuda, cuda:1
