@@ -269,6 +269,12 @@ struct Q8_0Int8 {
 
 #if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
 constexpr int64_t kStepValues = kStepBlocks * kBlockValues;
+#ifndef DFLASH_PREFETCH_ROWS
+#define DFLASH_PREFETCH_ROWS 8
+#endif
+// Each step asks for the cache line this many weight rows further on: the rows of a tile are separate streams,
+// more than the hardware prefetcher follows at once, and a one-row product waits on memory otherwise.
+constexpr int64_t kPrefetchRows = DFLASH_PREFETCH_ROWS;
 constexpr int64_t kStepLanes = kStepValues / kLaneValues;
 
 // ---------------------------------------------------------------------------------------------------------
@@ -296,7 +302,13 @@ void tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, const Quant
   const auto step = [&](int64_t b, bool two) {
     typename Format::Chunk w[ROWS];
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) w[r] = Format::load(weights + r * row_bytes + b * Format::kBytes, two);
+    for (int r = 0; r < ROWS; ++r) {
+      const uint8_t* block = weights + r * row_bytes + b * Format::kBytes;
+      if constexpr (kPrefetchRows > 0) {  // past the matrix's end: a harmless hint
+        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
+      }
+      w[r] = Format::load(block, two);
+    }
     const int64_t value = b * kBlockValues, lane = value / kLaneValues;
 #pragma GCC unroll 16
     for (int c = 0; c < INPUTS; ++c) {
