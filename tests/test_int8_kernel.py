@@ -111,6 +111,20 @@ def test_every_row_is_bitwise_the_row_alone(kernel: Int8Kernel, qtype: GGMLQuant
 
 
 @needs_int8
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0])
+def test_tiles_and_vectors_give_the_same_bits(kernel: Int8Kernel, qtype: GGMLQuantizationType) -> None:
+    """Where the CPU has AMX-INT8 tiles, products of 6 or more rows run on them and fewer on vectors: both paths
+    compute each output's float chain alike, so either gives the same bits for every row count."""
+    if not kernel.has_tiles():
+        pytest.skip("no AMX-INT8 tiles here")
+    blocks = torch.from_numpy(raw_blocks(37, 608, qtype, seed=3))  # 19 blocks, 37 rows: partial groups
+    x = torch.randn(40, 608, generator=torch.Generator().manual_seed(4))
+    for m in (2, 5, 6, 16, 17, 40):
+        assert torch.equal(kernel.matmul(x[:m], blocks, int(qtype), tiles=False),
+                           kernel.matmul(x[:m], blocks, int(qtype), tiles=True)), m
+
+
+@needs_int8
 def test_bad_inputs_are_refused(kernel: Int8Kernel) -> None:
     blocks = torch.from_numpy(quantized_blocks(16, 64, Q8_0, seed=0))
     with pytest.raises(RuntimeError, match="bytes per row"):

@@ -88,9 +88,10 @@ class AmxKernel(Protocol):
 class Int8Kernel(Protocol):
     """The functions `int8_matmul.cpp` exports."""
 
-    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, tiles: bool = True) -> torch.Tensor:
         """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32 (x quantised to int8 blocks,
-        integer dot products, float32 sums)."""
+        integer dot products, float32 sums). `tiles`: several rows may run on AMX-INT8 tiles where the CPU has them
+        (the same values either way)."""
         ...
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +100,10 @@ class Int8Kernel(Protocol):
 
     def available(self) -> bool:
         """Whether the build has an integer dot product path (AVX-512 VNNI, AVX-VNNI or AVX2)."""
+        ...
+
+    def has_tiles(self) -> bool:
+        """Whether products of several input rows run on AMX-INT8 tiles here."""
         ...
 
     def isa(self) -> str:
