@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from dflash.engine.engine import AMX_DDTREE_BUDGET, DEFAULT_DDTREE_BUDGET
 from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
 from dflash.generation.request import GenerationRequest
@@ -171,11 +172,18 @@ def test_narrower_instruction_sets(flags: tuple[str, ...], isa: str) -> None:
 
 
 def test_choice_of_int8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 when asked or, by auto, wherever it runs (before amx); amx is auto's choice without it."""
     monkeypatch.setattr(cpu_matmul, "int8_obstacle", lambda: "no dot products here")
     with pytest.raises(ModelLoadError, match="--cpu-matmul int8 is not available: no dot products here"):
         cpu_matmul.choose_cpu_matmul("int8")
+    monkeypatch.setattr(cpu_matmul, "amx_obstacle", lambda: None)
+    assert cpu_matmul.choose_cpu_matmul("auto") == cpu_matmul.MatmulChoice("amx", "auto: the CPU has AMX-BF16 tiles")
     monkeypatch.setattr(cpu_matmul, "int8_obstacle", lambda: None)
     assert cpu_matmul.choose_cpu_matmul("int8") == cpu_matmul.MatmulChoice("int8", "int8 products requested")
+    assert cpu_matmul.choose_cpu_matmul("auto") == cpu_matmul.MatmulChoice(
+        "int8", "auto: the CPU has integer dot products"
+    )
+    assert cpu_matmul.choose_cpu_matmul("amx").kind == "amx"
 
 
 @needs_int8
@@ -185,6 +193,8 @@ def test_default_model_under_int8_products() -> None:
     DDTree with 4 and 15 nodes) exactly plain decoding."""
     engine = load_engine("default", "default", loading=LoadOptions(device="cpu", cpu_matmul="int8"))
     assert engine.cpu_matmul == "int8" and engine.drafter is not None
+    tiles = load_int8_kernel().has_tiles()  # verified rows on AMX-INT8 tiles: the larger tree
+    assert engine.options.ddtree_budget == (AMX_DDTREE_BUDGET if tiles else DEFAULT_DDTREE_BUDGET["cpu"])
     modules = [*engine.target.modules(), *engine.drafter.modules(), *(engine.drafter.draft_head.modules()
                                                                       if engine.drafter.draft_head else [])]
     assert {m.products for m in modules if isinstance(m, QuantizedLinear)} == {"int8"}
