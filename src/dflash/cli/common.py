@@ -51,7 +51,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         help="kernel of the quantized matrices on the CPU: float32 products, amx (bf16 products on the AMX "
         "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), or int8 "
         "(inputs quantised to int8 blocks, integer dot products, AMX-INT8 tiles for verified rows where the CPU has "
-        "them); auto = int8 where the CPU has AVX2, else amx where it has AMX, else float32",
+        "them; fastest, but the rounded inputs change answers more than bf16 does); auto = amx where the CPU has it",
     )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
