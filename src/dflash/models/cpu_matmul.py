@@ -13,8 +13,9 @@
   |weights|.
 * `auto`: amx where the CPU, the compiler and the kernel allow it, float32 otherwise. Not int8, although it decodes
   fastest on 2 cores (with or without AMX): rounding every input to 8 bits changes the default model's answers
-  (mean |logit change| about 0.25 against the float32 kernel; "What is the capital of France?" is no longer
-  answered "Paris"), where bf16 products keep them.
+  (mean |logit change| about 0.25 against the float32 kernel; "What is the capital of France?" is answered
+  "L'Étoile, la Marseillaise, ..." instead of "Paris", as llama.cpp, which rounds its inputs alike, answers it
+  too), where bf16 products keep them.
 
 All kernels are batch invariant (a row's result does not depend on the other rows), so speculative decoding
 reproduces plain decoding exactly under any; the choices can differ from each other in the last bits of a logit
