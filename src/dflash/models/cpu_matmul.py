@@ -8,11 +8,12 @@
   speculative verification is nearly free in the products; the model computes with bf16 products as on a GPU.
 * `int8`: `kernels/int8_matmul.cpp`, each input row quantised once per product to int8 blocks of 32 (a float32
   scale per block, as llama.cpp's Q8 activations), multiplied with the weights' own integers (nibbles unpacked in
-  registers) by integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), scaled and summed in float32 per block.
-  The inputs' rounding moves a product by up to 1/254 of each block's largest input times the block's summed
-  |weights|.
-* `auto`: amx where the CPU, the compiler and the kernel allow it, float32 otherwise. Not int8, although it decodes
-  fastest on 2 cores (with or without AMX): rounding every input to 8 bits changes the default model's answers
+  registers) by integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2; 6 or more rows on AMX-INT8 tiles where the
+  CPU has them), scaled and summed in float32 per block. The inputs' rounding moves a product by up to 1/254 of
+  each block's largest input times the block's summed |weights|.
+* `auto`: amx where the CPU, the compiler and the kernel allow it, float32 otherwise. Not int8, although it decoded
+  fastest on 2 cores with AMX (and its products beat the float32 kernel's without the tiles, on the same CPU):
+  rounding every input to 8 bits changes the default model's answers
   (mean |logit change| about 0.25 against the float32 kernel; "What is the capital of France?" is answered
   "L'Étoile, la Marseillaise, ..." instead of "Paris", as llama.cpp, which rounds its inputs alike, answers it
   too), where bf16 products keep them.
