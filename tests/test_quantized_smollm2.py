@@ -11,7 +11,8 @@ import torch
 from dflash.engine.engine import Engine
 from dflash.engine.loading import LoadOptions, load_engine
 from dflash.generation.request import GenerationRequest
-from dflash.models.quantized_layers import uses_quantized_weights
+from dflash.models.cpu_matmul import int8_obstacle
+from dflash.models.quantized_layers import QuantizedLinear, uses_quantized_weights
 from dflash.training.prompts import read_prompt_file
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
@@ -66,6 +67,19 @@ def test_greedy_text_matches_the_dense_model(quantized: Engine, dense: Engine) -
 def test_speculative_decoding_is_lossless_on_the_quantized_target(quantized: Engine) -> None:
     """The shipped drafter (Q8_0 blocks on the kernel, as loaded beside a quantized target) on the quantized
     target: linear and DDTree speculation give exactly the quantized target's own greedy output."""
+    assert_speculation_is_lossless(quantized)
+
+
+@pytest.mark.skipif(int8_obstacle() is not None, reason="no int8 dot products on this CPU")
+def test_speculative_decoding_is_lossless_on_int8_products() -> None:
+    """The same on the int8-inputs kernel (`--cpu-matmul int8`), target and drafter."""
+    engine = load_engine("default", "default", loading=LoadOptions(weights="quantized", cpu_matmul="int8"))
+    assert engine.cpu_matmul == "int8"
+    assert {m.products for m in engine.target.modules() if isinstance(m, QuantizedLinear)} == {"int8"}
+    assert_speculation_is_lossless(engine)
+
+
+def assert_speculation_is_lossless(quantized: Engine) -> None:
     assert quantized.drafter is not None and uses_quantized_weights(quantized.drafter)
     accepted = 0
     for chat in _chats():

@@ -48,10 +48,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "on the CPU, else all), off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
     )
     group.add_argument(
-        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx"],
-        help="kernel of the quantized matrices on the CPU: float32 products, or amx (bf16 products on the AMX "
-        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row); auto = amx "
-        "where the CPU has it",
+        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx", "int8"],
+        help="kernel of the quantized matrices on the CPU: float32 products, amx (bf16 products on the AMX "
+        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), or int8 "
+        "(inputs quantised to int8 blocks, integer dot products, AMX-INT8 tiles for verified rows where the CPU has "
+        "them; fastest, but the rounded inputs change answers more than bf16 does); auto = amx where the CPU has it",
     )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")
@@ -61,7 +62,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                        help="on a GPU, run every forward eagerly instead of replaying CUDA graphs")
     group.add_argument("--ddtree-budget", type=int, default=None,
-                       help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 8 with AMX products, 32 on GPU)")
+                       help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 8 with AMX or AMX-INT8 "
+                       "products, 32 on GPU)")
     group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                        help="requests decoded together in one batched step (`dflash serve` runs this many at once "
                        "and queues the rest); default: 8 on the CPU, 1 on a GPU (the single-request graphed path)")

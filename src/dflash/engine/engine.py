@@ -136,7 +136,7 @@ class Engine:
             hybrid=target.config.is_hybrid,
         )
         self.model_name = model_name
-        self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx), set by the loader
+        self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx | int8), set by the loader
         # Under tensor parallelism: how the ranks agree on each token choice (`dflash.parallel.spmd`).
         self.agreement: TokenAgreement | None = None
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings

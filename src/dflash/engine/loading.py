@@ -14,7 +14,7 @@ from dflash.drafter.model import DFlashDrafter
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
 from dflash.errors import DFlashError, ModelLoadError
-from dflash.models.cpu_matmul import choose_cpu_matmul, use_cpu_matmul
+from dflash.models.cpu_matmul import choose_cpu_matmul, tile_products, use_cpu_matmul
 from dflash.models.model import CausalLM
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
@@ -43,7 +43,7 @@ class LoadOptions:
     quantized (Q8_0 blocks on the CPU, `dflash.drafter.quantize`; int8 rows on a GPU, `dflash.drafter.int8`).
     `draft_vocab`: auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the
     CPU, where the LM head is a quarter of its round), off, or a shortlist file (`dflash.drafter.vocab`).
-    `cpu_matmul`: the kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32 or amx
+    `cpu_matmul`: the kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32, amx or int8
     (`dflash.models.cpu_matmul`)."""
 
     device: str = "auto"  # auto or a torch device name: cpu, cuda, cuda:1
@@ -120,7 +120,7 @@ def load_engine(
             from dflash.drafter.int8 import quantize_drafter_int8
 
             log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
-    if products is not None and products.kind == "amx" and options.ddtree_budget is None:
+    if products is not None and tile_products(products.kind) and options.ddtree_budget is None:
         options = replace(options, ddtree_budget=AMX_DDTREE_BUDGET)
     name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
     log.info("loaded %s in %.2f s on %s (%s, %s weights: %s%s)", name, time.perf_counter() - started, torch_device,

@@ -1,5 +1,6 @@
-"""Compiling and loading the CPU kernels: quantized-weights products in float32 (`quant_matmul.cpp`) and on AMX
-tiles with bf16 inputs (`amx_matmul.cpp`), and the fused layer operations (`cpu_layer_ops.cpp`).
+"""Compiling and loading the CPU kernels: quantized-weights products in float32 (`quant_matmul.cpp`), on AMX
+tiles with bf16 inputs (`amx_matmul.cpp`) and as integer dot products with int8 inputs (`int8_matmul.cpp`), and
+the fused layer operations (`cpu_layer_ops.cpp`).
 
 Each extension is built once with `torch.utils.cpp_extension.load` (g++ and ninja) into
 `<cache root>/kernels/<key>/`, where the key hashes the source and the shared headers, the compiler flags, the compiler, the torch
@@ -30,11 +31,13 @@ from dflash.errors import DFlashError
 __all__ = [
     "BUILD_FLAGS",
     "AmxKernel",
+    "Int8Kernel",
     "KernelUnavailable",
     "LayerOpsKernel",
     "QuantKernel",
     "kernel_source",
     "load_amx_kernel",
+    "load_int8_kernel",
     "load_layer_ops",
     "load_quant_kernel",
 ]
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 SOURCE_NAME = "quant_matmul.cpp"
 LAYER_OPS_SOURCE = "cpu_layer_ops.cpp"
 AMX_SOURCE = "amx_matmul.cpp"
+INT8_SOURCE = "int8_matmul.cpp"
 # -ffp-contract=off: no multiply-add fusion chosen by the compiler (see the source's batch-invariance note).
 BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
@@ -78,6 +82,32 @@ class AmxKernel(Protocol):
 
     def available(self) -> bool:
         """Whether the build has AMX and the process may use the tile state."""
+        ...
+
+
+class Int8Kernel(Protocol):
+    """The functions `int8_matmul.cpp` exports."""
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, tiles: bool = True) -> torch.Tensor:
+        """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32 (x quantised to int8 blocks,
+        integer dot products, float32 sums). `tiles`: several rows may run on AMX-INT8 tiles where the CPU has them
+        (the same values either way)."""
+        ...
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [M, K] float32 -> (int8 [M, K], float32 scales [M, K / 32]), the inputs the products use."""
+        ...
+
+    def available(self) -> bool:
+        """Whether the build has an integer dot product path (AVX-512 VNNI, AVX-VNNI or AVX2)."""
+        ...
+
+    def has_tiles(self) -> bool:
+        """Whether products of several input rows run on AMX-INT8 tiles here."""
+        ...
+
+    def isa(self) -> str:
+        """avx512-vnni, avx-vnni, avx2 or none."""
         ...
 
 
@@ -140,6 +170,12 @@ def load_amx_kernel() -> AmxKernel:
     """The compiled AMX kernel (built on first use). Built on any x86 CPU; `available()` is False where the CPU
     or the compiler lacks AMX (the build then holds only that answer)."""
     return cast(AmxKernel, _load(AMX_SOURCE, "dflash_amx", BUILD_FLAGS))
+
+
+def load_int8_kernel(extra_flags: tuple[str, ...] = ()) -> Int8Kernel:
+    """The compiled int8-inputs kernel (built on first use); `extra_flags` are appended to `BUILD_FLAGS` (tests
+    use them to build the narrower instruction-set paths). `available()` is False on CPUs without AVX2."""
+    return cast(Int8Kernel, _load(INT8_SOURCE, "dflash_int8", (*BUILD_FLAGS, *extra_flags)))
 
 
 def load_layer_ops(extra_flags: tuple[str, ...] = ()) -> LayerOpsKernel:

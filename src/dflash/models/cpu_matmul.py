@@ -1,4 +1,4 @@
-"""How the CPU kernel multiplies quantized matrices (`--cpu-matmul auto|float32|amx`).
+"""How the CPU kernel multiplies quantized matrices (`--cpu-matmul auto|float32|amx|int8`).
 
 * `float32`: `kernels/quant_matmul.cpp`, float32 products of float32 inputs with the dequantised weights (the
   reference values `d * q + m`); any CPU. Its cost grows with every input row: a 5-row verification costs about
@@ -6,11 +6,21 @@
 * `amx`: `kernels/amx_matmul.cpp`, the same weights and inputs rounded to bfloat16, multiplied on the AMX tiles of
   Intel Xeon CPUs (4th generation on), summed in float32. Up to 16 input rows cost what one row costs, so
   speculative verification is nearly free in the products; the model computes with bf16 products as on a GPU.
-* `auto`: amx where the CPU, the compiler and the kernel allow it, float32 otherwise.
+* `int8`: `kernels/int8_matmul.cpp`, each input row quantised once per product to int8 blocks of 32 (a float32
+  scale per block, as llama.cpp's Q8 activations), multiplied with the weights' own integers (nibbles unpacked in
+  registers) by integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2; 6 or more rows on AMX-INT8 tiles where the
+  CPU has them), scaled and summed in float32 per block. The inputs' rounding moves a product by up to 1/254 of
+  each block's largest input times the block's summed |weights|.
+* `auto`: amx where the CPU, the compiler and the kernel allow it, float32 otherwise. Not int8, although it decoded
+  fastest on 2 cores with AMX (and its products beat the float32 kernel's without the tiles, on the same CPU):
+  rounding every input to 8 bits changes the default model's answers
+  (mean |logit change| about 0.25 against the float32 kernel; "What is the capital of France?" is answered
+  "L'Étoile, la Marseillaise, ..." instead of "Paris", as llama.cpp, which rounds its inputs alike, answers it
+  too), where bf16 products keep them.
 
-Both kernels are batch invariant (a row's result does not depend on the other rows), so speculative decoding
-reproduces plain decoding exactly under either; the two choices can differ from each other in the last bits of
-a logit and so, rarely, in a greedy token.
+All kernels are batch invariant (a row's result does not depend on the other rows), so speculative decoding
+reproduces plain decoding exactly under any; the choices can differ from each other in the last bits of a logit
+and so, rarely, in a greedy token.
 """
 
 from __future__ import annotations
@@ -21,19 +31,19 @@ from dataclasses import dataclass
 from torch import nn
 
 from dflash.errors import ModelLoadError
-from dflash.kernels.build import KernelUnavailable, load_amx_kernel
+from dflash.kernels.build import KernelUnavailable, load_amx_kernel, load_int8_kernel
 from dflash.models.quantized_layers import QuantizedLinear
 
-__all__ = ["CPU_MATMUL_OPTIONS", "MatmulChoice", "choose_cpu_matmul", "use_cpu_matmul"]
+__all__ = ["CPU_MATMUL_OPTIONS", "MatmulChoice", "choose_cpu_matmul", "tile_products", "use_cpu_matmul"]
 
 log = logging.getLogger(__name__)
 
-CPU_MATMUL_OPTIONS = ("auto", "float32", "amx")
+CPU_MATMUL_OPTIONS = ("auto", "float32", "amx", "int8")
 
 
 @dataclass(frozen=True)
 class MatmulChoice:
-    kind: str  # float32 | amx
+    kind: str  # float32 | amx | int8
     reason: str
 
 
@@ -48,21 +58,44 @@ def amx_obstacle() -> str | None:
     return None
 
 
+def int8_obstacle() -> str | None:
+    """Why the int8 kernel cannot run here, or None."""
+    try:
+        kernel = load_int8_kernel()
+    except KernelUnavailable as exc:
+        return str(exc)
+    if not kernel.available():
+        return "the CPU (or the compiler) has neither AVX2 with FMA and F16C nor AVX-512 VNNI"
+    return None
+
+
 def choose_cpu_matmul(requested: str) -> MatmulChoice:
     """The products kernel for quantized matrices on the CPU (see the module docstring)."""
     if requested not in CPU_MATMUL_OPTIONS:
         raise ModelLoadError(f"unknown --cpu-matmul {requested!r}; choose one of {', '.join(CPU_MATMUL_OPTIONS)}")
     if requested == "float32":
         return MatmulChoice("float32", "float32 products requested")
-    obstacle = amx_obstacle()
     if requested == "amx":
+        obstacle = amx_obstacle()
         if obstacle is not None:
             raise ModelLoadError(f"--cpu-matmul amx is not available: {obstacle}")
         return MatmulChoice("amx", "AMX products requested")
+    if requested == "int8":
+        int8 = int8_obstacle()
+        if int8 is not None:
+            raise ModelLoadError(f"--cpu-matmul int8 is not available: {int8}")
+        return MatmulChoice("int8", "int8 products requested")
+    obstacle = amx_obstacle()
     if obstacle is None:
         return MatmulChoice("amx", "auto: the CPU has AMX-BF16 tiles")
     log.info("float32 products for quantized matrices: %s", obstacle)
     return MatmulChoice("float32", f"auto: {obstacle}")
+
+
+def tile_products(kind: str) -> bool:
+    """Whether verified rows run on AMX tiles under `kind` (amx, or int8 on a CPU with AMX-INT8): several rows
+    then cost about one, and the CPU's larger tree budget applies."""
+    return kind == "amx" or (kind == "int8" and load_int8_kernel().has_tiles())
 
 
 def use_cpu_matmul(model: nn.Module, kind: str) -> int:

@@ -10,6 +10,7 @@ model's compute dtype and device (KV-cache allocation, the decoding loops) keeps
 themselves are in the `blocks` buffer; neither buffer is part of the state dict.
 
 `QuantizedLinear.use_products("amx")` moves a matrix to the AMX kernel (bf16 products, float32 sums, batch
+invariant as well), `use_products("int8")` to the integer kernel (inputs quantised to int8 blocks, batch
 invariant as well); `dflash.models.cpu_matmul` chooses for a whole model.
 """
 
@@ -18,7 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash.kernels.build import AmxKernel, QuantKernel, load_amx_kernel, load_quant_kernel
+from dflash.kernels.build import (
+    AmxKernel,
+    Int8Kernel,
+    QuantKernel,
+    load_amx_kernel,
+    load_int8_kernel,
+    load_quant_kernel,
+)
 from dflash.models.quantized_weights import QuantizedMatrix
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear", "uses_quantized_weights"]
@@ -36,15 +44,18 @@ class QuantizedLinear(nn.Module):
         self.out_features = matrix.rows
         self.qtype = int(matrix.qtype)
         self.products = "float32"
-        self._kernel: QuantKernel | AmxKernel = load_quant_kernel()
+        self._kernel: QuantKernel | AmxKernel | Int8Kernel = load_quant_kernel()
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
         self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
 
     def use_products(self, products: str) -> None:
-        """float32 (the float32 kernel) or amx (bf16 products on AMX tiles; see `dflash.models.cpu_matmul`)."""
+        """float32 (the float32 kernel), amx (bf16 products on AMX tiles) or int8 (int8 inputs, integer dot
+        products); see `dflash.models.cpu_matmul`."""
         if products == "amx":
             self._kernel = load_amx_kernel()
+        elif products == "int8":
+            self._kernel = load_int8_kernel()
         elif products == "float32":
             self._kernel = load_quant_kernel()
         else:

@@ -1,0 +1,672 @@
+// y[M, N] = x[M, K] @ W[N, K]^T with W stored as GGUF blocks (Q4_1 or Q8_0, see gguf_blocks.h), computed with
+// integer dot products: each input row is quantised once per call to blocks of 32 int8 values with a float32
+// scale (dx = max |x| / 127 over the block, q = round-to-nearest-even(x * 127 / max |x|)), and each weight block
+// meets each input block in one integer dot product of its raw values (exact, int32), scaled afterwards:
+//   Q8_0 block b:  dw dx sum_j qw_j qx_j
+//   Q4_1 block b:  sum_j (dw qw_j + mw) (dx qx_j) = dw dx sum_j qw_j qx_j + mw (dx sum_j qx_j)
+// The weights are never converted to floats; the nibbles are unpacked in registers.
+//
+// The float side of output y[m, n] is one chain over the blocks in order, starting from 0:
+//   acc = fma(dw_b * dx_b, float(dot_b), acc);  acc = fma(mw_b, dx_b * sum_b(qx), acc)  (the second for Q4_1)
+// Every path computes exactly this chain per output element: the vector paths (AVX-512 VNNI, AVX-VNNI, AVX2) run
+// it for 16 (or 8) weight rows at once, one lane per weight row, after summing each block's integer lanes per
+// row; the AMX path (6 or more input rows on CPUs with AMX-INT8 tiles) runs it for 16 input rows at once, one
+// lane per input row, on the integer sums of one tile product per block. Integer sums are exact in any order.
+//
+// Batch invariance: so y[m, n] is bitwise the same whatever M is, which path or tile the row takes, where it sits
+// in its tile, or how many threads run. An input row's quantisation depends on that row only. Contraction of
+// separate multiplies and adds into FMAs is disabled at build time (-ffp-contract=off); the FMAs are explicit.
+//
+// ISA (chosen at compile time by -march=native): AVX-512 with VNNI (vpdpbusd on 512 bits, 16 weight rows x a
+// block pair per step), else AVX2 + FMA + F16C (8 weight rows x a block; vpdpbusd on 256 bits with AVX-VNNI,
+// else vpmaddubsw + vpmaddwd, which cannot overflow here: |products| <= 128 * 127 per pair). With AMX-INT8 as
+// well, products of two or more input rows run on the tiles where Linux grants the tile state (arch_prctl).
+// `available()` is false without AVX2.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gguf_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define DFLASH_INT8_512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DFLASH_INT8_256 1
+#endif
+
+#if defined(DFLASH_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define DFLASH_INT8_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPadValues = 64;  // input rows are padded with zeros to whole block pairs
+
+// ---------------------------------------------------------------------------------------------------------
+// Input rows quantised to int8 blocks.
+// ---------------------------------------------------------------------------------------------------------
+struct QuantizedRows {
+  int64_t rows = 0, k = 0, padded = 0, blocks = 0;  // padded: k rounded up to kPadValues; blocks = padded / 32
+  std::vector<int8_t> q;                              // [rows, padded] int8 values (zeros past k)
+  std::vector<float> scale;                           // [rows, blocks] dx
+  std::vector<float> sum;                             // [rows, blocks] dx * (sum of the block's q)
+
+  const int8_t* values(int64_t row) const { return q.data() + row * padded; }
+  const float* scales(int64_t row) const { return scale.data() + row * blocks; }
+  const float* sums(int64_t row) const { return sum.data() + row * blocks; }
+};
+
+// One block of 32 floats -> 32 int8 values and their scale (scalar; the reference for `quantize_block`).
+inline float quantize_block_scalar(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int j = 0; j < kBlockValues; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int j = 0; j < kBlockValues; ++j) q[j] = static_cast<int8_t>(std::nearbyint(x[j] * inverse));
+  return amax / 127.0f;
+}
+
+#if defined(DFLASH_INT8_512)
+// The same values as `quantize_block_scalar` (max is exact; x * inverse is one float32 multiply; conversion
+// rounds to nearest even under the default rounding mode, like nearbyint).
+inline float quantize_block(const float* x, int8_t* q) {
+  const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m512 scale = _mm512_set1_ps(inverse);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale))));
+  return amax / 127.0f;
+}
+#else
+inline float quantize_block(const float* x, int8_t* q) { return quantize_block_scalar(x, q); }
+#endif
+
+void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* scale, float* sum) {
+  std::memset(q, 0, static_cast<size_t>(padded));
+  std::fill(scale, scale + padded / kBlockValues, 0.0f);
+  std::fill(sum, sum + padded / kBlockValues, 0.0f);
+  for (int64_t b = 0; b < k / kBlockValues; ++b) {
+    int8_t* block = q + b * kBlockValues;
+    const float d = quantize_block(x + b * kBlockValues, block);
+    int total = 0;
+    for (int j = 0; j < kBlockValues; ++j) total += block[j];
+    scale[b] = d;
+    sum[b] = d * static_cast<float>(total);
+  }
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+  QuantizedRows rows;
+  rows.rows = m;
+  rows.k = k;
+  rows.padded = (k + kPadValues - 1) / kPadValues * kPadValues;
+  rows.blocks = rows.padded / kBlockValues;
+  rows.q.resize(static_cast<size_t>(m * rows.padded));
+  rows.scale.resize(static_cast<size_t>(m * rows.blocks));
+  rows.sum.resize(static_cast<size_t>(m * rows.blocks));
+  const auto work = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      quantize_row(x + i * k, k, rows.padded, rows.q.data() + i * rows.padded, rows.scale.data() + i * rows.blocks,
+                   rows.sum.data() + i * rows.blocks);
+    }
+  };
+  if (m >= 32) {
+    at::parallel_for(0, m, 16, work);
+  } else {
+    work(0, m);  // a few rows: cheaper than waking the threads
+  }
+  return rows;
+}
+
+// Weight rows of a group: row r of the group, or the last row of the matrix for rows past its end (computed and
+// discarded; every output element is independent of the others).
+inline int64_t clamped_row(int64_t first_row, int r, int64_t n) { return std::min<int64_t>(first_row + r, n - 1); }
+
+// Each step asks for the cache line this many weight rows further on: a group's rows are separate streams, more
+// than the hardware prefetcher follows at once, and a one-row product waits on memory otherwise.
+constexpr int64_t kPrefetchRows = 16;
+
+#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+// Output rows handed to one task at least (so small matrices are not split into tiny pieces).
+constexpr int64_t kMinRowsPerTask = 16;
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 VNNI: 16 weight rows (one per lane) x a block pair per step.
+// ---------------------------------------------------------------------------------------------------------
+#if defined(DFLASH_INT8_512)
+constexpr const char* kInt8Isa = "avx512-vnni";
+constexpr int kGroupRows = 16;
+
+// Integer sums of 16 rows' dot-product vectors (lanes 0..7: block b, 8..15: block b + 1) -> (block b's sums,
+// block b + 1's sums), lane r = row r. Any order of integer additions gives the same sums.
+inline __m512i pair_add(__m512i a, __m512i b) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __m512i quad_add(__m512i a, __m512i b, __m512i c, __m512i d) {  // per 128-bit lane L: [a, b, c, d] sums of L
+  const __m512i ab = pair_add(a, b), cd = pair_add(c, d);
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+inline __m512i halves_add(__m512i v0, __m512i v1) {  // 128-bit lanes [v0 block b, v0 block b+1, v1 b, v1 b+1]
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline void block_sums(const __m512i (&dots)[kGroupRows], __m512i& first, __m512i& second) {
+  const __m512i x01 = halves_add(quad_add(dots[0], dots[1], dots[2], dots[3]), quad_add(dots[4], dots[5], dots[6], dots[7]));
+  const __m512i x23 =
+      halves_add(quad_add(dots[8], dots[9], dots[10], dots[11]), quad_add(dots[12], dots[13], dots[14], dots[15]));
+  first = _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));
+  second = _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// The scales of block b of 16 rows (one gather of the block's first 4 bytes per row): d, and m for Q4_1.
+inline __m512i gather_scales(const uint8_t* weights, __m512i offsets, int64_t b, int64_t block_bytes) {
+  return _mm512_i32gather_epi32(offsets, weights + b * block_bytes, 1);
+}
+inline __m512 low_half(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+inline __m512 high_half(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
+
+struct Q4_1Int8 {
+  static constexpr int64_t kBytes = Q4_1::kBytes;
+  static constexpr bool kHasMin = true;
+  // 64 nibbles as bytes (block b's 32 values, then block b + 1's; zeros for a missing second block)
+  static inline __m512i unpack(const uint8_t* block, bool two) {
+    const __m128i n0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i n1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kBytes + 4)) : _mm_setzero_si128();
+    const __m512i both = _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(n0), n1, 1));
+    // 128-bit lanes [n0, n0, n1, n1]; the second copy of each shifted down by a nibble
+    const __m512i spread = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), both);
+    const __m512i shifted = _mm512_srlv_epi64(spread, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
+  }
+  static inline __m512i input(__m512i q) { return q; }
+  // nibbles (unsigned) x q (signed)
+  static inline __m512i dot(__m512i w, __m512i x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
+};
+
+struct Q8_0Int8 {
+  static constexpr int64_t kBytes = Q8_0::kBytes;
+  static constexpr bool kHasMin = false;
+  static inline __m512i unpack(const uint8_t* block, bool two) {
+    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    const __m256i q1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kBytes + 2))
+                           : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
+  }
+  // q + 128 as unsigned bytes: vpdpbusd multiplies unsigned by signed, and both of Q8_0's sides are signed
+  static inline __m512i input(__m512i q) { return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  // sum (q + 128) w - 128 sum w = sum q w, per lane
+  static inline __m512i dot(__m512i w, __m512i x) {
+    const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
+    return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w), offset);
+  }
+};
+
+// The chain's step for one block: acc = fma(d * dx, float(dot), acc) (+ fma(m, dx * sum q, acc) for Q4_1).
+template <class Format>
+inline __m512 chain_step(__m512 acc, __m512 d, __m512 m, __m512i dots, float dx, float dx_sum) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(dots), acc);
+  if constexpr (Format::kHasMin) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(dx_sum), acc);
+  return acc;
+}
+
+// 16 weight rows from `first_row` (rows past n repeat the last) x INPUTS input rows from `first_input`, all of K;
+// y: INPUTS rows of n floats.
+template <class Format, int INPUTS>
+void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
+                const QuantizedRows& x, int64_t first_input, float* y) {
+  const uint8_t* rows[kGroupRows];
+  alignas(64) int32_t offsets[kGroupRows];
+  for (int r = 0; r < kGroupRows; ++r) {
+    rows[r] = weights + clamped_row(first_row, r, n) * row_bytes;
+    offsets[r] = static_cast<int32_t>(rows[r] - rows[0]);
+  }
+  const __m512i offset_vector = _mm512_load_si512(offsets);
+  __m512 acc[INPUTS];
+  for (int c = 0; c < INPUTS; ++c) acc[c] = _mm512_setzero_ps();
+  alignas(64) __m512i unpacked[kGroupRows];
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const bool two = b + 1 < blocks;
+    const __m512i scales0 = gather_scales(rows[0], offset_vector, b, Format::kBytes);
+    const __m512i scales1 = two ? gather_scales(rows[0], offset_vector, b + 1, Format::kBytes) : _mm512_setzero_si512();
+    const __m512 d0 = low_half(scales0), d1 = low_half(scales1);
+    const __m512 m0 = Format::kHasMin ? high_half(scales0) : d0, m1 = Format::kHasMin ? high_half(scales1) : d1;
+#pragma GCC unroll 16
+    for (int r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = rows[r] + b * Format::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);  // past the end: a hint
+      unpacked[r] = Format::unpack(block, two);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < INPUTS; ++c) {
+      const int64_t input = first_input + c;
+      const __m512i q = Format::input(_mm512_loadu_si512(x.values(input) + b * kBlockValues));
+      __m512i dots[kGroupRows];
+#pragma GCC unroll 16
+      for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
+      __m512i sums0, sums1;
+      block_sums(dots, sums0, sums1);
+      const float* dx = x.scales(input) + b;
+      const float* dx_sum = x.sums(input) + b;
+      acc[c] = chain_step<Format>(acc[c], d0, m0, sums0, dx[0], dx_sum[0]);
+      if (two) acc[c] = chain_step<Format>(acc[c], d1, m1, sums1, dx[1], dx_sum[1]);
+    }
+  }
+  const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, n - first_row));
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  for (int c = 0; c < INPUTS; ++c) _mm512_mask_storeu_ps(y + c * n + first_row, mask, acc[c]);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX2 (+ AVX-VNNI): 8 weight rows (one per lane) x a block per step.
+// ---------------------------------------------------------------------------------------------------------
+#elif defined(DFLASH_INT8_256)
+#if defined(__AVXVNNI__)
+constexpr const char* kInt8Isa = "avx-vnni";
+inline __m256i dot_u8_s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#else
+constexpr const char* kInt8Isa = "avx2";
+// |u * s| <= 128 * 127 per byte pair here (nibbles, or |qw| <= 128 against |qx| <= 127): no int16 saturation
+inline __m256i dot_u8_s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#endif
+constexpr int kGroupRows = 8;
+
+// 8 rows' dot-product vectors of one block -> the block's sums, lane r = row r.
+inline __m256i block_sums(const __m256i (&dots)[kGroupRows]) {
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]), _mm256_hadd_epi32(dots[6], dots[7]));
+  // low: [rows 0..3, lanes 0..3 | rows 0..3, lanes 4..7]; high: the same for rows 4..7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+struct Q4_1Int8 {
+  static constexpr int64_t kBytes = Q4_1::kBytes;
+  static constexpr bool kHasMin = true;
+  struct Unpacked {
+    __m256i w;  // 32 nibbles as bytes
+  };
+  static inline Unpacked unpack(const uint8_t* block) {
+    const __m256i spread = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m256i shifted = _mm256_srlv_epi64(spread, _mm256_setr_epi64x(0, 0, 4, 4));
+    return {_mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))};
+  }
+  static inline __m256i dot(const Unpacked& w, __m256i x) { return dot_u8_s8(w.w, x); }
+};
+
+struct Q8_0Int8 {
+  static constexpr int64_t kBytes = Q8_0::kBytes;
+  static constexpr bool kHasMin = false;
+  struct Unpacked {
+    __m256i q, magnitude;  // qw, |qw| (unsigned)
+  };
+  static inline Unpacked unpack(const uint8_t* block) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    return {q, _mm256_abs_epi8(q)};
+  }
+  // |qw| x (qx with qw's sign)
+  static inline __m256i dot(const Unpacked& w, __m256i x) { return dot_u8_s8(w.magnitude, _mm256_sign_epi8(x, w.q)); }
+};
+
+template <class Format>
+void group_tile_block_scales(const uint8_t* const (&rows)[kGroupRows], int64_t b, __m256& d, __m256& m) {
+  alignas(32) float ds[kGroupRows], ms[kGroupRows];
+  for (int r = 0; r < kGroupRows; ++r) {
+    const uint8_t* block = rows[r] + b * Format::kBytes;
+    ds[r] = half_to_float(load_u16(block));
+    ms[r] = Format::kHasMin ? half_to_float(load_u16(block + 2)) : 0.0f;
+  }
+  d = _mm256_load_ps(ds);
+  m = _mm256_load_ps(ms);
+}
+
+template <class Format, int INPUTS>
+void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
+                const QuantizedRows& x, int64_t first_input, float* y) {
+  const uint8_t* rows[kGroupRows];
+  for (int r = 0; r < kGroupRows; ++r) rows[r] = weights + clamped_row(first_row, r, n) * row_bytes;
+  __m256 acc[INPUTS];
+  for (int c = 0; c < INPUTS; ++c) acc[c] = _mm256_setzero_ps();
+  typename Format::Unpacked unpacked[kGroupRows];
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 d, m;
+    group_tile_block_scales<Format>(rows, b, d, m);
+#pragma GCC unroll 8
+    for (int r = 0; r < kGroupRows; ++r) {
+      const uint8_t* block = rows[r] + b * Format::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
+      unpacked[r] = Format::unpack(block);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < INPUTS; ++c) {
+      const int64_t input = first_input + c;
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.values(input) + b * kBlockValues));
+      __m256i dots[kGroupRows];
+#pragma GCC unroll 8
+      for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
+      const __m256i sums = block_sums(dots);
+      acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scales(input)[b])), _mm256_cvtepi32_ps(sums), acc[c]);
+      if constexpr (Format::kHasMin) acc[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sums(input)[b]), acc[c]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kGroupRows, n - first_row);
+  for (int c = 0; c < INPUTS; ++c) {
+    alignas(32) float out[kGroupRows];
+    _mm256_store_ps(out, acc[c]);
+    std::memcpy(y + c * n + first_row, out, static_cast<size_t>(valid) * sizeof(float));
+  }
+}
+#else
+constexpr const char* kInt8Isa = "none";
+#endif
+
+#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+// Input rows per vector tile beyond one: every group of weight rows is unpacked once per tile.
+constexpr int kTileInputs = 4;
+
+template <class Format, int INPUTS>
+void group_times_inputs(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
+                        const QuantizedRows& x, int64_t first_input, int64_t inputs, float* y) {
+  int64_t c = 0;
+  for (; c + INPUTS <= inputs; c += INPUTS) {
+    group_tile<Format, INPUTS>(weights, row_bytes, blocks, n, first_row, x, first_input + c, y + c * n);
+  }
+  if constexpr (INPUTS > 1) {
+    if (c < inputs) {
+      group_times_inputs<Format, INPUTS - 1>(weights, row_bytes, blocks, n, first_row, x, first_input + c,
+                                             inputs - c, y + c * n);
+    }
+  }
+}
+
+// Vector path: groups [group_begin, group_end) of kGroupRows weight rows against every input row.
+template <class Format>
+void vector_groups(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, const QuantizedRows& x,
+                   float* y, int64_t group_begin, int64_t group_end) {
+  for (int64_t g = group_begin; g < group_end; ++g) {
+    group_times_inputs<Format, kTileInputs>(weights, row_bytes, blocks, n, g * kGroupRows, x, 0, x.rows, y);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// AMX-INT8: 16 weight rows x 16 input rows per tile product, one block (32 values) per product.
+// Tiles: 0 = sums C (16 x 16 int32), 1 = weights A (16 rows x 32 bytes), 2 = inputs B (8 rows x 16 inputs x 4
+// bytes, the layout TDPBUSD reads: B[p][4 i + j] = q[input i][4 p + j]).
+// ---------------------------------------------------------------------------------------------------------
+#if defined(DFLASH_INT8_AMX)
+constexpr int kTileRows = 16;
+// Tile registers (the intrinsics take them as literals): sums 0/1, weights 2/3, inputs 4/5 of block b (+0) and of
+// block b + 1 (+1), so that the product of a pair's second block runs while the first block's sums are scaled.
+constexpr int kSumsTile = 0, kWeightsTile = 2, kInputsTile = 4;
+
+bool request_tile_state() {
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+bool tile_state_granted() {
+  static const bool granted = request_tile_state();
+  return granted;
+}
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void configure_tiles() {
+  TileConfig config;
+  std::memset(&config, 0, sizeof config);
+  config.palette_id = 1;
+  for (int half = 0; half < 2; ++half) {
+    config.rows[kSumsTile + half] = kTileRows;  // 16 x 16 int32
+    config.colsb[kSumsTile + half] = 64;
+    config.rows[kWeightsTile + half] = kTileRows;  // 16 x 32 bytes
+    config.colsb[kWeightsTile + half] = kBlockValues;
+    config.rows[kInputsTile + half] = kBlockValues / 4;  // 8 x (16 x 4 bytes)
+    config.colsb[kInputsTile + half] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Input tiles of every group of 16 input rows and every block, and the rows' scales by block:
+// tiles[(g * blocks + b) * 512 ...] (B layout), scales[(g * blocks + b) * 16 + i] = dx of input 16 g + i.
+struct InputTiles {
+  int64_t groups = 0, blocks = 0;
+  std::vector<int8_t> tiles;
+  std::vector<float> scales, sums;
+};
+
+InputTiles input_tiles(const QuantizedRows& x, int64_t blocks) {
+  InputTiles t;
+  t.groups = (x.rows + kTileRows - 1) / kTileRows;
+  t.blocks = blocks;
+  t.tiles.assign(static_cast<size_t>(t.groups * blocks * 512), 0);
+  t.scales.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0.0f);
+  t.sums.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0.0f);
+  for (int64_t input = 0; input < x.rows; ++input) {
+    const int64_t g = input / kTileRows, i = input % kTileRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int8_t* tile = t.tiles.data() + (g * blocks + b) * 512;
+      const int8_t* q = x.values(input) + b * kBlockValues;
+      for (int p = 0; p < kBlockValues / 4; ++p) std::memcpy(tile + p * 64 + 4 * i, q + 4 * p, 4);
+      t.scales[(g * blocks + b) * kTileRows + i] = x.scales(input)[b];
+      t.sums[(g * blocks + b) * kTileRows + i] = x.sums(input)[b];
+    }
+  }
+  return t;
+}
+
+// Sums of block b of the pair (tiles +0) and, if `two`, of block b + 1 (tiles +1), from the unpacked pair.
+template <class Format>
+inline void tile_products(const int8_t* pair, const int8_t* inputs0, const int8_t* inputs1, bool two) {
+  _tile_zero(0);
+  _tile_loadd(2, pair, 2 * kBlockValues);
+  _tile_loadd(4, inputs0, 64);
+  if constexpr (Format::kHasMin) {
+    _tile_dpbusd(0, 2, 4);  // nibbles (unsigned) x q (signed)
+  } else {
+    _tile_dpbssd(0, 2, 4);  // signed x signed
+  }
+  if (two) {
+    _tile_zero(1);
+    _tile_loadd(3, pair + kBlockValues, 2 * kBlockValues);
+    _tile_loadd(5, inputs1, 64);
+    if constexpr (Format::kHasMin) {
+      _tile_dpbusd(1, 3, 5);
+    } else {
+      _tile_dpbssd(1, 3, 5);
+    }
+  }
+}
+
+// 16 weight rows from `first_row` against input group g (16 rows; rows past M have zero values).
+template <class Format>
+void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
+               const InputTiles& inputs, int64_t g, int64_t m, float* y) {
+  const uint8_t* rows[kTileRows];
+  alignas(64) int32_t offsets[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) {
+    rows[r] = weights + clamped_row(first_row, r, n) * row_bytes;
+    offsets[r] = static_cast<int32_t>(rows[r] - rows[0]);
+  }
+  const __m512i offset_vector = _mm512_load_si512(offsets);
+  // Two slots, so that the tile products of the next pair run while this pair's sums are scaled (reading a tile's
+  // stores right after them waits on the tile unit).
+  alignas(64) int8_t pair[2][kTileRows][2 * kBlockValues];  // row r: block b's 32 values, then block b + 1's
+  alignas(64) int32_t sums[2][2][kTileRows * kTileRows];    // [slot][block of the pair][r * 16 + input]
+  alignas(64) float ds[2][2][kTileRows], ms[2][2][kTileRows];  // [slot][block of the pair][r]: d, m
+  const auto issue = [&](int64_t b, int slot) {
+    const bool two = b + 1 < blocks;
+    for (int half = 0; half < (two ? 2 : 1); ++half) {
+      const __m512i scales = gather_scales(rows[0], offset_vector, b + half, Format::kBytes);
+      _mm512_store_ps(ds[slot][half], low_half(scales));
+      if constexpr (Format::kHasMin) _mm512_store_ps(ms[slot][half], high_half(scales));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < kTileRows; ++r) {
+      const uint8_t* block = rows[r] + b * Format::kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
+      _mm512_store_si512(pair[slot][r], Format::unpack(block, two));
+    }
+    const int8_t* b_tiles = inputs.tiles.data() + (g * blocks + b) * 512;
+    tile_products<Format>(&pair[slot][0][0], b_tiles, b_tiles + 512, two);
+    _tile_stored(0, sums[slot][0], 64);
+    if (two) _tile_stored(1, sums[slot][1], 64);
+  };
+  __m512 acc[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  issue(0, 0);
+  for (int64_t b = 0, slot = 0; b < blocks; b += 2, slot ^= 1) {
+    if (b + 2 < blocks) issue(b + 2, static_cast<int>(slot ^ 1));
+    for (int half = 0; half < (b + 1 < blocks ? 2 : 1); ++half) {
+      const int64_t block = b + half;
+      const __m512 dx = _mm512_loadu_ps(inputs.scales.data() + (g * blocks + block) * kTileRows);
+      const __m512 dx_sum = _mm512_loadu_ps(inputs.sums.data() + (g * blocks + block) * kTileRows);
+      const int32_t* block_sums = sums[slot][half];
+      const float* d = ds[slot][half];
+      const float* mins = ms[slot][half];
+#pragma GCC unroll 16
+      for (int r = 0; r < kTileRows; ++r) {  // the chain's step, lanes = inputs: same operations as chain_step
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(block_sums + r * kTileRows));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), dots, acc[r]);
+        if constexpr (Format::kHasMin) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[r]), dx_sum, acc[r]);
+      }
+    }
+  }
+  // acc[r] lane i = y[16 g + i, first_row + r]
+  const int64_t valid_rows = std::min<int64_t>(kTileRows, n - first_row);
+  const int64_t valid_inputs = std::min<int64_t>(kTileRows, m - g * kTileRows);
+  alignas(64) float out[kTileRows][kTileRows];
+  for (int r = 0; r < kTileRows; ++r) _mm512_store_ps(out[r], acc[r]);
+  for (int64_t i = 0; i < valid_inputs; ++i) {
+    float* row = y + (g * kTileRows + i) * n + first_row;
+    for (int64_t r = 0; r < valid_rows; ++r) row[r] = out[r][i];
+  }
+}
+
+template <class Format>
+void amx_groups(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, const InputTiles& inputs,
+                int64_t m, float* y, int64_t group_begin, int64_t group_end) {
+  configure_tiles();
+  for (int64_t w = group_begin; w < group_end; ++w) {
+    for (int64_t g = 0; g < inputs.groups; ++g) {
+      amx_group<Format>(weights, row_bytes, blocks, n, w * kTileRows, inputs, g, m, y);
+    }
+  }
+  _tile_release();
+}
+
+// Input rows from which the tiles take over from the vector path (results are the same either way). A block costs
+// the tiles about the same whatever the input rows (a product, its loads and the sums' store: about 130 cycles
+// per 16 weight rows), the vector path about 0.5x more per further input row; they meet near 5 input rows.
+constexpr int64_t kAmxMinInputs = 6;
+#endif
+
+bool tiles_usable() {
+#if defined(DFLASH_INT8_AMX)
+  return tile_state_granted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool available() {
+#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, bool tiles) {
+  // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
+  TORCH_CHECK(available(), "int8 products need AVX2 (with FMA and F16C) or AVX-512 VNNI; this build has neither");
+  const auto [input, out] = product_operands(x, blocks, qtype);
+  const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
+  if (m == 0 || n == 0) return out;
+#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k);
+  const uint8_t* weights = blocks.data_ptr<uint8_t>();
+  float* ys = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1), n_blocks = k / kBlockValues;
+  const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
+  const int64_t grain = std::max<int64_t>(1, kMinRowsPerTask / kGroupRows);
+#if defined(DFLASH_INT8_AMX)
+  if (tiles && m >= kAmxMinInputs && tiles_usable()) {
+    const InputTiles input_groups = input_tiles(rows, n_blocks);
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      if (qtype == kTypeQ4_1) {
+        amx_groups<Q4_1Int8>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
+      } else {
+        amx_groups<Q8_0Int8>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
+      }
+    });
+    return out;
+  }
+#endif
+  (void)tiles;
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    if (qtype == kTypeQ4_1) {
+      vector_groups<Q4_1Int8>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
+    } else {
+      vector_groups<Q8_0Int8>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
+    }
+  });
+#endif
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x) {
+  // x: [M, K] float32 -> (q: [M, K] int8, scales: [M, K / 32] float32), as the products quantise their inputs
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(x.size(1) % kBlockValues == 0, "row length ", x.size(1), " is not a multiple of ", kBlockValues);
+  const torch::Tensor input = x.contiguous();
+  const int64_t m = input.size(0), k = input.size(1);
+  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k);
+  torch::Tensor q = torch::empty({m, k}, torch::TensorOptions().dtype(torch::kInt8));
+  torch::Tensor scales = torch::empty({m, k / kBlockValues}, torch::TensorOptions().dtype(torch::kFloat32));
+  for (int64_t i = 0; i < m; ++i) {
+    std::memcpy(q.data_ptr<int8_t>() + i * k, rows.values(i), static_cast<size_t>(k));
+    std::memcpy(scales.data_ptr<float>() + i * (k / kBlockValues), rows.scales(i),
+                static_cast<size_t>(k / kBlockValues) * sizeof(float));
+  }
+  return {q, scales};
+}
+
+bool has_tiles() { return tiles_usable(); }
+
+std::string isa() { return kInt8Isa; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  namespace py = pybind11;
+  module.doc() = "Matrix products with GGUF Q4_1 / Q8_0 weights and int8-quantised inputs (integer dot products, "
+                 "batch invariant)";
+  module.def("matmul", &int8_matmul, "y[M, N] = int8(x)[M, K] @ dequant(blocks)[N, K]^T", py::arg("x"),
+             py::arg("blocks"), py::arg("qtype"), py::arg("tiles") = true, py::call_guard<py::gil_scoped_release>());
+  module.def("quantize", &quantize, "x [M, K] -> (int8 [M, K], scales [M, K / 32]) as the products quantise x",
+             py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  module.def("available", &available, "whether this build has an integer dot product path");
+  module.def("has_tiles", &has_tiles, "whether products of several input rows run on AMX-INT8 tiles here");
+  module.def("isa", &isa, "the instruction set this build uses: avx512-vnni, avx-vnni, avx2 or none");
+}
