@@ -69,3 +69,24 @@ def test_tensor_parallel_runs_one_request_with_graphs() -> None:
 def test_bad_options_are_refused(options: EngineOptions, message: str) -> None:
     with pytest.raises(DFlashError, match=message):
         resolve_options(options, device=CPU, has_drafter=True, tensor_parallel=False)
+
+
+def test_new_options_reach_the_batched_core() -> None:
+    """Setting `Engine.options` (benchmarks try tree budgets so) stops a loop made with the old ones: the next
+    batched generation runs a core with the new tree budget, not the one copied when the first loop started."""
+    from dflash.engine.engine import Engine
+    from dflash.generation.request import GenerationRequest
+    from tests.parallel_helpers import ENGINE_VOCAB, word_tokenizer
+    from tests.spec_helpers import tiny_random_pair
+
+    target, drafter = tiny_random_pair(ENGINE_VOCAB, 0.3, block=5)
+    engine = Engine(target, word_tokenizer(ENGINE_VOCAB), drafter, EngineOptions(max_batch=2, ddtree_budget=4))
+    request = GenerationRequest(prompt_ids=[1, 2, 3, 4], max_new_tokens=6, ignore_eos=True)
+    try:
+        first = engine.generate(request, spec="ddtree")
+        assert engine.loop.core.settings.ddtree_budget == 4
+        engine.options = dataclasses.replace(engine.options, ddtree_budget=7)
+        assert engine.generate(request, spec="ddtree").token_ids == first.token_ids
+        assert engine.loop.core.settings.ddtree_budget == 7
+    finally:
+        engine.close()

@@ -276,6 +276,21 @@ class Engine:
         return result
 
     @property
+    def options(self) -> EngineOptions:
+        """The resolved decoding options."""
+        return self._options
+
+    @options.setter
+    def options(self, options: EngineOptions) -> None:
+        """Replace the decoding options (benchmarks try tree budgets this way). The batched core copies its settings
+        when it is made, so an engine loop made with other options is stopped: the next batched generation starts
+        one with these."""
+        previous = getattr(self, "_options", None)
+        self._options = options
+        if previous is not None and previous != options:
+            self.close()
+
+    @property
     def batched(self) -> bool:
         """Whether concurrent generations decode together (the engine loop) rather than one at a time."""
         return (self.options.max_batch or 1) > 1
