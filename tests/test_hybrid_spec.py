@@ -246,9 +246,12 @@ def test_prefix_cache_resumes_the_recurrent_state(target: CausalLM, speculative:
     assert _with_prefix_cache(target, drafter, second, prefix_cache, 12) == (cold[tuple(second)], 16)
 
 
-def test_batched_core_keeps_each_requests_state(target: CausalLM, tmp_path: Path) -> None:
+def test_batched_core_keeps_each_requests_state(
+    target: CausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Requests decoding together through the batched core (prefill chunks packed with other requests'
-    verification blocks, each with its own linear-attention state and rollback) give the tokens each gives alone."""
+    verification blocks, each with its own linear-attention state and rollback) give the tokens each gives alone.
+    The speculation policy, which times real steps, is told to speculate every step: rollbacks must happen."""
     from dflash.kv.prefix_cache import PrefixCache
     from tests.batch_helpers import drain, make_core, make_sequence
 
@@ -259,6 +262,7 @@ def test_batched_core_keeps_each_requests_state(target: CausalLM, tmp_path: Path
     core = make_core(
         target, drafter, max_batch=4, prefill_chunk=16, linear_drafts=BLOCK - 1, prefix_cache=prefix_cache
     )
+    monkeypatch.setattr(core.policy, "plan", lambda *args, **kwargs: True)
     for attempt in range(2):  # the second time, prompts resume from the prefix cache's blocks and their states
         sequences = [
             make_sequence(target, prompt, 24, "linear" if i % 3 else "none") for i, prompt in enumerate(prompts)
