@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -122,6 +123,18 @@ def test_non_contiguous_input_is_accepted(kernel: QuantKernel) -> None:
     y = kernel.matmul(x, torch.from_numpy(blocks), int(Q8_0))
     assert torch.equal(y, kernel.matmul(x.contiguous(), torch.from_numpy(blocks), int(Q8_0)))
     assert_close_to_reference(y, reference_product(x, blocks, Q8_0))
+
+
+def check_refusals(kernel: Any) -> None:
+    """What the tiled kernels (AMX, int8) refuse with a clear error: rows of the wrong length, an unknown block
+    format, float64 inputs."""
+    blocks = torch.from_numpy(quantized_blocks(16, 64, Q8_0, seed=0))
+    with pytest.raises(RuntimeError, match="bytes per row"):
+        kernel.matmul(torch.randn(2, 96), blocks, int(Q8_0))
+    with pytest.raises(RuntimeError, match="unsupported quantisation type"):
+        kernel.matmul(torch.randn(2, 64), blocks, 2)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.matmul(torch.randn(2, 64, dtype=torch.float64), blocks, int(Q8_0))
 
 
 def test_bad_arguments_are_refused(kernel: QuantKernel) -> None:

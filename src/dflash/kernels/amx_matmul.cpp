@@ -36,8 +36,7 @@
 // Tile registers of the weights (A) and the inputs (B); the intrinsics paste the number into the register name.
 #define DFLASH_TILE_A 6
 #define DFLASH_TILE_B 7
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -49,24 +48,8 @@ constexpr int kTileElements = kTileRows * kTileBytes / 2;  // bf16 values per ti
 constexpr int kMaxGroups = 6;                       // accumulator tiles C0..C5
 constexpr int64_t kMinTilesPerTask = 2;             // weight tiles (16 rows each) handed to one task at least
 
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool request_tile_state() {
-  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-}
-
-bool tile_state_granted() {
-  static const bool granted = request_tile_state();
-  return granted;
-}
+using dflash_amx::TileConfig;
+using dflash_amx::tile_state_granted;
 
 void configure_tiles() {
   TileConfig config;

@@ -44,8 +44,7 @@
 
 #if defined(DFLASH_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define DFLASH_INT8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -412,24 +411,8 @@ constexpr int kTileRows = 16;
 // block b + 1 (+1), so that the product of a pair's second block runs while the first block's sums are scaled.
 constexpr int kSumsTile = 0, kWeightsTile = 2, kInputsTile = 4;
 
-bool request_tile_state() {
-  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
-  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-}
-
-bool tile_state_granted() {
-  static const bool granted = request_tile_state();
-  return granted;
-}
-
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using dflash_amx::TileConfig;
+using dflash_amx::tile_state_granted;
 
 void configure_tiles() {
   TileConfig config;

@@ -1,0 +1,33 @@
+// AMX tile state shared by the kernels that use tiles (amx_matmul.cpp, int8_matmul.cpp): the tile configuration
+// record `_tile_loadconfig` reads, and the permission Linux requires before a process may touch tile data.
+// Included only where the including file has decided the build has AMX (and runs on Linux).
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace dflash_amx {
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline bool request_tile_state() {
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+// Asked once per process; every later call returns the first answer.
+inline bool tile_state_granted() {
+  static const bool granted = request_tile_state();
+  return granted;
+}
+
+}  // namespace dflash_amx
