@@ -30,6 +30,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "(--max-concurrency 1, the GPU's default) and linearly in the batched step",
     )
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    group.add_argument(
+        "--draft-device", default="auto", metavar="cuda:N",
+        help="run the drafter on another GPU than the target (auto: the target's); it keeps copies of the target's "
+        "embedding and LM head there and serves one request at a time",
+    )
     group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
     group.add_argument(
         "--weights", default="auto", choices=["auto", "dense", "quantized"],
@@ -134,6 +139,6 @@ def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel |
     )
     loading = LoadOptions(
         device=args.device, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,
-        draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul,
+        draft_vocab=args.draft_vocab, cpu_matmul=args.cpu_matmul, draft_device=getattr(args, "draft_device", "auto"),
     )
     return load_engine(args.model, args.draft, options=options, loading=loading, tensor_parallel=tensor_parallel)

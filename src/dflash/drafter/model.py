@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.config import SLIDING_ATTENTION
+from dflash.config import SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.kernels.fused_cpu import layer_ops
 from dflash.kv.cache import KVCache
@@ -34,6 +34,20 @@ class TargetModel(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class TargetHeads(TargetModel, Protocol):
+    """What the fast path's drafter rounds read of the target besides the two methods: the modules behind them
+    (a `CausalLM`, or the copies kept on the drafter's own device, `dflash.drafter.borrowed_heads`)."""
+
+    @property
+    def embed_tokens(self) -> nn.Module: ...
+
+    @property
+    def lm_head(self) -> nn.Module: ...
+
+    @property
+    def config(self) -> ModelConfig: ...
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:

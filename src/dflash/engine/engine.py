@@ -24,11 +24,13 @@ from dflash.batch.loop import BatchLoop
 from dflash.batch.memory import default_pool_tokens
 from dflash.batch.policy import DEFAULT_MAX_STEP_ROWS
 from dflash.batch.sequence import Sequence
+from dflash.drafter.borrowed_heads import BorrowedHeads
 from dflash.drafter.model import DFlashDrafter
 from dflash.errors import DFlashError, GenerationError
 from dflash.generation.autoregressive import decode_autoregressive
 from dflash.generation.cached_prefill import cached_prefix_length
 from dflash.generation.constraint_factory import ConstraintFactory
+from dflash.generation.forwards import forwards_for, register_forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
 from dflash.generation.selection import TokenAgreement, TokenChooser
@@ -70,16 +72,23 @@ class EngineOptions:
 
 
 def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
-                    tensor_parallel: bool, capturable: bool = True, hybrid: bool = False) -> EngineOptions:
+                    tensor_parallel: bool, capturable: bool = True, hybrid: bool = False,
+                    draft_elsewhere: bool = False) -> EngineOptions:
     """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
 
     `hybrid` (a target with linear-attention layers, whose recurrent state follows one sequence): eager forwards
     (no CUDA graphs), and in the batched step linear verification instead of trees, until those paths carry the
-    recurrent state."""
+    recurrent state. `draft_elsewhere` (the drafter on another device than the target): one request at a time, the
+    single-request loops being the ones that move each round's features and scores between the devices."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
     kind = device.type
     max_batch = 1 if tensor_parallel else options.max_batch  # every rank mirrors one request's decisions
+    if draft_elsewhere:
+        if (max_batch or 1) > 1:
+            raise DFlashError("a drafter on its own device (--draft-device) serves one request at a time: "
+                              "give --max-concurrency 1")
+        max_batch = 1
     resolved = replace(
         options,
         spec=options.spec if has_drafter else "none",
@@ -127,6 +136,14 @@ class Engine:
         model_name: str = "model",
     ) -> None:
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        # a drafter on another device than the target keeps copies of the target's embedding and LM head there
+        self.draft_heads: BorrowedHeads | None = None
+        if drafter is not None and drafter.fc.weight.device != self.device:
+            from dflash.drafter.dflash2 import DFlash2Drafter
+
+            if isinstance(drafter, DFlash2Drafter):  # its selector's rounds read the target's head directly
+                raise DFlashError("a DFlash2 drafter runs on the target's device (no --draft-device)")
+            self.draft_heads = BorrowedHeads(target, drafter.fc.weight.device)
         self.options = resolve_options(
             options or EngineOptions(),
             device=self.device,
@@ -134,6 +151,7 @@ class Engine:
             tensor_parallel=getattr(target, "tensor_parallel", None) is not None,
             capturable=getattr(target, "capturable", True),
             hybrid=target.config.is_hybrid,
+            draft_elsewhere=self.draft_heads is not None,
         )
         self.model_name = model_name
         self.cpu_matmul: str | None = None  # kernel of the quantized CPU matrices (float32 | amx | int8), set by the loader
@@ -149,7 +167,13 @@ class Engine:
             from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
 
             block = drafter.config.block_size if drafter is not None else 1
-            attach_graph_runner(target, drafter, capacity=self.max_ctx + 2 * MAX_GRAPH_ROWS + block)
+            attach_graph_runner(
+                target, drafter, capacity=self.max_ctx + 2 * MAX_GRAPH_ROWS + block, draft_heads=self.draft_heads
+            )
+        if self.draft_heads is not None:
+            from dflash.generation.draft_device import DraftDeviceForwards
+
+            register_forwards(target, DraftDeviceForwards(forwards_for(target), self.draft_heads, self.device))
         self._prefix_cache: PrefixCache | None = None
         if self.options.prefix_cache_mb > 0:
             self._prefix_cache = PrefixCache(

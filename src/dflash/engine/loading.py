@@ -44,7 +44,8 @@ class LoadOptions:
     `draft_vocab`: auto (the drafter folder's `draft_vocab.safetensors` when it has one and the drafter runs on the
     CPU, where the LM head is a quarter of its round), off, or a shortlist file (`dflash.drafter.vocab`).
     `cpu_matmul`: the kernel of the quantized matrices on the CPU, target's and drafter's: auto, float32, amx or int8
-    (`dflash.models.cpu_matmul`)."""
+    (`dflash.models.cpu_matmul`). `draft_device`: auto (the target's) or another GPU for the drafter, which then
+    keeps copies of the target's embedding and LM head there (`dflash.generation.draft_device`)."""
 
     device: str = "auto"  # auto or a torch device name: cpu, cuda, cuda:1
     dtype: str = "auto"  # auto (bfloat16 on CUDA, else float32) or a name of `dflash.engine.devices.DTYPES`
@@ -52,6 +53,7 @@ class LoadOptions:
     draft_weights: str = "auto"
     draft_vocab: str = "auto"
     cpu_matmul: str = "auto"
+    draft_device: str = "auto"
 
 
 def load_engine(
@@ -74,6 +76,7 @@ def load_engine(
         raise ModelLoadError(f"--draft-vocab {vocab}: no such file (give auto, off or a draft_vocab.safetensors)")
     torch_device = pick_device(loading.device) if tensor_parallel is None else tensor_parallel.device
     torch_dtype = pick_dtype(loading.dtype, torch_device)
+    draft_device = _draft_device(loading, torch_device, tensor_parallel)
     started = time.perf_counter()
     shard = None
     if tensor_parallel is None:
@@ -108,7 +111,7 @@ def load_engine(
     drafter = None
     if draft not in (None, "", "none"):
         assert draft is not None
-        drafter = load_drafter(draft, checkpoint.config, device=torch_device, dtype=torch_dtype)
+        drafter = load_drafter(draft, checkpoint.config, device=draft_device, dtype=torch_dtype)
         if draft_format == "q8_0":  # before the shortlist, whose rows then come from the target's blocks
             from dflash.drafter.quantize import quantize_drafter
 
@@ -129,6 +132,26 @@ def load_engine(
     engine = Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
     engine.cpu_matmul = None if products is None else products.kind
     return engine
+
+
+def _draft_device(loading: LoadOptions, target_device: torch.device, tensor_parallel: TensorParallel | None
+                  ) -> torch.device:
+    """Where the drafter runs: the target's device unless `--draft-device` names another GPU."""
+    if loading.draft_device == "auto":
+        return target_device
+    if tensor_parallel is not None:
+        raise DFlashError("--draft-device: under --tensor-parallel every rank runs the drafter beside its share")
+    device = pick_device(loading.draft_device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    if device.type != "cuda" or target_device.type != "cuda":
+        raise DFlashError(f"--draft-device {loading.draft_device}: the drafter can move to another GPU when the "
+                          f"target runs on a GPU (the target runs on {target_device})")
+    if device.index >= torch.cuda.device_count():
+        raise DFlashError(f"--draft-device {loading.draft_device}: this machine has {torch.cuda.device_count()} GPUs")
+    if loading.draft_vocab not in ("auto", "off"):
+        raise DFlashError("--draft-device: a drafter on its own GPU scores the whole vocabulary (no --draft-vocab file)")
+    return device
 
 
 def _drafter_weight_format(choice: str, target_weights: str, device: torch.device, dtype: torch.dtype) -> str:

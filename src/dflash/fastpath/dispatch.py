@@ -15,7 +15,7 @@ from dflash.generation.forwards import Forwards, forwards_for
 if TYPE_CHECKING:
     import torch
 
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.model import DFlashDrafter, TargetModel
     from dflash.drafter.vocab import DraftScores
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.fastpath.runner import GraphRunner
@@ -60,7 +60,7 @@ class GraphForwards(Forwards):
     def draft_scores(
         self,
         drafter: DFlashDrafter,
-        target: CausalLM,
+        target: TargetModel,
         pending_token: int,
         start: int,
         new_features: torch.Tensor,
@@ -117,5 +117,9 @@ class GraphForwards(Forwards):
 
 def graph_runner_of(target: CausalLM) -> GraphRunner | None:
     """The runner serving `target`'s decoding loops, None when they run eagerly."""
+    from dflash.generation.draft_device import DraftDeviceForwards
+
     forwards = forwards_for(target)
+    while isinstance(forwards, DraftDeviceForwards):  # a drafter on its own device: the target's forwards inside
+        forwards = forwards.inner
     return forwards.runner if isinstance(forwards, GraphForwards) else None

@@ -18,13 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.fastpath.fused_layers import apply_linear, embed_rows, fused_logits, split_key_attention
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kv.cache import KVCache
 from dflash.models.int8_linear import Int8Linear
-from dflash.models.model import CausalLM
 
 
 def supports_fused_drafter(drafter: DFlashDrafter) -> bool:
@@ -110,7 +109,7 @@ def _round_setup(
 
 def fused_drafter_round(
     drafter: DFlashDrafter,
-    target: CausalLM,
+    target: TargetHeads,
     storage: KVCache,
     weights: FusedDrafterWeights,
     block_ids: torch.Tensor,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash import environment
+from dflash.drafter.model import TargetHeads
 from dflash.fastpath.static_forward import block_visibility
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
@@ -115,7 +116,7 @@ def add_norm(x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int) -> 
     return owed.sums.add_rms_norm(owed.rows, x, norm.weight, norm.eps, region)
 
 
-def fused_logits(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+def fused_logits(model: TargetHeads, hidden: torch.Tensor) -> torch.Tensor:
     """`model.project_logits(hidden)` for hidden [rows, hidden] -> [rows, vocab], the head through `fast_linear`
     where it is a plain linear layer and no soft-capping follows."""
     if isinstance(model.lm_head, nn.Linear) and not model.config.final_logit_softcapping:
@@ -148,7 +149,7 @@ def forward_setup(
     return slots, additive, cos, sin
 
 
-def embed_rows(model: CausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+def embed_rows(model: TargetHeads, input_ids: torch.Tensor) -> torch.Tensor:
     """model.embed(input_ids)[0] for input_ids [1, rows] -> [rows, hidden] contiguous; a plain embedding as one
     gather (CUDA's index_select, which an embedding lookup is, takes several microseconds for 2-16 ids)."""
     embedding = model.embed_tokens

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.errors import GenerationError
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
@@ -81,8 +81,11 @@ class GraphRunner:
         capture: bool = True,
         max_rows: int = MAX_GRAPH_ROWS,
         fused: bool | None = None,
+        draft_heads: TargetHeads | None = None,
     ) -> None:
-        """`fused`: run the target's layers through the fused Triton kernels (None: on CUDA when supported)."""
+        """`fused`: run the target's layers through the fused Triton kernels (None: on CUDA when supported).
+        `draft_heads`: the target's embedding and LM head on the drafter's device when that is not the target's
+        (`dflash.drafter.borrowed_heads`); the drafter's cache, inputs and graphs then live there."""
         from dflash.fastpath.fused_drafter import fuse_drafter_weights, supports_fused_drafter
         from dflash.fastpath.fused_layers import supports_fused_layers
 
@@ -90,7 +93,9 @@ class GraphRunner:
         # when the target does, which a strong reference from here would prevent
         self._target = weakref.ref(target)
         self.drafter = drafter
+        self.draft_heads = draft_heads
         self.device = target.embed_tokens.weight.device
+        self.draft_device = drafter.fc.weight.device if drafter is not None else self.device
         self.capture = capture and self.device.type == "cuda" and target.capturable
         if fused is None:
             fused = self.device.type == "cuda" and supports_fused_layers(target)
@@ -106,7 +111,7 @@ class GraphRunner:
         if fused:  # the fused forwards gather their rotary rows (positions stay below capacity + a graph's rows)
             target.rotary.prepare_table(capacity + 2 * max_rows, target.embed_tokens.weight.dtype, self.device)
             if drafter is not None and self.drafter_weights is not None:
-                drafter.rotary.prepare_table(capacity + 2 * max_rows, drafter.fc.weight.dtype, self.device)
+                drafter.rotary.prepare_table(capacity + 2 * max_rows, drafter.fc.weight.dtype, self.draft_device)
         self.drafter_storage = drafter.new_cache(capacity) if drafter is not None else None
         self._leases: dict[str, weakref.ref[KVCache]] = {}
         self._replays: dict[tuple[object, ...], _Replay] = {}
@@ -114,15 +119,20 @@ class GraphRunner:
         self._rows: dict[int, _RowInputs] = {}
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)  # committed slots, for the graphs
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # a graph's private memory comes from its own device's allocator: a drafter elsewhere gets a pool of its own
+        self.draft_pool = self.pool if self.draft_device == self.device or not self.capture else (
+            torch.cuda.graph_pool_handle()
+        )
         self.captured = 0  # graphs captured so far
         self.served = 0  # forwards served by the static path (graph replays, or eager static calls)
         if drafter is not None:
             block = drafter.config.block_size
-            self.block_ids = torch.full((1, block), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-            self.draft_start = torch.zeros(1, dtype=torch.long, device=self.device)
-            self.draft_new_rows = torch.zeros(1, dtype=torch.long, device=self.device)
+            device = self.draft_device
+            self.block_ids = torch.full((1, block), drafter.config.mask_token_id, dtype=torch.long, device=device)
+            self.draft_start = torch.zeros(1, dtype=torch.long, device=device)
+            self.draft_new_rows = torch.zeros(1, dtype=torch.long, device=device)
             self.draft_features = torch.zeros(
-                (1, block, drafter.config.feature_size), dtype=target.embed_tokens.weight.dtype, device=self.device
+                (1, block, drafter.config.feature_size), dtype=target.embed_tokens.weight.dtype, device=device
             )
 
     @property
@@ -255,7 +265,9 @@ class GraphRunner:
         self.draft_start.fill_(start)
         self.draft_new_rows.fill_(new_rows)
         bucket = self.bucket_for(start + block)
-        replay = self.replay(("drafter", bucket, drafts), lambda: [self.drafter_block_logits(bucket, drafts)])
+        replay = self.replay(
+            ("drafter", bucket, drafts), lambda: [self.drafter_block_logits(bucket, drafts)], self.draft_device
+        )
         replay.run()
         self.served += 1
         cache.advance(new_rows)
@@ -265,15 +277,16 @@ class GraphRunner:
         from dflash.fastpath.static_forward import static_drafter_round
 
         assert self.drafter is not None and self.drafter_storage is not None
+        heads = self.draft_heads if self.draft_heads is not None else self.target
         if self.drafter_weights is not None:
             from dflash.fastpath.fused_drafter import fused_drafter_round
 
             return fused_drafter_round(
-                self.drafter, self.target, self.drafter_storage, self.drafter_weights, self.block_ids,
+                self.drafter, heads, self.drafter_storage, self.drafter_weights, self.block_ids,
                 self.draft_start, self.draft_new_rows, self.draft_features, bucket=bucket, drafts=drafts,
             )
         return static_drafter_round(
-            self.drafter, self.target, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
+            self.drafter, heads, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
             self.draft_features, bucket=bucket, drafts=drafts,
         )
 
@@ -282,7 +295,10 @@ class GraphRunner:
         """Whether `replay(key, ...)` returns a graph captured earlier (never on the eager path)."""
         return key in self._replays
 
-    def replay(self, key: tuple[object, ...], build: Callable[[], list[torch.Tensor]]) -> _Replay:
+    def replay(
+        self, key: tuple[object, ...], build: Callable[[], list[torch.Tensor]], device: torch.device | None = None
+    ) -> _Replay:
+        """The replay of `key`, captured on first use from `build` on `device` (default: the target's)."""
         replay = self._replays.get(key)
         if replay is not None:
             return replay
@@ -294,28 +310,40 @@ class GraphRunner:
 
             eager.run = run_eagerly
             return eager  # not kept: each call recomputes, there is nothing to capture
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            build()  # warm-up: library handles and workspaces are created outside the capture
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = build()
-        replay = _Replay(run=graph.replay, outputs=outputs)
+        device = device or self.device
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                build()  # warm-up: library handles and workspaces are created outside the capture
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool if device == self.device else self.draft_pool):
+                outputs = build()
+        replay = _Replay(run=graph.replay if device == self.device else _on_device(graph, device), outputs=outputs)
         self._replays[key] = replay
         self.captured += 1
         log.debug("captured CUDA graph %s (%d so far)", key, self.captured)
         return replay
 
 
+def _on_device(graph: torch.cuda.CUDAGraph, device: torch.device) -> Callable[[], None]:
+    """`graph.replay` with `device` current (a graph captured on another GPU than the target's)."""
+
+    def run() -> None:
+        with torch.cuda.device(device):
+            graph.replay()
+
+    return run
+
+
 def attach_graph_runner(
     target: CausalLM, drafter: DFlashDrafter | None, capacity: int, *, capture: bool = True,
-    fused: bool | None = None,
+    fused: bool | None = None, draft_heads: TargetHeads | None = None,
 ) -> GraphRunner:
     """Route the decoding loops' forwards of `target` and `drafter` through a new `GraphRunner`."""
     if target.config.is_hybrid:
         raise GenerationError("CUDA graphs do not carry linear-attention state: run hybrid models without them")
-    runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused)
+    runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused, draft_heads=draft_heads)
     register_forwards(target, GraphForwards(runner))
     return runner

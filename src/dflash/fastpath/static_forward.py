@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash.drafter.model import DFlashDrafter
+from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 
@@ -85,7 +85,7 @@ def static_target_forward(
 
 def static_drafter_round(
     drafter: DFlashDrafter,
-    target: CausalLM,
+    target: TargetHeads,
     storage: KVCache,
     block_ids: torch.Tensor,
     start: torch.Tensor,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.model import DFlashDrafter, TargetModel
     from dflash.drafter.vocab import DraftScores
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.generation.selection import TokenChooser
@@ -49,7 +49,7 @@ class Forwards:
     def draft_scores(
         self,
         drafter: DFlashDrafter,
-        target: CausalLM,
+        target: TargetModel,
         pending_token: int,
         start: int,
         new_features: torch.Tensor,

@@ -39,6 +39,23 @@ def causal_by_position(positions: torch.Tensor, key_positions: torch.Tensor) -> 
     return (key_positions[:, None, :] <= positions[:, :, None])[:, None]
 
 
+def scaled_embeddings(embed_tokens: nn.Module, config: ModelConfig, input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids: [batch, seq] -> [batch, seq, hidden], times the family's embedding scale."""
+    x: torch.Tensor = embed_tokens(input_ids)
+    if config.embed_scale != 1.0:
+        x = x * torch.tensor(config.embed_scale, dtype=x.dtype)
+    return x
+
+
+def capped_logits(lm_head: nn.Module, config: ModelConfig, hidden: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden [..., hidden] -> logits [..., vocab], soft-capped where the family is."""
+    logits: torch.Tensor = lm_head(hidden)
+    cap = config.final_logit_softcapping
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor | None  # [batch, seq or 1, vocab]
@@ -89,18 +106,11 @@ class CausalLM(nn.Module):
     # ---- the small interface a drafter uses -------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [batch, seq] -> [batch, seq, hidden], with the family's embedding scale applied."""
-        x = self.embed_tokens(input_ids)
-        if self.config.embed_scale != 1.0:
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        return x
+        return scaled_embeddings(self.embed_tokens, self.config, input_ids)
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [..., hidden] -> logits [..., vocab] (soft-capped where the family does)."""
-        logits = self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return capped_logits(self.lm_head, self.config, hidden)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         return KVCache.matching(self.layer_config, capacity, self.embed_tokens.weight, batch)  # this rank's heads
