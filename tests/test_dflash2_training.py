@@ -1,5 +1,6 @@
 """Training DFlash2 drafters on the CPU with a tiny target: the neutral start, the training forward against the
-inference pass, the selector's loss by hand, a short fit that learns, resume, export and load.
+inference pass, the selector's loss by hand, a short fit that learns, resume, export and load, and the replay of
+its rounds.
 """
 
 from __future__ import annotations
@@ -18,15 +19,17 @@ from dflash.drafter.loader import load_drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.selector import CandidateSelector
 from dflash.drafter.vocab import DraftScores
+from dflash.generation.batched import generate_batch
 from dflash.models.model import CausalLM
 from dflash.training.dflash2_init import dflash2_config, dflash2_from_dflash
 from dflash.training.growth import grow_drafter
 from dflash.training.objective import BlockBatch, build_blocks
+from dflash.training.replay import anchor_draft_logits, linear_rounds, replay
 from dflash.training.run_drafter import drafter_from_run
 from dflash.training.selector_objective import selector_acceptance_estimate, selector_loss, selector_terms
 from dflash.training.trainer import DrafterTrainer, TrainSettings, init_drafter, new_drafter_config
 from tests.loading_helpers import train_byte_level_tokenizer
-from tests.spec_helpers import one_torch_thread
+from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 _threads = one_torch_thread  # tiny models: one intra-op thread
@@ -338,3 +341,33 @@ def test_cli_starts_dflash2_from_a_dflash_run(
     assert isinstance(drafter, DFlash2Drafter) and drafter.config.block_size == 8
     assert torch.equal(drafter.fc.weight, source.fc.weight)
     assert not drafter.layers[0].attention_conv.kernel_projection.weight.any()
+
+
+# --- replay (`dflash train eval`) ------------------------------------------------------------------------------
+
+
+def test_replay_of_a_dflash2_drafter_equals_the_decoding_loop() -> None:
+    """Linear rounds replayed from one pass equal the real loop's, whose drafts are the selector's greedy chain
+    (made to differ from the unary top-1 chain here by a large selector)."""
+    target, source = golden_pair()
+    drafter = dflash2_from_dflash(source, dflash2_config(source.config, block_size=8, selector_rank=16,
+                                                         selector_top_k=4))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for tensor in (drafter.candidate_selector.predecessor_codebook, drafter.candidate_selector.successor_codebook):
+            tensor.copy_(torch.randn(tensor.shape, generator=g))
+    drafter.eval().requires_grad_(False)
+    prompts = random_prompts(4, 1000, seed=1008, lengths=(94, 12, 40, 70))
+    answers = generate_batch(target, prompts, max_new_tokens=60, eos_ids=())
+    accepted, differs = 0, False
+    for prompt, answer in zip(prompts, answers, strict=True):
+        tokens, stats = run(target, drafter, prompt, 60)
+        assert tokens == answer
+        replayed, trees = replay(target, drafter, prompt, answer, [])
+        assert replayed.acceptance_lengths == [a + 1 for a in stats.accepted_per_round] and trees == {}
+        accepted += sum(stats.accepted_per_round)
+        unary = linear_rounds(*anchor_draft_logits(target, drafter, prompt, answer), len(answer))
+        differs = differs or unary.acceptance_lengths != replayed.acceptance_lengths
+    assert accepted > 0 and differs
+    with pytest.raises(ValueError, match="DFlash2"):
+        replay(target, drafter, prompts[0], answers[0], [4])

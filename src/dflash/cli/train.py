@@ -220,6 +220,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import statistics
 
     from dflash.bench.provenance import provenance
+    from dflash.drafter.dflash2 import DFlash2Drafter
     from dflash.drafter.loader import load_drafter
     from dflash.generation.batched import BatchedDecoder, generate_batch
     from dflash.training.prompts import read_prompt_file
@@ -234,6 +235,10 @@ def run_eval(args: argparse.Namespace) -> int:
         quantize_drafter_int8(drafter)
     budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
     method = "exact replay of greedy linear DFlash" + (" and DDTree" if budgets else "")
+    if isinstance(drafter, DFlash2Drafter):
+        if budgets:
+            raise DFlashError("--ddtree-budgets: the replay of a DFlash2 drafter's trees is not built")
+        method = "exact replay of greedy linear DFlash2 (the selector's chain)"
     result: dict[str, Any] = {**provenance(model.embed_tokens.weight.device),
                               "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
                               "method": method, "max_tokens": args.max_tokens, "draft_weights": args.draft_weights,
