@@ -357,6 +357,9 @@ def test_cli_starts_dflash2_from_a_dflash_run(
     assert isinstance(drafter, DFlash2Drafter) and drafter.config.block_size == 8
     assert torch.equal(drafter.fc.weight, source.fc.weight)
     assert not drafter.layers[0].attention_conv.kernel_projection.weight.any()
+    # a DFlash2 drafter cannot be continued as a DFlash one (its selector would be dropped)
+    assert main(["train", "fit", *common, "--out", str(tmp_path / "back"), "--init-from", str(tmp_path / "dflash2")]) == 2
+    assert "train it with --arch dflash2" in capsys.readouterr().err
 
 
 # --- replay (`dflash train eval`) ------------------------------------------------------------------------------
