@@ -27,6 +27,7 @@ import torch
 
 from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.errors import DFlashError
 
 # the published DFlash2 layout (docs/dflash2.md)
 DFLASH2_BLOCK_SIZE = 8
@@ -49,7 +50,8 @@ def dflash2_config(
     sizes and `is_causal: false` as published drafters write it (our training layers are full attention, where it
     changes nothing)."""
     if base.hidden_size % CONV_GROUP_SIZE:
-        raise ValueError(f"hidden size {base.hidden_size} is not a multiple of the convolution group {CONV_GROUP_SIZE}")
+        raise DFlashError(f"a DFlash2 drafter needs a hidden size that is a multiple of {CONV_GROUP_SIZE} (the "
+                          f"convolution's group), not {base.hidden_size}")
     shared: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(DrafterConfig)}
     shared["block_size"] = block_size
     return DFlash2Config(

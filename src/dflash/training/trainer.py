@@ -106,8 +106,8 @@ def new_drafter_config(
 
 def init_drafter(config: DrafterConfig, target: CausalLM, *, from_target_layers: bool, seed: int) -> DFlashDrafter:
     """Random init (N(0, 0.02) matrices, unit norms); optionally copy the target's last layers' matrices.
-    A `DFlash2Config` gives a DFlash2 drafter whose convolutions start as the identity and whose selector starts
-    small (`init_dflash2_parts`)."""
+    A `DFlash2Config` gives a DFlash2 drafter whose convolutions start as the identity and whose selector's pairwise
+    term starts at zero (`init_dflash2_parts`)."""
     from dflash.training.dflash2_init import init_dflash2_parts
 
     torch.manual_seed(seed)
