@@ -8,7 +8,11 @@
 #   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
 # Settings from the environment: PROMPTS (prompt files, space-separated; .stage/train_prompts.jsonl.gz), DATA_BATCH (512), DATA (answered sets,
 # space-separated; $RUN/data.jsonl.gz), STEPS (5000), BATCH (32), LR (6e-4), DISTILL (0: hard labels only),
-# LAYERS (4), MLP (the target's width), INIT (a drafter to continue from, grown to LAYERS / MLP).
+# LAYERS (4), MLP (the target's width), INIT (a drafter or a run folder to continue from, grown to LAYERS / MLP).
+# ARCH=dflash2 trains a DFlash2 drafter (block convolutions + candidate selector; docs/dflash2.md): BLOCK (8 for
+# dflash2, 16 for dflash), SELECTOR_RANK (256), SELECTOR_WEIGHT (1.0, the selector loss's weight); with INIT=default
+# it starts from the shipped DFlash drafter's weights, e.g.
+#   ARCH=dflash2 INIT=default RUN=/tmp/run2 DATA="/tmp/run/data.jsonl.gz" scripts/gpu_drafter.sh fit 9
 # Dependencies a bare GPU machine lacks (gguf, platformdirs): their wheels in .stage/wheels (or $WHEELS), see scripts/gpu_env.sh.
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
@@ -42,7 +46,13 @@ case "$1" in
     for set in $DATA; do extra+=(--data "$set"); done
     [ -n "${MLP:-}" ] && extra+=(--intermediate-size "$MLP")
     [ -n "${INIT:-}" ] && extra+=(--init-from "$INIT")
-    $DFLASH train fit --model "$MODEL" "${extra[@]}" --out "$RUN" --layers "${LAYERS:-4}" --block-size 16 \
+    arch=${ARCH:-dflash}
+    block=${BLOCK:-16}
+    if [ "$arch" = dflash2 ]; then
+      block=${BLOCK:-8}
+      extra+=(--selector-rank "${SELECTOR_RANK:-256}" --selector-loss-weight "${SELECTOR_WEIGHT:-1.0}")
+    fi
+    $DFLASH train fit --model "$MODEL" --arch "$arch" "${extra[@]}" --out "$RUN" --layers "${LAYERS:-4}" --block-size "$block" \
       --steps "${STEPS:-5000}" --batch-size "${BATCH:-32}" --max-length 768 --anchors 48 --lr "${LR:-6e-4}" \
       --distill "${DISTILL:-0}" --max-minutes "$2" ;;
   export)

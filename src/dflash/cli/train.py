@@ -2,6 +2,7 @@
 
     dflash train data   --model M --prompts FILE.jsonl[.gz] --out DATA.jsonl.gz   # the target answers prompts
     dflash train fit    --model M --data DATA.jsonl.gz --out RUN_DIR             # resumable training
+                        [--arch dflash2]                                         # DFlash2: convolutions + selector
     dflash train export --model M --run RUN_DIR --out DRAFTER_DIR                # published layout, 15 MiB shards
 """
 
@@ -39,10 +40,19 @@ def register(commands: Any) -> None:
     fit.add_argument("--out", type=Path, required=True, help="run folder (checkpoint, history, loss.png)")
     fit.add_argument("--layers", type=int, default=None, help="drafter layers (default 4, or --init-from's)")
     fit.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default the target's)")
+    fit.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                     help="dflash2: a DFlash2 drafter (block convolutions and a candidate selector, trained with the "
+                          "selector's loss added; docs/dflash2.md)")
     fit.add_argument("--init-from", default=None,
-                     help="start from this drafter (folder or 'default'), grown to --layers / --intermediate-size")
+                     help="start from this drafter (exported folder, training run folder or 'default'), grown to "
+                          "--layers / --intermediate-size; with --arch dflash2 a DFlash drafter gives the shared "
+                          "weights and the new parts start neutral")
     fit.add_argument("--validation", type=int, default=256, help="examples held out for the validation estimate")
-    fit.add_argument("--block-size", type=int, default=16)
+    fit.add_argument("--block-size", type=int, default=None, help="default 16 (dflash) or 8 (dflash2)")
+    fit.add_argument("--selector-rank", type=int, default=256, help="dflash2: rank of the selector's codebooks")
+    fit.add_argument("--selector-top-k", type=int, default=16, help="dflash2: candidates per block row")
+    fit.add_argument("--selector-loss-weight", type=float, default=1.0,
+                     help="dflash2: weight of the selector's loss added to the block loss")
     fit.add_argument("--mask-token", default=None, help="token text or id used as MASK (default: picked)")
     fit.add_argument("--steps", type=int, default=3000)
     fit.add_argument("--batch-size", type=int, default=16)
@@ -150,38 +160,59 @@ def run_fit(args: argparse.Namespace) -> int:
     settings = TrainSettings(
         steps=args.steps, batch_size=args.batch_size, max_length=args.max_length, anchors_per_sequence=args.anchors,
         lr=args.lr, gamma=gamma, distill=args.distill, seed=args.seed, validation=args.validation,
+        selector_loss_weight=args.selector_loss_weight,
     )
     trainer = DrafterTrainer(model, drafter, examples, settings, args.out)
     resumed = trainer.try_resume()
     config = drafter.config
     print(f"{len(trainer.examples)} training / {len(trainer.validation)} held-out examples; "
-          f"{'resuming at step ' + str(trainer.step) if resumed else 'starting'}; drafter {config.num_layers} layers, "
+          f"{'resuming at step ' + str(trainer.step) if resumed else 'starting'}; "
+          f"{'DFlash2 ' if args.arch == 'dflash2' else ''}drafter {config.num_layers} layers, "
           f"MLP {config.intermediate_size}, {sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters",
           flush=True)
     history = trainer.train(max_minutes=args.max_minutes)
-    print(json.dumps({"step": trainer.step, "loss": history.loss[-1:], "est_acceptance": history.est_acceptance[-1:],
-                      "held_out_acceptance": history.val_acceptance[-1:]}))
+    summary = {"step": trainer.step, "loss": history.loss[-1:], "est_acceptance": history.est_acceptance[-1:],
+               "held_out_acceptance": history.val_acceptance[-1:]}
+    if args.arch == "dflash2":
+        summary.update(selector_loss=history.selector_loss[-1:], selector_acceptance=history.selector_acceptance[-1:],
+                       held_out_selector_acceptance=history.val_selector_acceptance[-1:])
+    print(json.dumps(summary))
     return 0
 
 
 def _initial_drafter(args: argparse.Namespace, model: Any, tokenizer: Any) -> Any:
-    """A fresh drafter, or --init-from's weights grown to the requested shape (float32, on the target's device)."""
-    from dflash.drafter.loader import load_drafter
+    """A fresh drafter, or --init-from's weights grown to the requested shape (float32, on the target's device);
+    with --arch dflash2 a DFlash one becomes the shared part of a DFlash2 drafter."""
+    from dflash.drafter.dflash2 import DFlash2Drafter
+    from dflash.training.dflash2_init import DFLASH2_BLOCK_SIZE, dflash2_config, dflash2_from_dflash
     from dflash.training.growth import grow_drafter
+    from dflash.training.run_drafter import load_start_drafter
     from dflash.training.trainer import init_drafter, new_drafter_config
 
     device = model.embed_tokens.weight.device
+    dflash2 = args.arch == "dflash2"
+    block_size = args.block_size or (DFLASH2_BLOCK_SIZE if dflash2 else 16)
+
+    def as_dflash2(config: Any) -> Any:
+        return dflash2_config(config, block_size=block_size, selector_rank=args.selector_rank,
+                              selector_top_k=args.selector_top_k)
+
     if args.init_from is None:
         config = new_drafter_config(
-            model, layers=args.layers or 4, block_size=args.block_size,
+            model, layers=args.layers or 4, block_size=block_size,
             mask_token_id=pick_mask_token(tokenizer, args.mask_token), intermediate_size=args.intermediate_size,
         )
+        config = as_dflash2(config) if dflash2 else config
         return init_drafter(config, model, from_target_layers=not args.random_init, seed=args.seed).to(device)
-    source = load_drafter(args.init_from, model.config, device=device, dtype=torch.float32)
+    source = load_start_drafter(args.init_from, model.config, device)
+    if isinstance(source, DFlash2Drafter) and not dflash2:
+        raise DFlashError(f"--init-from {args.init_from} is a DFlash2 drafter: train it with --arch dflash2")
     drafter = grow_drafter(
         source, model, layers=args.layers or source.config.num_layers,
         intermediate_size=args.intermediate_size or source.config.intermediate_size, seed=args.seed,
     )
+    if dflash2 and not isinstance(drafter, DFlash2Drafter):
+        drafter = dflash2_from_dflash(drafter, as_dflash2(drafter.config), seed=args.seed)
     return drafter.to(device).requires_grad_(True)
 
 
@@ -189,6 +220,7 @@ def run_eval(args: argparse.Namespace) -> int:
     import statistics
 
     from dflash.bench.provenance import provenance
+    from dflash.drafter.dflash2 import DFlash2Drafter
     from dflash.drafter.loader import load_drafter
     from dflash.generation.batched import BatchedDecoder, generate_batch
     from dflash.training.prompts import read_prompt_file
@@ -203,6 +235,10 @@ def run_eval(args: argparse.Namespace) -> int:
         quantize_drafter_int8(drafter)
     budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
     method = "exact replay of greedy linear DFlash" + (" and DDTree" if budgets else "")
+    if isinstance(drafter, DFlash2Drafter):
+        if budgets:
+            raise DFlashError("--ddtree-budgets: the replay of a DFlash2 drafter's trees is not built")
+        method = "exact replay of greedy linear DFlash2 (the selector's chain)"
     result: dict[str, Any] = {**provenance(model.embed_tokens.weight.device),
                               "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
                               "method": method, "max_tokens": args.max_tokens, "draft_weights": args.draft_weights,
@@ -248,12 +284,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from dflash.drafter.model import DFlashDrafter, DrafterConfig
     from dflash.training.export import export_drafter
+    from dflash.training.run_drafter import drafter_from_run
 
-    state = torch.load(args.run_dir / "checkpoint.pt", map_location="cpu", weights_only=False)
-    drafter = DFlashDrafter(DrafterConfig.from_dict(state["drafter_config"]))
-    drafter.load_state_dict(state["drafter"])
+    drafter, state = drafter_from_run(args.run_dir)
     paths = export_drafter(drafter, args.out, dtype=getattr(torch, args.export_dtype))
     print(json.dumps({"files": [str(p) for p in paths], "step": state["step"]}))
     return 0

@@ -2,7 +2,8 @@
 
 Growing keeps the function: new MLP units get random gate/up rows but zero down-projection columns, and new
 layers (appended after the existing ones, initialised from the target's layers like a fresh drafter) get zero
-output and down projections, so each new residual branch adds exactly zero until training moves it.
+output and down projections, so each new residual branch adds exactly zero until training moves it. A DFlash2
+drafter keeps its convolutions and selector; its new layers' convolutions start as the identity.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
 from dflash.training.trainer import init_drafter
@@ -54,4 +56,10 @@ def grow_drafter(
             new.mlp.up_proj.weight[:width].copy_(mine.mlp.up_proj.weight.float())
             new.mlp.down_proj.weight.zero_()
             new.mlp.down_proj.weight[:, :width].copy_(mine.mlp.down_proj.weight.float())
+            if isinstance(source, DFlash2Drafter):
+                new.attention_conv.load_state_dict(mine.attention_conv.state_dict())
+                new.mlp_conv.load_state_dict(mine.mlp_conv.state_dict())
+        if isinstance(source, DFlash2Drafter) and isinstance(grown, DFlash2Drafter):
+            # appended layers keep identity convolutions, which pass their zero branches on as zero
+            grown.candidate_selector.load_state_dict(source.candidate_selector.state_dict())
     return grown

@@ -131,12 +131,18 @@ def acceptance_estimate(logits: torch.Tensor, batch: BlockBatch, block_size: int
     """0-dim tensor: 1 + mean leading run of correct draft slots per real block (slots beyond the data count as
     wrong); computed on the device without reading anything back."""
     with torch.no_grad():
-        b = batch.labels.shape[0]
-        labels = batch.labels.view(b, -1, block_size)[:, :, 1:]
-        correct = (logits.argmax(-1).view(b, -1, block_size)[:, :, 1:] == labels) & (labels >= 0)
-        run = correct.long().cumprod(-1).sum(-1)  # [batch, blocks]
-        real = batch.labels.view(b, -1, block_size)[:, :, 1] >= 0
-        return 1.0 + (run * real).sum() / real.sum().clamp(min=1)
+        return leading_run_acceptance(logits.argmax(-1) == batch.labels, batch, block_size)
+
+
+def leading_run_acceptance(correct: torch.Tensor, batch: BlockBatch, block_size: int) -> torch.Tensor:
+    """correct: [batch, blocks*B] bool, whether each slot's draft is its label -> 0-dim tensor: 1 + mean leading run
+    of correct draft slots (slots 1..B-1; untrained slots count as wrong) per real block."""
+    b = batch.labels.shape[0]
+    labels = batch.labels.view(b, -1, block_size)[:, :, 1:]
+    hits = correct.view(b, -1, block_size)[:, :, 1:] & (labels >= 0)
+    run = hits.long().cumprod(-1).sum(-1)  # [batch, blocks]
+    real = batch.labels.view(b, -1, block_size)[:, :, 1] >= 0
+    return 1.0 + (run * real).sum() / real.sum().clamp(min=1)
 
 
 def estimated_acceptance(logits: torch.Tensor, batch: BlockBatch, block_size: int) -> float:

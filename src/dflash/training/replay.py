@@ -9,6 +9,10 @@ batched (seconds on a GPU) while `dflash bench acceptance` measures the real dec
 
 DDTree replays the same way: the drafter's full distributions at each anchor give the tree a round would build,
 and the greedy answer says which path the target would accept, so one pair of passes serves every budget.
+
+A DFlash2 drafter's linear rounds draft its selector's greedy chain: while that chain is right its predecessors are
+the answer's tokens, so the selector's scores with the answer's tokens as predecessors give every round's run
+(`dflash.training.selector_objective`). Its trees (grown by the selector) are not replayed.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.models.model import CausalLM
 from dflash.speculative.tree import build_tree, follow_tree, linear_chain_tree
-from dflash.training.objective import build_blocks
+from dflash.training.objective import BlockBatch, build_blocks
+from dflash.training.selector_objective import selector_terms
 
 
 @dataclass
@@ -32,14 +38,18 @@ class ReplayResult:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
 
-@torch.no_grad()
-def anchor_draft_logits(
-    target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's logits for a round anchored at every answer position but the last, and the labels.
+@dataclass(frozen=True, eq=False)
+class AnchorPass:
+    """One drafter pass with a block anchored at every answer position but the last."""
 
-    Returns (logits [anchors, B-1, vocab], labels [anchors, B-1] with -100 past the answer); anchor i is the
-    round whose pending token is answer[i]."""
+    sequence: torch.Tensor  # [1, P+n] prompt + answer
+    blocks: BlockBatch
+    hidden: torch.Tensor  # [1, anchors*B, hidden] final-normed drafter rows
+    logits: torch.Tensor  # [1, anchors*B, vocab]
+
+
+@torch.no_grad()
+def anchor_pass(target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]) -> AnchorPass:
     config = drafter.config
     device = target.embed_tokens.weight.device
     seq = torch.tensor([prompt + answer], device=device)  # [1, P+n]
@@ -53,8 +63,23 @@ def anchor_draft_logits(
     hidden = drafter.forward_blocks(target.embed(blocks.block_ids), blocks.block_positions,
                                     features.to(drafter.fc.weight.dtype), blocks.mask)
     logits = target.project_logits(hidden.to(target.lm_head.weight.dtype))  # [1, anchors*B, vocab]
-    logits = logits.view(-1, config.block_size, logits.shape[-1])[:, 1:]  # [anchors, B-1, vocab]
-    labels = blocks.labels.view(-1, config.block_size)[:, 1:]  # [anchors, B-1]
+    return AnchorPass(seq, blocks, hidden, logits)
+
+
+@torch.no_grad()
+def anchor_draft_logits(
+    target: CausalLM, drafter: DFlashDrafter, prompt: list[int], answer: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's logits for a round anchored at every answer position but the last, and the labels.
+
+    Returns (logits [anchors, B-1, vocab], labels [anchors, B-1] with -100 past the answer); anchor i is the
+    round whose pending token is answer[i]."""
+    return _per_round(anchor_pass(target, drafter, prompt, answer), drafter.config.block_size)
+
+
+def _per_round(drafts: AnchorPass, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = drafts.logits.view(-1, block_size, drafts.logits.shape[-1])[:, 1:]  # [anchors, B-1, vocab]
+    labels = drafts.blocks.labels.view(-1, block_size)[:, 1:]  # [anchors, B-1]
     return logits, labels
 
 
@@ -69,10 +94,20 @@ def replay(
     max_new_tokens: int | None = None,
 ) -> tuple[ReplayResult, dict[int, ReplayResult]]:
     """Linear rounds and DDTree rounds per budget, from one target pass and one drafter pass."""
+    if isinstance(drafter, DFlash2Drafter) and budgets:
+        raise ValueError("DDTree replay of a DFlash2 drafter (trees grown by its selector) is not built: "
+                         "replay its linear rounds alone")
     if len(answer) < 2:
         single = ReplayResult([1] * len(answer[:1]))
         return single, {budget: single for budget in budgets}
-    logits, labels = anchor_draft_logits(target, drafter, prompt, answer)
+    drafts = anchor_pass(target, drafter, prompt, answer)
+    block_size = drafter.config.block_size
+    logits, labels = _per_round(drafts, block_size)
+    if isinstance(drafter, DFlash2Drafter):
+        terms = selector_terms(drafter.candidate_selector, drafts.hidden, drafts.logits, drafts.sequence,
+                               drafts.blocks)
+        picked = (terms.scores.argmax(-1) == terms.target_index) & (terms.target_index >= 0)  # [1, anchors*B]
+        return rounds_from_correct(picked.view(-1, block_size)[:, 1:], len(answer)), {}
     limit = max_new_tokens if max_new_tokens is not None else len(answer)
     trees = {budget: _tree_rounds(logits, answer, budget, limit) for budget in budgets}
     return linear_rounds(logits, labels, len(answer)), trees
@@ -80,7 +115,11 @@ def replay(
 
 def linear_rounds(logits: torch.Tensor, labels: torch.Tensor, answer_length: int) -> ReplayResult:
     """logits [anchors, B-1, vocab], labels [anchors, B-1] -> the rounds linear DFlash runs."""
-    correct = (logits.argmax(-1) == labels) & (labels >= 0)  # [anchors, B-1]
+    return rounds_from_correct((logits.argmax(-1) == labels) & (labels >= 0), answer_length)
+
+
+def rounds_from_correct(correct: torch.Tensor, answer_length: int) -> ReplayResult:
+    """correct [anchors, B-1] bool (whether a round at each anchor drafts each slot right) -> the rounds run."""
     runs = correct.long().cumprod(-1).sum(-1).tolist()  # accepted drafts if a round starts at each anchor
     lengths, offset, produced = [], 0, 1  # the first answer token comes from the prefill
     while produced < answer_length and offset < len(runs):

@@ -2,6 +2,7 @@
 
 Each invocation trains until `steps` or a wall-clock budget, saving a resumable checkpoint (drafter,
 optimizer, step, loss history) so long runs can be split across short sessions. The loss curve is saved as PNG.
+A DFlash2 drafter adds its selector's loss (`dflash.training.selector_objective`) to the block loss.
 """
 
 from __future__ import annotations
@@ -17,19 +18,22 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash.drafter.selector import CandidateSelector
+from dflash.errors import DFlashError
 from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
 from dflash.training.objective import (
     BlockBatch,
     acceptance_estimate,
     build_blocks,
-    estimated_acceptance,
     sample_anchors,
     teacher_logits_for_blocks,
     to_device,
     weighted_block_loss,
 )
+from dflash.training.selector_objective import selector_acceptance_estimate, selector_loss, selector_terms
 
 
 @dataclass
@@ -44,6 +48,7 @@ class TrainSettings:
     grad_clip: float = 1.0
     gamma: float = 7.0
     distill: float = 0.0  # weight of KL to the target's distribution (0 = hard labels only)
+    selector_loss_weight: float = 1.0  # DFlash2: weight of the selector's loss added to the block loss
     seed: int = 0
     log_every: int = 25
     checkpoint_every_s: float = 120.0
@@ -60,6 +65,11 @@ class TrainHistory:
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
     val_acceptance: list[float] = field(default_factory=list)
+    # DFlash2 only: the selector's loss and its greedy chain's acceptance estimate (empty for DFlash)
+    selector_loss: list[float] = field(default_factory=list)
+    selector_acceptance: list[float] = field(default_factory=list)
+    val_selector_loss: list[float] = field(default_factory=list)
+    val_selector_acceptance: list[float] = field(default_factory=list)
 
 
 def new_drafter_config(
@@ -95,12 +105,18 @@ def new_drafter_config(
 
 
 def init_drafter(config: DrafterConfig, target: CausalLM, *, from_target_layers: bool, seed: int) -> DFlashDrafter:
-    """Random init (N(0, 0.02) matrices, unit norms); optionally copy the target's last layers' matrices."""
+    """Random init (N(0, 0.02) matrices, unit norms); optionally copy the target's last layers' matrices.
+    A `DFlash2Config` gives a DFlash2 drafter whose convolutions start as the identity and whose selector's pairwise
+    term starts at zero (`init_dflash2_parts`)."""
+    from dflash.training.dflash2_init import init_dflash2_parts
+
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(config)
+    drafter = DFlash2Drafter(config) if isinstance(config, DFlash2Config) else DFlashDrafter(config)
     for module in drafter.modules():
         if isinstance(module, torch.nn.Linear):
             torch.nn.init.normal_(module.weight, std=0.02)
+    if isinstance(drafter, DFlash2Drafter):
+        init_dflash2_parts(drafter)
     if from_target_layers and target.config.architecture in ("llama", "qwen3"):
         t = target.config
         q, kv = t.num_heads * t.head_dim, t.num_kv_heads * t.head_dim
@@ -175,6 +191,11 @@ class DrafterTrainer:
         if not self.checkpoint_path.exists():
             return False
         state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        saved = state["drafter_config"].get("architectures")
+        mine = self.drafter.config.to_dict()["architectures"]
+        if saved != mine:
+            raise DFlashError(f"{self.checkpoint_path} holds a {saved} drafter, not a {mine} one: resume it with "
+                              "the architecture it was started with (--arch)")
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
@@ -201,23 +222,29 @@ class DrafterTrainer:
         anchors = [sample_anchors(row, self.settings.anchors_per_sequence, generator) for row in trained]
         return to_device(ids, self.device), to_device(trained, self.device), anchors
 
+    @property
+    def selector(self) -> CandidateSelector | None:
+        """The DFlash2 drafter's candidate selector (None for DFlash: no selector loss)."""
+        return self.drafter.candidate_selector if isinstance(self.drafter, DFlash2Drafter) else None
+
     @torch.no_grad()
-    def validate(self) -> tuple[float, float]:
-        """(loss, teacher-forced acceptance estimate) on the held-out examples, with fixed anchors."""
+    def validate(self) -> dict[str, float]:
+        """Means over the held-out examples, with fixed anchors: `loss` (the block loss), `est_acceptance`
+        (teacher-forced acceptance estimate) and for DFlash2 `selector_loss` and `selector_acceptance`."""
         generator = torch.Generator().manual_seed(self.settings.seed + 1)
-        losses, estimates, weights = [], [], []
+        sums: dict[str, float] = {}
+        total = 0.0
         self.drafter.eval()
         for lo in range(0, len(self.validation), self.settings.batch_size):
             ids, trained, anchors = self._tensors(self.validation[lo : lo + self.settings.batch_size], generator)
-            logits, blocks, _ = self.block_logits(ids, trained, anchors)
-            loss, _ = weighted_block_loss(logits, blocks)
-            losses.append(float(loss.item()))
-            estimates.append(estimated_acceptance(logits, blocks, self.drafter.config.block_size))
-            weights.append(float(ids.shape[0]))
+            _, metrics = self.objective(ids, trained, anchors, distill=0.0)
+            weight = float(ids.shape[0])
+            for name in ("loss", "est_acceptance", "selector_loss", "selector_acceptance"):
+                if name in metrics:
+                    sums[name] = sums.get(name, 0.0) + weight * float(metrics[name].item())
+            total += weight
         self.drafter.train()
-        total = sum(weights)
-        return (sum(w * v for w, v in zip(weights, losses, strict=True)) / total,
-                sum(w * v for w, v in zip(weights, estimates, strict=True)) / total)
+        return {name: value / total for name, value in sums.items()}
 
     def autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
@@ -227,6 +254,14 @@ class DrafterTrainer:
     ) -> tuple[torch.Tensor, BlockBatch, torch.Tensor | None]:
         """ids, trained: [batch, seq]; anchors: per row [n] -> (drafter logits [batch, blocks*B, vocab], the
         blocks, the target's logits per block slot [batch, blocks*B, vocab] when `teacher`)."""
+        _, logits, blocks, teacher_logits = self.block_forward(ids, trained, anchors, teacher=teacher)
+        return logits, blocks, teacher_logits
+
+    def block_forward(
+        self, ids: torch.Tensor, trained: torch.Tensor, anchors: list[torch.Tensor], *, teacher: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, BlockBatch, torch.Tensor | None]:
+        """`block_logits` with the final-normed drafter hidden [batch, blocks*B, hidden] in front (the selector
+        reads it)."""
         config = self.drafter.config
         with torch.no_grad(), self.autocast():
             target_out = self.target(ids, capture=config.target_layer_ids, logits="all" if teacher else "none")
@@ -245,7 +280,28 @@ class DrafterTrainer:
             embeds = self.target.embed(blocks.block_ids)
             hidden = self.drafter.forward_blocks(embeds, blocks.block_positions, features.float(), blocks.mask)
             logits = self.target.project_logits(hidden.to(self.target.lm_head.weight.dtype))
-        return logits, blocks, teacher_logits
+        return hidden, logits, blocks, teacher_logits
+
+    def objective(
+        self, ids: torch.Tensor, trained: torch.Tensor, anchors: list[torch.Tensor], *, distill: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss to minimise on one batch and its metrics (0-dim tensors): `loss` (the block loss), `accuracy`,
+        `est_acceptance`; for DFlash2 the block loss plus `selector_loss_weight` x `selector_loss`, and
+        `selector_acceptance`, the estimate for the selector's greedy chain."""
+        hidden, logits, blocks, teacher = self.block_forward(ids, trained, anchors, teacher=distill > 0)
+        loss, metrics = weighted_block_loss(logits, blocks, teacher, distill)
+        block_size = self.drafter.config.block_size
+        metrics["loss"] = loss.detach()
+        metrics["est_acceptance"] = acceptance_estimate(logits, blocks, block_size)
+        selector = self.selector
+        if selector is not None:
+            with self.autocast():
+                terms = selector_terms(selector, hidden, logits, ids, blocks)
+            chosen = selector_loss(terms, blocks)
+            metrics["selector_loss"] = chosen.detach()
+            metrics["selector_acceptance"] = selector_acceptance_estimate(terms, blocks, block_size)
+            loss = loss + self.settings.selector_loss_weight * chosen
+        return loss, metrics
 
     def train_step(self, rng: random.Random, generator: torch.Generator) -> dict[str, torch.Tensor]:
         """One optimiser step; its metrics stay on the device (0-dim tensors) until the loop logs them, so the host
@@ -253,15 +309,11 @@ class DrafterTrainer:
         ids, trained, anchors = self._batch(rng, generator)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, self.settings)
-        distill = self.settings.distill
-        logits, blocks, teacher = self.block_logits(ids, trained, anchors, teacher=distill > 0)
-        loss, metrics = weighted_block_loss(logits, blocks, teacher, distill)
+        loss, metrics = self.objective(ids, trained, anchors, distill=self.settings.distill)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.settings.grad_clip)
         self.optimizer.step()
-        metrics["loss"] = loss.detach()
-        metrics["est_acceptance"] = acceptance_estimate(logits, blocks, self.drafter.config.block_size)
         return metrics
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -283,19 +335,16 @@ class DrafterTrainer:
                 if self.step % settings.log_every == 0 or self.step == settings.steps:
                     mean = {k: float(torch.stack([m[k] for m in window]).float().mean().item()) for k in window[0]}
                     window.clear()
-                    self.history.steps.append(self.step)
-                    self.history.loss.append(mean["loss"])
-                    self.history.accuracy.append(mean["accuracy"])
-                    self.history.est_acceptance.append(mean["est_acceptance"])
-                    note = f"loss {mean['loss']:.3f} acc {mean['accuracy']:.3f} tau~{mean['est_acceptance']:.2f}"
-                    if self.history.val_steps:
-                        note += f" | held out loss {self.history.val_loss[-1]:.3f} tau~{self.history.val_acceptance[-1]:.2f}"
-                    bar.advance(settings.log_every, note)
+                    bar.advance(settings.log_every, self._record(mean))
                 if self.validation and (self.step % settings.validate_every == 0 or self.step == settings.steps):
-                    val_loss, val_acceptance = self.validate()
-                    self.history.val_steps.append(self.step)
-                    self.history.val_loss.append(val_loss)
-                    self.history.val_acceptance.append(val_acceptance)
+                    held_out = self.validate()
+                    history = self.history
+                    history.val_steps.append(self.step)
+                    history.val_loss.append(held_out["loss"])
+                    history.val_acceptance.append(held_out["est_acceptance"])
+                    if "selector_loss" in held_out:
+                        history.val_selector_loss.append(held_out["selector_loss"])
+                        history.val_selector_acceptance.append(held_out["selector_acceptance"])
                 if time.monotonic() - last_save > settings.checkpoint_every_s:
                     self.save_checkpoint()
                     last_save = time.monotonic()
@@ -303,6 +352,24 @@ class DrafterTrainer:
         self.save_checkpoint()
         plot_history(self.history, self.out_dir / "loss.png")
         return self.history
+
+    def _record(self, mean: dict[str, float]) -> str:
+        """Append one logging window's means to the history; the progress note for it."""
+        history = self.history
+        history.steps.append(self.step)
+        history.loss.append(mean["loss"])
+        history.accuracy.append(mean["accuracy"])
+        history.est_acceptance.append(mean["est_acceptance"])
+        note = f"loss {mean['loss']:.3f} acc {mean['accuracy']:.3f} tau~{mean['est_acceptance']:.2f}"
+        if "selector_loss" in mean:
+            history.selector_loss.append(mean["selector_loss"])
+            history.selector_acceptance.append(mean["selector_acceptance"])
+            note += f" selector loss {mean['selector_loss']:.3f} tau~{mean['selector_acceptance']:.2f}"
+        if history.val_steps:
+            note += f" | held out loss {history.val_loss[-1]:.3f} tau~{history.val_acceptance[-1]:.2f}"
+            if history.val_selector_acceptance:
+                note += f" selector tau~{history.val_selector_acceptance[-1]:.2f}"
+        return note
 
 
 def plot_history(history: TrainHistory, path: Path) -> None:
@@ -322,10 +389,17 @@ def plot_history(history: TrainHistory, path: Path) -> None:
     left.set_ylabel("weighted block cross-entropy")
     left.set_title("training loss")
     right.plot(history.steps, history.est_acceptance, color="tab:green", label="training batches")
+    if history.selector_acceptance:  # DFlash2: the selector's chain beside the unary top-1 chain
+        left.plot(history.steps, history.selector_loss, color="tab:purple", label="selector")
+        left.legend()
+        right.plot(history.steps, history.selector_acceptance, color="tab:purple", label="selector, training")
+        right.legend()
     if history.val_steps:
         left.plot(history.val_steps, history.val_loss, color="tab:orange", label="held out")
         left.legend()
         right.plot(history.val_steps, history.val_acceptance, color="tab:orange", label="held out")
+        if history.val_selector_acceptance:
+            right.plot(history.val_steps, history.val_selector_acceptance, color="tab:red", label="selector, held out")
         right.legend()
     right.set_xlabel("step")
     right.set_ylabel("estimated acceptance length")
