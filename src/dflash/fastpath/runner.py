@@ -115,6 +115,7 @@ class GraphRunner:
         self.drafter_storage = drafter.new_cache(capacity) if drafter is not None else None
         self._leases: dict[str, weakref.ref[KVCache]] = {}
         self._replays: dict[tuple[object, ...], _Replay] = {}
+        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.residents: dict[tuple[object, ...], Any] = {}  # `dflash.fastpath.resident` decoders
         self._rows: dict[int, _RowInputs] = {}
         self.length = torch.zeros(1, dtype=torch.long, device=self.device)  # committed slots, for the graphs
@@ -291,6 +292,12 @@ class GraphRunner:
         )
 
     # ---- capture -----------------------------------------------------------------------------------------
+    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._capture_streams.get(device)
+        if stream is None:
+            stream = self._capture_streams[device] = torch.cuda.Stream(device)
+        return stream
+
     def has_replay(self, key: tuple[object, ...]) -> bool:
         """Whether `replay(key, ...)` returns a graph captured earlier (never on the eager path)."""
         return key in self._replays
@@ -318,7 +325,10 @@ class GraphRunner:
                 build()  # warm-up: library handles and workspaces are created outside the capture
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool if device == self.device else self.draft_pool):
+            # torch's default capture stream belongs to the device current when it was first made (the target's):
+            # another device's graph is captured on a stream of its own
+            stream = None if device == self.device else self._capture_stream(device)
+            with torch.cuda.graph(graph, pool=self.pool if device == self.device else self.draft_pool, stream=stream):
                 outputs = build()
         replay = _Replay(run=graph.replay if device == self.device else _on_device(graph, device), outputs=outputs)
         self._replays[key] = replay
