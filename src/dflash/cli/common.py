@@ -53,7 +53,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "on the CPU, else all), off (all), or a draft_vocab.safetensors file made by `dflash train vocab`",
     )
     group.add_argument(
-        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx", "int8"],
+        "--cpu-matmul", default="auto", choices=["auto", "float32", "amx", "int8", "int8x2"],
         help="kernel of the quantized matrices on the CPU: float32 products, amx (bf16 products on the AMX "
         "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), or int8 "
         "(inputs quantised to int8 blocks, integer dot products, AMX-INT8 tiles for verified rows where the CPU has "

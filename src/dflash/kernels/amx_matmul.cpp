@@ -59,7 +59,7 @@ void configure_tiles() {
     config.rows[t] = kTileRows;
     config.colsb[t] = kTileBytes;
   }
-  _tile_loadconfig(&config);
+  dflash_amx::load_tile_config(config);
 }
 
 // One block of 32 weights -> their 32 bf16 values at `out` (64 bytes), each the bf16 of the float32 reference

@@ -8,15 +8,25 @@
 
 #include <cstdint>
 
+#include <immintrin.h>
+
 namespace dflash_amx {
 
-struct TileConfig {
+struct alignas(64) TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
   uint8_t reserved[14];
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// Loads `config` into the tile unit. The compiler does not count LDTILECFG as a read of the record, so without the
+// barrier it may drop the stores that fill it (seen with GCC: the tiles were configured from stale stack bytes and
+// LDTILECFG faulted).
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 
 inline bool request_tile_state() {
   constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM

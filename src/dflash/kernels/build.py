@@ -88,10 +88,12 @@ class AmxKernel(Protocol):
 class Int8Kernel(Protocol):
     """The functions `int8_matmul.cpp` exports."""
 
-    def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, tiles: bool = True) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, tiles: bool = True, parts: int = 1
+    ) -> torch.Tensor:
         """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32 (x quantised to int8 blocks,
         integer dot products, float32 sums). `tiles`: several rows may run on AMX-INT8 tiles where the CPU has them
-        (the same values either way)."""
+        (the same values either way). `parts` 2: each input block rounded to two 8-bit parts (about 15 bits)."""
         ...
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,12 @@
 // else vpmaddubsw + vpmaddwd, which cannot overflow here: |products| <= 128 * 127 per pair). With AMX-INT8 as
 // well, products of two or more input rows run on the tiles where Linux grants the tile state (arch_prctl).
 // `available()` is false without AVX2.
+//
+// Two parts (`parts` = 2): each input block is rounded twice, x ~ dx (q + low / 256) with low the first rounding's
+// residual rounded again to 8 bits (about 15 bits in all), and each product takes two integer dot products,
+// 256 (w . q) + (w . low), exact in int32; the chain then reads that sum with the scale dx / 256. The inputs'
+// rounding moves a product about 200 times less than with one part (and less than bf16 inputs do), for about the
+// cost of one part on one row. Batch invariant as above: every path forms the same integer sum per block.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -59,8 +65,10 @@ struct QuantizedRows {
   std::vector<int8_t> q;                              // [rows, padded] int8 values (zeros past k)
   std::vector<float> scale;                           // [rows, blocks] dx
   std::vector<float> sum;                             // [rows, blocks] dx * (sum of the block's q)
+  std::vector<int8_t> low;                            // [rows, padded] second parts (two parts only)
 
   const int8_t* values(int64_t row) const { return q.data() + row * padded; }
+  const int8_t* lows(int64_t row) const { return low.data() + row * padded; }
   const float* scales(int64_t row) const { return scale.data() + row * blocks; }
   const float* sums(int64_t row) const { return sum.data() + row * blocks; }
 };
@@ -91,21 +99,36 @@ inline float quantize_block(const float* x, int8_t* q) {
 inline float quantize_block(const float* x, int8_t* q) { return quantize_block_scalar(x, q); }
 #endif
 
-void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* scale, float* sum) {
+// One input row -> its blocks' values, scales and scaled sums; with `low` (two parts) also the second parts, the
+// scale then being dx / 256 and the sum that of 256 q + low.
+void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* scale, float* sum, int8_t* low) {
   std::memset(q, 0, static_cast<size_t>(padded));
+  if (low != nullptr) std::memset(low, 0, static_cast<size_t>(padded));
   std::fill(scale, scale + padded / kBlockValues, 0.0f);
   std::fill(sum, sum + padded / kBlockValues, 0.0f);
   for (int64_t b = 0; b < k / kBlockValues; ++b) {
     int8_t* block = q + b * kBlockValues;
-    const float d = quantize_block(x + b * kBlockValues, block);
+    const float* values = x + b * kBlockValues;
+    const float d = quantize_block(values, block);
     int total = 0;
-    for (int j = 0; j < kBlockValues; ++j) total += block[j];
-    scale[b] = d;
-    sum[b] = d * static_cast<float>(total);
+    if (low == nullptr) {
+      for (int j = 0; j < kBlockValues; ++j) total += block[j];
+      scale[b] = d;
+    } else {
+      int8_t* block_low = low + b * kBlockValues;
+      const float inverse = d > 0.0f ? 256.0f / d : 0.0f;
+      for (int j = 0; j < kBlockValues; ++j) {
+        const float residual = values[j] - d * static_cast<float>(block[j]);  // |residual| <= d / 2
+        block_low[j] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * inverse), -127.0f, 127.0f));
+        total += 256 * block[j] + block_low[j];
+      }
+      scale[b] = d / 256.0f;
+    }
+    sum[b] = scale[b] * static_cast<float>(total);
   }
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int parts) {
   QuantizedRows rows;
   rows.rows = m;
   rows.k = k;
@@ -114,10 +137,11 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   rows.q.resize(static_cast<size_t>(m * rows.padded));
   rows.scale.resize(static_cast<size_t>(m * rows.blocks));
   rows.sum.resize(static_cast<size_t>(m * rows.blocks));
+  if (parts == 2) rows.low.resize(static_cast<size_t>(m * rows.padded));
   const auto work = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       quantize_row(x + i * k, k, rows.padded, rows.q.data() + i * rows.padded, rows.scale.data() + i * rows.blocks,
-                   rows.sum.data() + i * rows.blocks);
+                   rows.sum.data() + i * rows.blocks, parts == 2 ? rows.low.data() + i * rows.padded : nullptr);
     }
   };
   if (m >= 32) {
@@ -192,6 +216,10 @@ struct Q4_1Int8 {
   static inline __m512i input(__m512i q) { return q; }
   // nibbles (unsigned) x q (signed)
   static inline __m512i dot(__m512i w, __m512i x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
+  // 256 (w . high) + (w . low), per lane
+  static inline __m512i dot2(__m512i w, __m512i high, __m512i low) {
+    return _mm512_dpbusd_epi32(_mm512_slli_epi32(dot(w, high), 8), w, low);
+  }
 };
 
 struct Q8_0Int8 {
@@ -210,6 +238,13 @@ struct Q8_0Int8 {
     const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
     return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w), offset);
   }
+  // 256 (high . w) + (low . w) from the offset inputs: 256 sum (h + 128) w + sum (l + 128) w - 257 * 128 sum w
+  static inline __m512i dot2(__m512i w, __m512i high, __m512i low) {
+    const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
+    const __m512i both =
+        _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, w), 8), low, w);
+    return _mm512_sub_epi32(both, _mm512_add_epi32(_mm512_slli_epi32(offset, 8), offset));
+  }
 };
 
 // The chain's step for one block: acc = fma(d * dx, float(dot), acc) (+ fma(m, dx * sum q, acc) for Q4_1).
@@ -220,9 +255,9 @@ inline __m512 chain_step(__m512 acc, __m512 d, __m512 m, __m512i dots, float dx,
   return acc;
 }
 
-// 16 weight rows from `first_row` (rows past n repeat the last) x INPUTS input rows from `first_input`, all of K;
-// y: INPUTS rows of n floats.
-template <class Format, int INPUTS>
+// 16 weight rows from `first_row` (rows past n repeat the last) x INPUTS input rows from `first_input`, all of K,
+// with inputs of PARTS parts; y: INPUTS rows of n floats.
+template <class Format, int INPUTS, int PARTS>
 void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
                 const QuantizedRows& x, int64_t first_input, float* y) {
   const uint8_t* rows[kGroupRows];
@@ -252,8 +287,14 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
       const int64_t input = first_input + c;
       const __m512i q = Format::input(_mm512_loadu_si512(x.values(input) + b * kBlockValues));
       __m512i dots[kGroupRows];
+      if constexpr (PARTS == 2) {
+        const __m512i q_low = Format::input(_mm512_loadu_si512(x.lows(input) + b * kBlockValues));
 #pragma GCC unroll 16
-      for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
+        for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot2(unpacked[r], q, q_low);
+      } else {
+#pragma GCC unroll 16
+        for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
+      }
       __m512i sums0, sums1;
       block_sums(dots, sums0, sums1);
       const float* dx = x.scales(input) + b;
@@ -305,6 +346,12 @@ struct Q4_1Int8 {
   static inline __m256i dot(const Unpacked& w, __m256i x) { return dot_u8_s8(w.w, x); }
 };
 
+// 256 (w . high) + (w . low), per lane
+template <class Format>
+inline __m256i dot2(const typename Format::Unpacked& w, __m256i high, __m256i low) {
+  return _mm256_add_epi32(_mm256_slli_epi32(Format::dot(w, high), 8), Format::dot(w, low));
+}
+
 struct Q8_0Int8 {
   static constexpr int64_t kBytes = Q8_0::kBytes;
   static constexpr bool kHasMin = false;
@@ -331,7 +378,7 @@ void group_tile_block_scales(const uint8_t* const (&rows)[kGroupRows], int64_t b
   m = _mm256_load_ps(ms);
 }
 
-template <class Format, int INPUTS>
+template <class Format, int INPUTS, int PARTS>
 void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
                 const QuantizedRows& x, int64_t first_input, float* y) {
   const uint8_t* rows[kGroupRows];
@@ -353,8 +400,14 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
       const int64_t input = first_input + c;
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.values(input) + b * kBlockValues));
       __m256i dots[kGroupRows];
+      if constexpr (PARTS == 2) {
+        const __m256i q_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.lows(input) + b * kBlockValues));
 #pragma GCC unroll 8
-      for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
+        for (int r = 0; r < kGroupRows; ++r) dots[r] = dot2<Format>(unpacked[r], q, q_low);
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
+      }
       const __m256i sums = block_sums(dots);
       acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scales(input)[b])), _mm256_cvtepi32_ps(sums), acc[c]);
       if constexpr (Format::kHasMin) acc[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sums(input)[b]), acc[c]);
@@ -375,27 +428,27 @@ constexpr const char* kInt8Isa = "none";
 // Input rows per vector tile beyond one: every group of weight rows is unpacked once per tile.
 constexpr int kTileInputs = 4;
 
-template <class Format, int INPUTS>
+template <class Format, int INPUTS, int PARTS>
 void group_times_inputs(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
                         const QuantizedRows& x, int64_t first_input, int64_t inputs, float* y) {
   int64_t c = 0;
   for (; c + INPUTS <= inputs; c += INPUTS) {
-    group_tile<Format, INPUTS>(weights, row_bytes, blocks, n, first_row, x, first_input + c, y + c * n);
+    group_tile<Format, INPUTS, PARTS>(weights, row_bytes, blocks, n, first_row, x, first_input + c, y + c * n);
   }
   if constexpr (INPUTS > 1) {
     if (c < inputs) {
-      group_times_inputs<Format, INPUTS - 1>(weights, row_bytes, blocks, n, first_row, x, first_input + c,
-                                             inputs - c, y + c * n);
+      group_times_inputs<Format, INPUTS - 1, PARTS>(weights, row_bytes, blocks, n, first_row, x, first_input + c,
+                                                    inputs - c, y + c * n);
     }
   }
 }
 
 // Vector path: groups [group_begin, group_end) of kGroupRows weight rows against every input row.
-template <class Format>
+template <class Format, int PARTS>
 void vector_groups(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, const QuantizedRows& x,
                    float* y, int64_t group_begin, int64_t group_end) {
   for (int64_t g = group_begin; g < group_end; ++g) {
-    group_times_inputs<Format, kTileInputs>(weights, row_bytes, blocks, n, g * kGroupRows, x, 0, x.rows, y);
+    group_times_inputs<Format, kTileInputs, PARTS>(weights, row_bytes, blocks, n, g * kGroupRows, x, 0, x.rows, y);
   }
 }
 #endif
@@ -409,7 +462,9 @@ void vector_groups(const uint8_t* weights, int64_t row_bytes, int64_t blocks, in
 constexpr int kTileRows = 16;
 // Tile registers (the intrinsics take them as literals): sums 0/1, weights 2/3, inputs 4/5 of block b (+0) and of
 // block b + 1 (+1), so that the product of a pair's second block runs while the first block's sums are scaled.
-constexpr int kSumsTile = 0, kWeightsTile = 2, kInputsTile = 4;
+// With two parts: sums of the first parts 0 (block b) / 6 (block b + 1), of the second parts 1 / 7; inputs 4 (first
+// parts) and 5 (second parts), loaded for block b, then again for block b + 1.
+constexpr int kSumsTile = 0, kWeightsTile = 2, kInputsTile = 4, kSecondSumsTile = 6;
 
 using dflash_amx::TileConfig;
 using dflash_amx::tile_state_granted;
@@ -425,15 +480,18 @@ void configure_tiles() {
     config.colsb[kWeightsTile + half] = kBlockValues;
     config.rows[kInputsTile + half] = kBlockValues / 4;  // 8 x (16 x 4 bytes)
     config.colsb[kInputsTile + half] = 64;
+    config.rows[kSecondSumsTile + half] = kTileRows;
+    config.colsb[kSecondSumsTile + half] = 64;
   }
-  _tile_loadconfig(&config);
+  dflash_amx::load_tile_config(config);
 }
 
 // Input tiles of every group of 16 input rows and every block, and the rows' scales by block:
 // tiles[(g * blocks + b) * 512 ...] (B layout), scales[(g * blocks + b) * 16 + i] = dx of input 16 g + i.
+// With two parts `low_tiles` holds the second parts in the same layout.
 struct InputTiles {
   int64_t groups = 0, blocks = 0;
-  std::vector<int8_t> tiles;
+  std::vector<int8_t> tiles, low_tiles;
   std::vector<float> scales, sums;
 };
 
@@ -441,15 +499,21 @@ InputTiles input_tiles(const QuantizedRows& x, int64_t blocks) {
   InputTiles t;
   t.groups = (x.rows + kTileRows - 1) / kTileRows;
   t.blocks = blocks;
+  const bool two = !x.low.empty();
   t.tiles.assign(static_cast<size_t>(t.groups * blocks * 512), 0);
+  if (two) t.low_tiles.assign(t.tiles.size(), 0);
   t.scales.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0.0f);
   t.sums.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0.0f);
   for (int64_t input = 0; input < x.rows; ++input) {
     const int64_t g = input / kTileRows, i = input % kTileRows;
     for (int64_t b = 0; b < blocks; ++b) {
-      int8_t* tile = t.tiles.data() + (g * blocks + b) * 512;
+      const int64_t at = (g * blocks + b) * 512;
       const int8_t* q = x.values(input) + b * kBlockValues;
-      for (int p = 0; p < kBlockValues / 4; ++p) std::memcpy(tile + p * 64 + 4 * i, q + 4 * p, 4);
+      for (int p = 0; p < kBlockValues / 4; ++p) std::memcpy(t.tiles.data() + at + p * 64 + 4 * i, q + 4 * p, 4);
+      if (two) {
+        const int8_t* low = x.lows(input) + b * kBlockValues;
+        for (int p = 0; p < kBlockValues / 4; ++p) std::memcpy(t.low_tiles.data() + at + p * 64 + 4 * i, low + 4 * p, 4);
+      }
       t.scales[(g * blocks + b) * kTileRows + i] = x.scales(input)[b];
       t.sums[(g * blocks + b) * kTileRows + i] = x.sums(input)[b];
     }
@@ -480,8 +544,40 @@ inline void tile_products(const int8_t* pair, const int8_t* inputs0, const int8_
   }
 }
 
-// 16 weight rows from `first_row` against input group g (16 rows; rows past M have zero values).
+// Two parts: the products of both parts of block b (sums in tiles 0 and 1) and, if `two`, of block b + 1 (6, 7).
 template <class Format>
+inline void tile_products_two_parts(const int8_t* pair, const int8_t* inputs0, const int8_t* lows0,
+                                    const int8_t* inputs1, const int8_t* lows1, bool two) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_loadd(2, pair, 2 * kBlockValues);
+  _tile_loadd(4, inputs0, 64);
+  _tile_loadd(5, lows0, 64);
+  if constexpr (Format::kHasMin) {
+    _tile_dpbusd(0, 2, 4);
+    _tile_dpbusd(1, 2, 5);
+  } else {
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 2, 5);
+  }
+  if (two) {
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(3, pair + kBlockValues, 2 * kBlockValues);
+    _tile_loadd(4, inputs1, 64);
+    _tile_loadd(5, lows1, 64);
+    if constexpr (Format::kHasMin) {
+      _tile_dpbusd(6, 3, 4);
+      _tile_dpbusd(7, 3, 5);
+    } else {
+      _tile_dpbssd(6, 3, 4);
+      _tile_dpbssd(7, 3, 5);
+    }
+  }
+}
+
+// 16 weight rows from `first_row` against input group g (16 rows; rows past M have zero values).
+template <class Format, int PARTS>
 void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
                const InputTiles& inputs, int64_t g, int64_t m, float* y) {
   const uint8_t* rows[kTileRows];
@@ -494,7 +590,7 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
   // Two slots, so that the tile products of the next pair run while this pair's sums are scaled (reading a tile's
   // stores right after them waits on the tile unit).
   alignas(64) int8_t pair[2][kTileRows][2 * kBlockValues];  // row r: block b's 32 values, then block b + 1's
-  alignas(64) int32_t sums[2][2][kTileRows * kTileRows];    // [slot][block of the pair][r * 16 + input]
+  alignas(64) int32_t sums[2][2][PARTS][kTileRows * kTileRows];  // [slot][block of the pair][part][r * 16 + input]
   alignas(64) float ds[2][2][kTileRows], ms[2][2][kTileRows];  // [slot][block of the pair][r]: d, m
   const auto issue = [&](int64_t b, int slot) {
     const bool two = b + 1 < blocks;
@@ -510,9 +606,20 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
       _mm512_store_si512(pair[slot][r], Format::unpack(block, two));
     }
     const int8_t* b_tiles = inputs.tiles.data() + (g * blocks + b) * 512;
-    tile_products<Format>(&pair[slot][0][0], b_tiles, b_tiles + 512, two);
-    _tile_stored(0, sums[slot][0], 64);
-    if (two) _tile_stored(1, sums[slot][1], 64);
+    if constexpr (PARTS == 2) {
+      const int8_t* b_lows = inputs.low_tiles.data() + (g * blocks + b) * 512;
+      tile_products_two_parts<Format>(&pair[slot][0][0], b_tiles, b_lows, b_tiles + 512, b_lows + 512, two);
+      _tile_stored(0, sums[slot][0][0], 64);
+      _tile_stored(1, sums[slot][0][1], 64);
+      if (two) {
+        _tile_stored(6, sums[slot][1][0], 64);
+        _tile_stored(7, sums[slot][1][1], 64);
+      }
+    } else {
+      tile_products<Format>(&pair[slot][0][0], b_tiles, b_tiles + 512, two);
+      _tile_stored(0, sums[slot][0][0], 64);
+      if (two) _tile_stored(1, sums[slot][1][0], 64);
+    }
   };
   __m512 acc[kTileRows];
   for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -523,12 +630,17 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
       const int64_t block = b + half;
       const __m512 dx = _mm512_loadu_ps(inputs.scales.data() + (g * blocks + block) * kTileRows);
       const __m512 dx_sum = _mm512_loadu_ps(inputs.sums.data() + (g * blocks + block) * kTileRows);
-      const int32_t* block_sums = sums[slot][half];
+      const int32_t* block_sums = sums[slot][half][0];
+      const int32_t* low_sums = sums[slot][half][PARTS - 1];
       const float* d = ds[slot][half];
       const float* mins = ms[slot][half];
 #pragma GCC unroll 16
       for (int r = 0; r < kTileRows; ++r) {  // the chain's step, lanes = inputs: same operations as chain_step
-        const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(block_sums + r * kTileRows));
+        __m512i integers = _mm512_load_si512(block_sums + r * kTileRows);
+        if constexpr (PARTS == 2) {  // 256 (w . q) + (w . low), as the vector path's dot2
+          integers = _mm512_add_epi32(_mm512_slli_epi32(integers, 8), _mm512_load_si512(low_sums + r * kTileRows));
+        }
+        const __m512 dots = _mm512_cvtepi32_ps(integers);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), dots, acc[r]);
         if constexpr (Format::kHasMin) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[r]), dx_sum, acc[r]);
       }
@@ -545,13 +657,13 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
   }
 }
 
-template <class Format>
+template <class Format, int PARTS>
 void amx_groups(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, const InputTiles& inputs,
                 int64_t m, float* y, int64_t group_begin, int64_t group_end) {
   configure_tiles();
   for (int64_t w = group_begin; w < group_end; ++w) {
     for (int64_t g = 0; g < inputs.groups; ++g) {
-      amx_group<Format>(weights, row_bytes, blocks, n, w * kTileRows, inputs, g, m, y);
+      amx_group<Format, PARTS>(weights, row_bytes, blocks, n, w * kTileRows, inputs, g, m, y);
     }
   }
   _tile_release();
@@ -581,17 +693,13 @@ bool available() {
 #endif
 }
 
-torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, bool tiles) {
-  // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
-  TORCH_CHECK(available(), "int8 products need AVX2 (with FMA and F16C) or AVX-512 VNNI; this build has neither");
-  const auto [input, out] = product_operands(x, blocks, qtype);
-  const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
-  if (m == 0 || n == 0) return out;
+namespace {
+
+template <int PARTS>
+void products(const QuantizedRows& rows, const uint8_t* weights, int64_t row_bytes, int64_t n_blocks, int64_t n,
+              int64_t qtype, bool tiles, float* ys) {
 #if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
-  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k);
-  const uint8_t* weights = blocks.data_ptr<uint8_t>();
-  float* ys = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1), n_blocks = k / kBlockValues;
+  const int64_t m = rows.rows;
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   const int64_t grain = std::max<int64_t>(1, kMinRowsPerTask / kGroupRows);
 #if defined(DFLASH_INT8_AMX)
@@ -599,23 +707,45 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, i
     const InputTiles input_groups = input_tiles(rows, n_blocks);
     at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
       if (qtype == kTypeQ4_1) {
-        amx_groups<Q4_1Int8>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
+        amx_groups<Q4_1Int8, PARTS>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
       } else {
-        amx_groups<Q8_0Int8>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
+        amx_groups<Q8_0Int8, PARTS>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
       }
     });
-    return out;
+    return;
   }
 #endif
   (void)tiles;
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
     if (qtype == kTypeQ4_1) {
-      vector_groups<Q4_1Int8>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
+      vector_groups<Q4_1Int8, PARTS>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
     } else {
-      vector_groups<Q8_0Int8>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
+      vector_groups<Q8_0Int8, PARTS>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
     }
   });
+#else
+  (void)rows, (void)weights, (void)row_bytes, (void)n_blocks, (void)n, (void)qtype, (void)tiles, (void)ys;
 #endif
+}
+
+}  // namespace
+
+torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, bool tiles,
+                          int64_t parts) {
+  // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
+  TORCH_CHECK(available(), "int8 products need AVX2 (with FMA and F16C) or AVX-512 VNNI; this build has neither");
+  TORCH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
+  const auto [input, out] = product_operands(x, blocks, qtype);
+  const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
+  if (m == 0 || n == 0) return out;
+  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k, static_cast<int>(parts));
+  const uint8_t* weights = blocks.data_ptr<uint8_t>();
+  const int64_t row_bytes = blocks.size(1), n_blocks = k / kBlockValues;
+  if (parts == 2) {
+    products<2>(rows, weights, row_bytes, n_blocks, n, qtype, tiles, out.data_ptr<float>());
+  } else {
+    products<1>(rows, weights, row_bytes, n_blocks, n, qtype, tiles, out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -626,7 +756,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlockValues == 0, "row length ", x.size(1), " is not a multiple of ", kBlockValues);
   const torch::Tensor input = x.contiguous();
   const int64_t m = input.size(0), k = input.size(1);
-  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k);
+  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k, 1);
   torch::Tensor q = torch::empty({m, k}, torch::TensorOptions().dtype(torch::kInt8));
   torch::Tensor scales = torch::empty({m, k / kBlockValues}, torch::TensorOptions().dtype(torch::kFloat32));
   for (int64_t i = 0; i < m; ++i) {
@@ -646,7 +776,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "Matrix products with GGUF Q4_1 / Q8_0 weights and int8-quantised inputs (integer dot products, "
                  "batch invariant)";
   module.def("matmul", &int8_matmul, "y[M, N] = int8(x)[M, K] @ dequant(blocks)[N, K]^T", py::arg("x"),
-             py::arg("blocks"), py::arg("qtype"), py::arg("tiles") = true, py::call_guard<py::gil_scoped_release>());
+             py::arg("blocks"), py::arg("qtype"), py::arg("tiles") = true, py::arg("parts") = 1,
+             py::call_guard<py::gil_scoped_release>());
   module.def("quantize", &quantize, "x [M, K] -> (int8 [M, K], scales [M, K / 32]) as the products quantise x",
              py::arg("x"), py::call_guard<py::gil_scoped_release>());
   module.def("available", &available, "whether this build has an integer dot product path");

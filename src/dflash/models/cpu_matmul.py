@@ -38,12 +38,12 @@ __all__ = ["CPU_MATMUL_OPTIONS", "MatmulChoice", "choose_cpu_matmul", "tile_prod
 
 log = logging.getLogger(__name__)
 
-CPU_MATMUL_OPTIONS = ("auto", "float32", "amx", "int8")
+CPU_MATMUL_OPTIONS = ("auto", "float32", "amx", "int8", "int8x2")
 
 
 @dataclass(frozen=True)
 class MatmulChoice:
-    kind: str  # float32 | amx | int8
+    kind: str  # float32 | amx | int8 | int8x2
     reason: str
 
 
@@ -80,11 +80,11 @@ def choose_cpu_matmul(requested: str) -> MatmulChoice:
         if obstacle is not None:
             raise ModelLoadError(f"--cpu-matmul amx is not available: {obstacle}")
         return MatmulChoice("amx", "AMX products requested")
-    if requested == "int8":
+    if requested in ("int8", "int8x2"):
         int8 = int8_obstacle()
         if int8 is not None:
-            raise ModelLoadError(f"--cpu-matmul int8 is not available: {int8}")
-        return MatmulChoice("int8", "int8 products requested")
+            raise ModelLoadError(f"--cpu-matmul {requested} is not available: {int8}")
+        return MatmulChoice(requested, f"{requested} products requested")
     obstacle = amx_obstacle()
     if obstacle is None:
         return MatmulChoice("amx", "auto: the CPU has AMX-BF16 tiles")
@@ -95,7 +95,7 @@ def choose_cpu_matmul(requested: str) -> MatmulChoice:
 def tile_products(kind: str) -> bool:
     """Whether verified rows run on AMX tiles under `kind` (amx, or int8 on a CPU with AMX-INT8): several rows
     then cost about one, and the CPU's larger tree budget applies."""
-    return kind == "amx" or (kind == "int8" and load_int8_kernel().has_tiles())
+    return kind == "amx" or (kind in ("int8", "int8x2") and load_int8_kernel().has_tiles())
 
 
 def use_cpu_matmul(model: nn.Module, kind: str) -> int:

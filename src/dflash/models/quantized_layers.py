@@ -50,11 +50,11 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
 
     def use_products(self, products: str) -> None:
-        """float32 (the float32 kernel), amx (bf16 products on AMX tiles) or int8 (int8 inputs, integer dot
-        products); see `dflash.models.cpu_matmul`."""
+        """float32 (the float32 kernel), amx (bf16 products on AMX tiles), int8 (int8 inputs, integer dot
+        products) or int8x2 (inputs in two 8-bit parts, two integer dot products); see `dflash.models.cpu_matmul`."""
         if products == "amx":
             self._kernel = load_amx_kernel()
-        elif products == "int8":
+        elif products in ("int8", "int8x2"):
             self._kernel = load_int8_kernel()
         elif products == "float32":
             self._kernel = load_quant_kernel()
@@ -64,7 +64,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = self._kernel.matmul(x.reshape(-1, self.in_features), self.blocks, self.qtype)  # [rows, out]
+        rows = x.reshape(-1, self.in_features)
+        if self.products == "int8x2":
+            y = self._kernel.matmul(rows, self.blocks, self.qtype, True, 2)  # [rows, out]
+        else:
+            y = self._kernel.matmul(rows, self.blocks, self.qtype)  # [rows, out]
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features)
