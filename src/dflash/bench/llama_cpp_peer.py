@@ -174,15 +174,15 @@ def run_llama_bench(run: LlamaBenchRun) -> dict[str, Any]:
         out = (files / "stdout").read_text(errors="replace")
         err = (files / "stderr").read_text(errors="replace")
         usage = usage_file.read_text().split() if usage_file.is_file() else []
-    tail = "\n".join(err.strip().splitlines()[-_STDERR_TAIL_LINES:])
+    tail = "".join(f"\n{line}" for line in err.strip().splitlines()[-_STDERR_TAIL_LINES:])
     if len(usage) != 2:
         raise DFlashError(f"llama-bench could not be run (launcher status {launched.returncode}): "
-                          f"{shlex.join(command)}\n{tail}")
+                          f"{shlex.join(command)}{tail}")
     maxrss, code = int(usage[0]), int(usage[1])
     if code != 0:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
         raise DFlashError(
-            f"llama-bench {how}: {shlex.join(command)}\n{tail}\n"
+            f"llama-bench {how}: {shlex.join(command)}{tail}\n"
             "(extra llama-bench arguments can be given with --llama-bench-args)"
         )
     figures = parse_llama_bench_json(out)

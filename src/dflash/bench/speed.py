@@ -19,7 +19,7 @@ ratios `MODE/llama.cpp` compare decode with decode (our `decode_tokens_per_s` ov
 and of the llama-bench process.
 
 The repetitions are interleaved (every mode's first, then every mode's second, ...), so that a drift of the
-machine's speed during the run does not favour one mode; llama-bench runs its repetitions in one process after ours.
+machine's speed during the run does not favour one mode; llama-bench runs its repetitions in one process before ours.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def _runner(engine: Engine, mode: str, model_arg: str, max_tokens: int) -> Runne
             result = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=max_tokens), spec=spec)
         stats = result.stats
         return RunOutcome(
-            stats.completion_tokens, stats.acceptance_length, prefilled_tokens=stats.prompt_tokens - stats.cached_tokens,
-            prefill_s=stats.prefill_s, decode_s=stats.decode_s,
+            stats.completion_tokens, stats.acceptance_length,
+            prefilled_tokens=stats.prompt_tokens - stats.cached_tokens, prefill_s=stats.prefill_s,
+            decode_s=stats.decode_s,
         )
 
     return run
@@ -197,13 +198,17 @@ def measure_speed(
 ) -> dict[str, Any]:
     """`runs` repetitions per mode (median reported); the transformers modes take `baseline_runs` instead when given
     (they run 30-40x slower, so their repetitions dominate a run's time). The `llama.cpp` mode runs `llama_bench`
-    (default: found from `model_arg` and the environment, `llama_cpp_peer.prepare_peer`) after our modes, with this
+    (default: found from `model_arg` and the environment, `llama_cpp_peer.prepare_peer`) before our modes, with this
     process's torch thread count."""
-    with_llama_cpp = LLAMA_CPP_MODE in modes
-    if with_llama_cpp and llama_bench is None:
-        llama_bench = prepare_peer(model_arg)
     ours = [mode for mode in modes if mode != LLAMA_CPP_MODE]
     prompts = [engine.chat_prompt_ids(chat) for path in prompt_files for chat in read_prompt_file(path)[:limit]]
+    llama_cpp: dict[str, Any] | None = None
+    if LLAMA_CPP_MODE in modes:  # first: a failing peer then costs none of our runs
+        llama_cpp = run_llama_bench(LlamaBenchRun(
+            llama_bench or prepare_peer(model_arg), threads=torch.get_num_threads(),
+            prompt_tokens=mean_prompt_tokens(prompts), gen_tokens=max_tokens, repetitions=runs,
+            gpu=engine.device.type == "cuda",
+        ))
     runners = {mode: _runner(engine, mode, model_arg, max_tokens) for mode in ours}
     repeats = {
         mode: baseline_runs if baseline_runs is not None and mode.startswith("transformers") else runs for mode in ours
@@ -216,13 +221,7 @@ def measure_speed(
     with progress_bar("speed", sum(repeats.values()) * len(prompts)) as bar:
         results = interleaved_runs(runners, repeats, prompts, sync=lambda: _sync(engine.device), advance=bar.advance)
     peak_rss: dict[str, float] = {"ours": round(maxrss_mib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss), 1)}
-    llama_cpp: dict[str, Any] | None = None
-    if with_llama_cpp:
-        assert llama_bench is not None
-        llama_cpp = run_llama_bench(LlamaBenchRun(
-            llama_bench, threads=torch.get_num_threads(), prompt_tokens=mean_prompt_tokens(prompts),
-            gen_tokens=max_tokens, repetitions=runs, gpu=engine.device.type == "cuda",
-        ))
+    if llama_cpp is not None:
         results[LLAMA_CPP_MODE] = llama_cpp_row(llama_cpp)
         results = {mode: results[mode] for mode in modes if mode in results}  # in the order asked
         peak_rss[LLAMA_CPP_MODE] = llama_cpp["peak_rss_mib"]
