@@ -55,7 +55,7 @@ class LlamaBenchRun:
     gpu: bool  # the engine runs on CUDA: every layer offloaded, flash attention on
 
     def command(self) -> list[str]:
-        # -ngl 0 on the CPU: a CUDA build of llama-bench would otherwise offload layers (its default is all)
+        # -ngl 0 on the CPU: a GPU build of llama-bench would otherwise offload layers (its default, -1, does)
         offload = ["-ngl", "99", "-fa", "1"] if self.gpu else ["-ngl", "0"]
         return [
             str(self.peer.binary), "-m", str(self.peer.model), "-t", str(self.threads),
