@@ -68,14 +68,14 @@ def test_bench_acceptance_reports_sets_prompts_and_provenance(tmp_path: Path) ->
 
 def test_speed_repetitions_interleave_modes() -> None:
     """Repetition r of every mode runs before repetition r + 1 of any; a mode with fewer repetitions drops out."""
-    from dflash.bench.speed import Runner, interleaved_runs
+    from dflash.bench.speed import Runner, RunOutcome, interleaved_runs
 
     calls: list[tuple[str, int]] = []
 
     def runner(mode: str, tokens: int, tau: float) -> Runner:
-        def run(ids: list[int]) -> tuple[int, float]:
+        def run(ids: list[int]) -> RunOutcome:
             calls.append((mode, ids[0]))
-            return tokens, tau
+            return RunOutcome(tokens, tau)
 
         return run
 
@@ -93,3 +93,22 @@ def test_speed_repetitions_interleave_modes() -> None:
     assert results["ar"]["tokens_per_run"] == 8 and results["base"]["tokens_per_run"] == 6
     assert results["spec"]["acceptance_length"] == 2.5 and results["ar"]["acceptance_length"] is None
     assert all(row["tokens_per_s"] > 0 for row in results.values())
+
+
+def test_speed_aggregates_decode_and_prefill_rates_per_pass() -> None:
+    """Decode-only tokens/s: tokens of the decoding steps (the first token comes from the prefill) over decode
+    seconds, summed over the prompts of a pass; prefill tokens/s: prefilled prompt tokens over prefill seconds."""
+    from dflash.bench.speed import RunOutcome, interleaved_runs
+
+    timed = iter([RunOutcome(5, prefilled_tokens=30, prefill_s=0.5, decode_s=0.25),
+                  RunOutcome(9, prefilled_tokens=10, prefill_s=0.5, decode_s=0.75),  # pass 1: 12/1.0 decode, 40/1.0
+                  RunOutcome(5, prefilled_tokens=30, prefill_s=0.25, decode_s=0.25),
+                  RunOutcome(9, prefilled_tokens=10, prefill_s=0.25, decode_s=0.25)])  # pass 2: 12/0.5, 40/0.5
+    results = interleaved_runs({"ar": lambda ids: next(timed), "transformers": lambda ids: RunOutcome(7)},
+                               {"ar": 2, "transformers": 1}, [[1], [2]])
+    assert results["ar"]["decode_tokens_per_s"] == pytest.approx(18.0)  # median of 12 and 24
+    assert results["ar"]["prefill_tokens_per_s"] == pytest.approx(60.0)  # median of 40 and 80
+    assert results["ar"]["tokens_per_run"] == 14 and results["ar"]["timed"].startswith("wall")
+    # a runner that does not split its time (HF generate) has no such figures
+    assert results["transformers"]["decode_tokens_per_s"] is None
+    assert results["transformers"]["prefill_tokens_per_s"] is None

@@ -19,6 +19,7 @@ def test_defaults_where_nothing_is_set() -> None:
     assert environment.attention({}) == "split"
     assert environment.products({}) == "skinny"
     assert environment.api_key({}) is None
+    assert environment.llama_bench({}) is None
 
 
 def test_values_are_read_by_meaning() -> None:
@@ -31,6 +32,9 @@ def test_values_are_read_by_meaning() -> None:
     assert environment.products({environment.PRODUCTS: "cublas"}) == "cublas"
     assert environment.api_key({environment.API_KEY: "   "}) is None
     assert environment.api_key({environment.API_KEY: " k "}) == " k "  # checked and stripped by its caller
+    bench = Path("~/bin/llama-bench")
+    assert environment.llama_bench({environment.LLAMA_BENCH: f" {bench} "}) == bench.expanduser()
+    assert environment.llama_bench({environment.LLAMA_BENCH: "  "}) is None
 
 
 @pytest.mark.parametrize(("read", "name"), [(environment.attention, environment.ATTENTION),

@@ -14,6 +14,8 @@
 | `DFLASH_MIN_TOKENS`            | off      | agent stall recovery (`dflash.server.stall`): no EOS before N tokens    |
 | `DFLASH_STALL_TOOL_PREFIX`     | off      | agent stall recovery: continue a turn that stops at an action preamble  |
 | `DFLASH_DEGENERATE_RUN_TOKENS` | off      | agent stall recovery: N identical tokens in a row end the turn          |
+| `DFLASH_LLAMA_BENCH`           | PATH     | llama.cpp's `llama-bench` for the `llama.cpp` mode of `bench speed`     |
+|                                |          | (default: `llama-bench` on PATH; `dflash.bench.llama_cpp_peer`)         |
 
 Each function reads its variable when called, never once at import: tests and benchmarks change them between
 runs, and the GPU choices then apply from the next forward (so from the next graph capture). They take an optional
@@ -39,6 +41,7 @@ API_KEY = "DFLASH_API_KEY"
 MIN_TOKENS = "DFLASH_MIN_TOKENS"
 STALL_TOOL_PREFIX = "DFLASH_STALL_TOOL_PREFIX"
 DEGENERATE_RUN_TOKENS = "DFLASH_DEGENERATE_RUN_TOKENS"
+LLAMA_BENCH = "DFLASH_LLAMA_BENCH"
 
 PREFIX = "DFLASH_"
 ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
@@ -93,6 +96,12 @@ def api_key(env: Mapping[str, str] | None = None) -> str | None:
     """`DFLASH_API_KEY` as given (the caller checks it), or None where it is unset or blank."""
     value = _environ(env).get(API_KEY, "")
     return value if value.strip() else None
+
+
+def llama_bench(env: Mapping[str, str] | None = None) -> Path | None:
+    """`DFLASH_LLAMA_BENCH`: the `llama-bench` executable to run, or None where it is unset or blank."""
+    value = _environ(env).get(LLAMA_BENCH, "").strip()
+    return Path(value).expanduser() if value else None
 
 
 def env_flag(env: Mapping[str, str], name: str) -> bool:

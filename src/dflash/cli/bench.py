@@ -11,6 +11,7 @@ from typing import Any
 
 from dflash.cli.bench_agent import register_agent_commands
 from dflash.cli.common import add_model_options, engine_from_args
+from dflash.errors import DFlashError
 
 DEFAULT_PROMPTS = Path("benchmarks/prompts")
 
@@ -37,7 +38,14 @@ def register(commands: Any) -> None:
     speed.add_argument("--baseline-runs", type=int, default=None,
                        help="repetitions of the transformers modes (default: --runs)")
     speed.add_argument("--modes", default="transformers,ar,linear",
-                       help="comma list of: transformers, transformers-pld, ar, linear, ddtree")
+                       help="comma list of: transformers, transformers-pld, ar, linear, ddtree, ddtree:N, llama.cpp "
+                       "(llama.cpp's llama-bench on the same GGUF file)")
+    speed.add_argument("--threads", type=int, default=None,
+                       help="CPU threads of the run, ours and llama-bench's (default: torch's)")
+    speed.add_argument("--llama-bench", default=None, metavar="PATH",
+                       help="llama-bench executable of the llama.cpp mode (default: $DFLASH_LLAMA_BENCH, else on PATH)")
+    speed.add_argument("--llama-bench-args", default="", metavar="ARGS",
+                       help='extra llama-bench arguments, appended as given (e.g. --llama-bench-args="--repack 0")')
     speed.add_argument("--json", action="store_true")
     speed.add_argument("--out", type=Path, default=None)
     speed.set_defaults(run=run_speed)
@@ -97,13 +105,24 @@ def run_acceptance(args: argparse.Namespace) -> int:
 
 
 def run_speed(args: argparse.Namespace) -> int:
-    from dflash.bench.speed import format_speed_table, measure_speed
+    import torch
 
+    from dflash.bench.llama_cpp_peer import LLAMA_CPP_MODE, prepare_peer
+    from dflash.bench.speed import measure_speed
+    from dflash.bench.speed_report import format_speed_table
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    # the peer is checked before the engine loads: a missing llama-bench should not cost a load and a warm-up
+    peer = prepare_peer(args.model, args.llama_bench, args.llama_bench_args) if LLAMA_CPP_MODE in modes else None
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DFlashError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     engine = engine_from_args(args)
     files = args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"]
     result = measure_speed(
-        engine, files, modes=[m.strip() for m in args.modes.split(",") if m.strip()], limit=args.limit,
-        max_tokens=args.max_tokens, runs=args.runs, model_arg=args.model, baseline_runs=args.baseline_runs,
+        engine, files, modes=modes, limit=args.limit, max_tokens=args.max_tokens, runs=args.runs,
+        model_arg=args.model, baseline_runs=args.baseline_runs, llama_bench=peer,
     )
     _emit(result, args, format_speed_table(result))
     return 0
