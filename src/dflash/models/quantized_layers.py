@@ -16,6 +16,8 @@ invariant as well); `dflash.models.cpu_matmul` chooses for a whole model.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -66,7 +68,7 @@ class QuantizedLinear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         if self.products == "int8x2":
-            y = self._kernel.matmul(rows, self.blocks, self.qtype, True, 2)  # [rows, out]
+            y = cast(Int8Kernel, self._kernel).matmul(rows, self.blocks, self.qtype, True, 2)  # [rows, out]
         else:
             y = self._kernel.matmul(rows, self.blocks, self.qtype)  # [rows, out]
         if self.bias is not None:
