@@ -20,8 +20,8 @@ Three ways to run each forward:
 * `*_eager_ms`: the model's own forward, uncaptured.
 Also the latency of one all-reduce of one residual row and of 33 rows, eager (NCCL) and captured (NCCL, symmetric).
 
-Weights are drawn on each GPU in place (each rank only its shard), so start-up takes seconds. Not measured: DFlash
-rounds with the drafter on another GPU (no `--draft-device` yet).
+Weights are drawn on each GPU in place (each rank only its shard), so start-up takes seconds. DFlash rounds with
+the drafter on another GPU (`--draft-device`): `benchmarks/gpu_draft_device.py`.
 
 Usage (on a machine with two GPUs; keep NVLink multicast off):
   NCCL_NVLS_ENABLE=0 PYTHONPATH=src python3 benchmarks/gpu_tensor_parallel.py --out results/gpu_tensor_parallel_h100.json
@@ -386,8 +386,7 @@ def main() -> int:
         "notes": "*_ms: the engine's forward (the graph runner: fused layers in captured CUDA graphs, all-reduces "
                  "inside; tp2 with the run's default all-reduce, tp2_all_reduce); tp2_*_nccl_ms: the same with "
                  "NCCL's all-reduce; *_graph_ms: the model's unfused forward in one CUDA graph (NCCL); *_eager_ms: "
-                 "uncaptured. Embeddings and LM head replicated on both GPUs. DFlash rounds with the drafter on the "
-                 "second GPU: not measured (no --draft-device yet).",
+                 "uncaptured. tp2_vocab_split: embeddings and LM head split by vocabulary rows.",
     }
 
     def save() -> None:
