@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from dflash.engine.engine import AMX_DDTREE_BUDGET, DEFAULT_DDTREE_BUDGET, EngineOptions
+from dflash.engine.engine import AMX_DDTREE_BUDGET, DEFAULT_DDTREE_BUDGET, Engine, EngineOptions
 from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
 from dflash.generation.request import GenerationRequest
@@ -182,6 +182,32 @@ def test_choice_of_int8(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_matmul.choose_cpu_matmul("auto").kind == "amx"
 
 
+def logits_beside_float32(engine: Engine) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A coding prompt's ids and the target's logits [1, positions, vocab] under `engine`'s products and under the
+    float32 kernel."""
+    exact = load_engine("default", "none", loading=LoadOptions(device="cpu", cpu_matmul="float32"))
+    ids = engine.chat_prompt_ids([{"role": "user", "content": "Write a Python function that reverses a list."}])
+    with torch.inference_mode():
+        got, want = engine.target(torch.tensor([ids])).logits, exact.target(torch.tensor([ids])).logits
+    assert got is not None and want is not None
+    return ids, got, want
+
+
+def assert_speculation_is_plain(engine: Engine, ids: list[int], products: str) -> None:
+    """Linear DFlash, and DDTree with 4 and 15 nodes (5 verified rows on the vector path, 16 on AMX-INT8 tiles where
+    the CPU has them), give `engine`'s plain greedy tokens."""
+    plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="none")
+    linear = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="linear")
+    assert linear.token_ids == plain.token_ids
+    for budget in (4, 15):
+        # a budget given at load: the engine's batch core keeps the budget it was created with
+        tree = load_engine("default", "default", options=EngineOptions(ddtree_budget=budget),
+                           loading=LoadOptions(device="cpu", cpu_matmul=products))
+        out = tree.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="ddtree")
+        assert out.token_ids == plain.token_ids, budget
+        assert out.stats.rounds > 0
+
+
 @needs_int8
 def test_default_model_under_int8_products() -> None:
     """The whole default model on int8 products: logits close to the float32 kernel's, every quantized matrix
@@ -194,24 +220,11 @@ def test_default_model_under_int8_products() -> None:
     modules = [*engine.target.modules(), *engine.drafter.modules(), *(engine.drafter.draft_head.modules()
                                                                       if engine.drafter.draft_head else [])]
     assert {m.products for m in modules if isinstance(m, QuantizedLinear)} == {"int8"}
-    exact = load_engine("default", "none", loading=LoadOptions(device="cpu", cpu_matmul="float32"))
-    ids = engine.chat_prompt_ids([{"role": "user", "content": "Write a Python function that reverses a list."}])
-    with torch.inference_mode():
-        got, want = engine.target(torch.tensor([ids])).logits, exact.target(torch.tensor([ids])).logits
-    assert got is not None and want is not None
+    ids, got, want = logits_beside_float32(engine)
     # Observed on this prompt (logits up to about 38): mean |difference| 0.27, max 2.3, 95% of the positions
     # agree on the top token. The inputs' rounding (1/254 of a block's largest value) is what llama.cpp's int8
     # activations do too; the bounds leave margins of about 2x.
     difference = (got - want).abs()
     assert difference.mean().item() < 0.5 and difference.max().item() < 5.0
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() > 0.85
-    plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="none")
-    linear = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="linear")
-    assert linear.token_ids == plain.token_ids
-    for budget in (4, 15):  # 5 verified rows (vector path), 16 (AMX-INT8 tiles where the CPU has them)
-        # a budget given at load: the engine's batch core keeps the budget it was created with
-        tree = load_engine("default", "default", options=EngineOptions(ddtree_budget=budget),
-                           loading=LoadOptions(device="cpu", cpu_matmul="int8"))
-        out = tree.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="ddtree")
-        assert out.token_ids == plain.token_ids, budget
-        assert out.stats.rounds > 0
+    assert_speculation_is_plain(engine, ids, "int8")

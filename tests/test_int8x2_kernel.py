@@ -10,14 +10,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
-from dflash.generation.request import GenerationRequest
 from dflash.kernels.build import Int8Kernel, load_int8_kernel
 from dflash.models import cpu_matmul
 from dflash.models.quantized_layers import QuantizedLinear
-from tests.test_int8_kernel import SUM_TOLERANCE, needs_int8, reference_quantize, weights_of
+from tests.test_int8_kernel import (
+    SUM_TOLERANCE,
+    assert_speculation_is_plain,
+    logits_beside_float32,
+    needs_int8,
+    reference_quantize,
+    weights_of,
+)
 from tests.test_quantized_kernel import Q4_1, Q8_0, quantized_blocks, raw_blocks, two_threads  # noqa: F401
 
 
@@ -116,22 +121,10 @@ def test_default_model_under_two_part_products() -> None:
     engine = load_engine("default", "default", loading=LoadOptions(device="cpu", cpu_matmul="int8x2"))
     assert engine.cpu_matmul == "int8x2" and engine.drafter is not None
     assert {m.products for m in engine.target.modules() if isinstance(m, QuantizedLinear)} == {"int8x2"}
-    exact = load_engine("default", "none", loading=LoadOptions(device="cpu", cpu_matmul="float32"))
-    ids = engine.chat_prompt_ids([{"role": "user", "content": "Write a Python function that reverses a list."}])
-    with torch.inference_mode():
-        got, want = engine.target(torch.tensor([ids])).logits, exact.target(torch.tensor([ids])).logits
-    assert got is not None and want is not None
+    ids, got, want = logits_beside_float32(engine)
     # Observed on this prompt (40 positions): mean |difference| 0.0013, max 0.012, every top token the same (bf16
     # products on AMX tiles: 0.067 and 0.41, 97.5% the same; one part: 0.23 and 1.8).
     difference = (got - want).abs()
     assert difference.mean().item() < 0.01 and difference.max().item() < 0.1
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="none")
-    assert engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="linear").token_ids == (
-        plain.token_ids
-    )
-    for budget in (4, 15):  # 5 verified rows (vector path), 16 (AMX-INT8 tiles where the CPU has them)
-        tree = load_engine("default", "default", options=EngineOptions(ddtree_budget=budget),
-                           loading=LoadOptions(device="cpu", cpu_matmul="int8x2"))
-        out = tree.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=64), spec="ddtree")
-        assert out.token_ids == plain.token_ids, budget
+    assert_speculation_is_plain(engine, ids, "int8x2")
