@@ -1,0 +1,181 @@
+"""Products with GGUF-quantized weights on the GPU: y = x @ dequant(W)^T, W read as its file's blocks.
+
+W is the `QuantizedMatrix` layout moved to the device unchanged: uint8 [n, row_bytes], each row k / block_values
+blocks of Q4_0, Q4_1, Q8_0 (32 values) or Q4_K, Q5_K, Q6_K (256-value super-blocks), no re-layout at load time.
+
+* `gguf_matmul`, for 1 to `MAX_ROWS` rows of x (decode steps, verifications): each program owns `block_n` rows of W,
+  walks them in steps of `blocks_per_step` blocks, dequantises a step's tile in registers (float32) and multiplies
+  it by every row of x at once (tensor cores through `tl.dot`, x padded to 16+ rows, the tile rounded to x's dtype;
+  one row: multiply-and-sum in float32 on the CUDA cores), so W is read once whatever the number of rows.
+  Sums are float32, rounded once to x's dtype. The programs are in `triton_gguf_programs.py`.
+* `gguf_dequantize`: blocks -> a dense [n, k] matrix in any float dtype (prefill products, embedding rows).
+* `gguf_linear`: the first up to `MAX_ROWS` rows, else dequantise W into a temporary (one matrix of bf16 at a time,
+  which PyTorch's caching allocator reuses between calls: its peak is the largest matrix, the LM head) and cuBLAS.
+  That costs writing and re-reading W in 16 bits on top of cuBLAS's product: unmeasured, and meant for prefill
+  chunks, whose products are many rows.
+
+Configurations are fixed by shape (no autotuning), `gguf_matmul_config`; `benchmarks/gpu_gguf_matmul.py` times them
+against bf16 cuBLAS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from dflash.kernels.triton_decode import interpreting, next_power_of_two
+
+__all__ = [
+    "FORMATS",
+    "MAX_ROWS",
+    "GGUFFormat",
+    "GGUFMatmulConfig",
+    "gguf_dequantize",
+    "gguf_linear",
+    "gguf_matmul",
+    "gguf_matmul_config",
+    "gguf_programs_usable",
+]
+
+MAX_ROWS = 64
+T = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """How the programs read one GGML type: `code` is their FORMAT; a group is the run of values sharing one scale."""
+
+    code: int
+    block_values: int
+    block_bytes: int
+    group: int
+    groups_per_block: int
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.block_values * self.block_bytes
+
+
+FORMATS: dict[GGMLQuantizationType, GGUFFormat] = {
+    T.Q4_0: GGUFFormat(0, 32, 18, 32, 1),
+    T.Q4_1: GGUFFormat(1, 32, 20, 32, 1),
+    T.Q8_0: GGUFFormat(2, 32, 34, 32, 1),
+    T.Q4_K: GGUFFormat(3, 256, 144, 32, 8),
+    T.Q5_K: GGUFFormat(4, 256, 176, 32, 8),
+    T.Q6_K: GGUFFormat(5, 256, 210, 16, 16),
+}
+
+
+@dataclass(frozen=True)
+class GGUFMatmulConfig:
+    block_n: int = 16
+    values_per_step: int = 256  # a multiple of the format's block (whole blocks per step), a power of two
+    warps: int = 4
+    stages: int = 2
+    use_dot: bool = True  # False: multiply-and-sum, one row only
+
+
+def gguf_matmul_config(rows: int, qtype: GGMLQuantizationType) -> GGUFMatmulConfig:
+    """One row: few outputs per program (many programs in flight to cover the memory latency), one super-block or
+    eight small blocks per step; more rows: 32-row tiles of W through tensor cores. Unmeasured starting points;
+    `benchmarks/gpu_gguf_matmul.py` is how to check and change them."""
+    if rows == 1:
+        return GGUFMatmulConfig(block_n=8, values_per_step=256, warps=4, stages=2, use_dot=False)
+    return GGUFMatmulConfig(block_n=32, values_per_step=256, warps=4, stages=2, use_dot=True)
+
+
+def gguf_programs_usable(device: torch.device) -> bool:
+    """Triton is installed and the tensors are on a CUDA device (or Triton's interpreter runs them on the CPU)."""
+    from dflash.kernels.triton_decode import triton_available
+
+    return triton_available() and (device.type == "cuda" or interpreting())
+
+
+@cache
+def _programs() -> ModuleType:
+    from dflash.kernels import triton_gguf_programs
+
+    return triton_gguf_programs
+
+
+def _format(qtype: GGMLQuantizationType, blocks: torch.Tensor, k: int) -> GGUFFormat:
+    if qtype not in FORMATS:
+        raise ValueError(f"the GPU programs do not read {qtype.name} blocks")
+    layout = FORMATS[qtype]
+    if k % layout.block_values:
+        raise ValueError(f"rows of {k} values are not whole {qtype.name} blocks of {layout.block_values}")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != layout.row_bytes(k):
+        raise ValueError(
+            f"{qtype.name} blocks for rows of {k} values must be uint8 [n, {layout.row_bytes(k)}], "
+            f"got {blocks.dtype} {list(blocks.shape)}"
+        )
+    if not blocks.is_contiguous():
+        raise ValueError("the blocks must be contiguous")
+    return layout
+
+
+def _blocks_per_step(layout: GGUFFormat, values_per_step: int) -> int:
+    return max(1, values_per_step // layout.block_values)
+
+
+def gguf_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType, config: GGUFMatmulConfig | None = None
+) -> torch.Tensor:
+    """x: [rows, k] contiguous (bfloat16, float16; float32 for tests), 1 <= rows <= `MAX_ROWS`; blocks: uint8
+    [n, row bytes] of `qtype` on x's device -> x @ dequant(W)^T [rows, n] in x's dtype (float32 sums)."""
+    rows, k = x.shape
+    layout = _format(qtype, blocks, k)
+    config = config or gguf_matmul_config(rows, qtype)
+    if not 1 <= rows <= (MAX_ROWS if config.use_dot else 1):
+        raise ValueError(f"gguf_matmul does not serve {rows} rows with {config}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    n = blocks.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    blocks_per_step = _blocks_per_step(layout, config.values_per_step)
+    _programs().gguf_matmul_kernel[(-(-n // config.block_n),)](
+        x, blocks, out, rows, n, k, layout.row_bytes(k), k // layout.block_values,
+        FORMAT=layout.code, BLOCK_BYTES=layout.block_bytes, BLOCK_VALUES=layout.block_values, GROUP=layout.group,
+        GROUPS_PER_BLOCK=layout.groups_per_block, GROUPS=blocks_per_step * layout.groups_per_block,
+        BLOCKS_PER_STEP=blocks_per_step, BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=config.block_n,
+        USE_DOT=config.use_dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.warps, num_stages=config.stages,
+    )
+    return out
+
+
+def gguf_dequantize(
+    blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """blocks: uint8 [n, row bytes] of `qtype` -> the weights [n, k] in `dtype` (computed in float32, rounded once)."""
+    layout = _format(qtype, blocks, k)
+    n = blocks.shape[0]
+    out = torch.empty((n, k), dtype=dtype, device=blocks.device)
+    if n == 0:
+        return out
+    blocks_per_step = _blocks_per_step(layout, 256)
+    block_n = 16
+    grid = (-(-n // block_n), -(-(k // layout.block_values) // blocks_per_step))
+    _programs().gguf_dequantize_kernel[grid](
+        blocks, out, n, k, layout.row_bytes(k), k // layout.block_values,
+        FORMAT=layout.code, BLOCK_BYTES=layout.block_bytes, BLOCK_VALUES=layout.block_values, GROUP=layout.group,
+        GROUPS_PER_BLOCK=layout.groups_per_block, GROUPS=blocks_per_step * layout.groups_per_block,
+        BLOCKS_PER_STEP=blocks_per_step, BLOCK_N=block_n, num_warps=4,
+    )
+    return out
+
+
+def gguf_linear(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x, dequant(W), bias) for x [rows, k]: `gguf_matmul` up to `MAX_ROWS` rows, else the dequantised
+    matrix (a temporary) through cuBLAS."""
+    if x.shape[0] <= MAX_ROWS:
+        out = gguf_matmul(x.contiguous(), blocks, qtype)
+        return out if bias is None else out.add_(bias)
+    weight = gguf_dequantize(blocks, qtype, x.shape[1], x.dtype)  # [n, k], freed on return
+    return F.linear(x, weight, bias)

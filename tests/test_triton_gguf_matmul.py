@@ -1,0 +1,141 @@
+"""The GGUF block programs (`dflash.kernels.triton_gguf_matmul`) against the `gguf` package's reference dequantisers:
+every stored format, 1 to 64 rows, reductions that are and are not a multiple of the step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from dflash.kernels.triton_decode import interpreting
+from dflash.kernels.triton_gguf_matmul import (
+    FORMATS,
+    MAX_ROWS,
+    GGUFMatmulConfig,
+    gguf_dequantize,
+    gguf_linear,
+    gguf_matmul,
+    gguf_matmul_config,
+    gguf_programs_usable,
+)
+
+T = GGMLQuantizationType
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(
+    not gguf_programs_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)"
+)
+ALL_FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+SMALL_BLOCKS = (T.Q4_0, T.Q4_1, T.Q8_0)
+
+
+def format_blocks(n: int, k: int, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """[n, row bytes] blocks of `qtype`: quantised N(0, 0.05) weights where the `gguf` package quantises the format;
+    for the K formats random bytes (every scale, min and quant bit pattern) with fp16 d (and dmin) set to 1e-3..2e-3
+    so the weights stay finite and of one magnitude."""
+    rng = np.random.default_rng(seed)
+    if qtype in SMALL_BLOCKS:
+        return quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype)
+    layout = FORMATS[qtype]
+    raw = rng.integers(0, 256, (n * k // 256, layout.block_bytes), dtype=np.uint8)
+    where, count = (208, 1) if qtype == T.Q6_K else (0, 2)  # Q6_K's d is last; Q4_K/Q5_K start with d, dmin
+    scales = rng.uniform(1e-3, 2e-3, (raw.shape[0], count)).astype("<f2")
+    raw[:, where : where + 2 * count] = scales.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def reduction(qtype: GGMLQuantizationType) -> int:
+    """A k that is not a multiple of 256-value steps for the 32-value formats (9 blocks), nor of 512-value steps
+    for the K formats (3 super-blocks)."""
+    return 288 if qtype in SMALL_BLOCKS else 768
+
+
+def reference(x: torch.Tensor, blocks: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """x @ dequant(W)^T in float64 from the `gguf` package's dequantiser -> [rows, n]."""
+    weight = torch.from_numpy(dequantize(blocks, qtype)).double()
+    return x.double().cpu() @ weight.T
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_matmul_matches_the_reference_dequantisation(qtype: GGMLQuantizationType, rows: int) -> None:
+    """float32 x: the product equals x @ dequant(W)^T up to float32 summation order (relative 1e-5 of the largest
+    output), with the shape's own configuration and with a 512-value step (a masked tail for both block sizes);
+    40 outputs are not a multiple of any tile."""
+    n, k = 40, reduction(qtype)
+    blocks = format_blocks(n, k, qtype, seed=rows)
+    x = torch.randn((rows, k), generator=torch.Generator().manual_seed(rows))
+    expected = reference(x, blocks, qtype)
+    device_blocks = torch.from_numpy(blocks).to(DEVICE)
+    configs = [gguf_matmul_config(rows, qtype), GGUFMatmulConfig(block_n=16, values_per_step=512, use_dot=rows > 1)]
+    for config in configs:
+        got = gguf_matmul(x.to(DEVICE), device_blocks, qtype, config).double().cpu()
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale, msg=str(config))
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda t: t.name)
+def test_dequantize_matches_the_reference(qtype: GGMLQuantizationType) -> None:
+    """float32 output: the reference's values (the same float32 operations; a fused multiply-add on a GPU may move
+    one by an ulp); bf16 output: those values rounded once. 21 rows: not a multiple of the 16-row tile."""
+    n, k = 21, reduction(qtype)
+    blocks = format_blocks(n, k, qtype, seed=5)
+    expected = torch.from_numpy(dequantize(blocks, qtype))
+    device_blocks = torch.from_numpy(blocks).to(DEVICE)
+    got = gguf_dequantize(device_blocks, qtype, k, torch.float32).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7 * expected.abs().max().item())
+    if interpreting():  # the same operations in numpy: bit for bit
+        assert torch.equal(got, expected)
+    halves = gguf_dequantize(device_blocks, qtype, k, torch.bfloat16).cpu()
+    torch.testing.assert_close(halves, got.bfloat16(), rtol=8e-3, atol=0)
+
+
+@needs_triton
+def test_linear_past_the_row_limit_dequantises_then_multiplies() -> None:
+    """More than 64 rows: the dense product of the dequantised matrix, bias added; up to 64 the program's."""
+    qtype, n, k = T.Q4_K, 24, 512
+    blocks = format_blocks(n, k, qtype, seed=3)
+    bias = torch.randn(n)
+    device_blocks = torch.from_numpy(blocks).to(DEVICE)
+    for rows in (5, MAX_ROWS + 6):
+        x = torch.randn((rows, k), generator=torch.Generator().manual_seed(rows))
+        expected = reference(x, blocks, qtype) + bias.double()
+        got = gguf_linear(x.to(DEVICE), device_blocks, qtype, bias.to(DEVICE)).double().cpu()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_triton
+def test_wrong_operands_are_refused() -> None:
+    blocks = torch.from_numpy(format_blocks(8, 256, T.Q4_K, seed=0)).to(DEVICE)
+    x = torch.randn((2, 256), device=DEVICE)
+    with pytest.raises(ValueError, match="does not serve 2 rows"):
+        gguf_matmul(x, blocks, T.Q4_K, GGUFMatmulConfig(use_dot=False))
+    with pytest.raises(ValueError, match="does not serve 65 rows"):
+        gguf_matmul(torch.randn((65, 256), device=DEVICE), blocks, T.Q4_K)
+    with pytest.raises(ValueError, match=r"uint8 \[n, 288\]"):
+        gguf_matmul(torch.randn((2, 512), device=DEVICE), blocks, T.Q4_K)
+    with pytest.raises(ValueError, match="whole Q4_K blocks"):
+        gguf_matmul(torch.randn((2, 128), device=DEVICE), blocks, T.Q4_K)
+    with pytest.raises(ValueError, match="do not read Q2_K"):
+        gguf_matmul(x, blocks, T.Q2_K)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qtype", ALL_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+def test_bf16_products_on_the_gpu(qtype: GGMLQuantizationType, rows: int) -> None:
+    """bf16 x on the device at a model's width: within bf16 rounding of the float64 reference (the tile is rounded
+    to bf16 before the tensor-core product, as a dense bf16 matrix would be)."""
+    n, k = 1024, 4096
+    blocks = format_blocks(n, k, qtype, seed=rows)
+    x = torch.randn((rows, k), generator=torch.Generator().manual_seed(rows)).bfloat16()
+    expected = reference(x.float(), blocks, qtype)
+    got = gguf_matmul(x.cuda(), torch.from_numpy(blocks).cuda(), qtype).double().cpu()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+    dense = F.linear(x.cuda(), gguf_dequantize(torch.from_numpy(blocks).cuda(), qtype, k)).double().cpu()
+    torch.testing.assert_close(got, dense, rtol=0, atol=1e-2 * expected.abs().max().item())
