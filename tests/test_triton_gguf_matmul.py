@@ -95,17 +95,19 @@ def test_dequantize_matches_the_reference(qtype: GGMLQuantizationType) -> None:
 
 
 @needs_triton
-def test_linear_past_the_row_limit_dequantises_then_multiplies() -> None:
-    """More than 64 rows: the dense product of the dequantised matrix, bias added; up to 64 the program's."""
-    qtype, n, k = T.Q4_K, 24, 512
-    blocks = format_blocks(n, k, qtype, seed=3)
-    bias = torch.randn(n)
-    device_blocks = torch.from_numpy(blocks).to(DEVICE)
+def test_linear_joins_parts_of_different_formats_and_dequantises_past_the_row_limit() -> None:
+    """A fused projection of a Q4_K part and a Q6_K part (a Q4_K_M file's q/k and v): each part's product lands in
+    its own columns, through the program up to 64 rows and the dequantised matrix past them, bias added."""
+    k = 512
+    first, second = format_blocks(24, k, T.Q4_K, seed=3), format_blocks(8, k, T.Q6_K, seed=4)
+    bias = torch.randn(32)
+    parts = [(torch.from_numpy(first).to(DEVICE), T.Q4_K), (torch.from_numpy(second).to(DEVICE), T.Q6_K)]
     for rows in (5, MAX_ROWS + 6):
         x = torch.randn((rows, k), generator=torch.Generator().manual_seed(rows))
-        expected = reference(x, blocks, qtype) + bias.double()
-        got = gguf_linear(x.to(DEVICE), device_blocks, qtype, bias.to(DEVICE)).double().cpu()
+        expected = torch.cat([reference(x, first, T.Q4_K), reference(x, second, T.Q6_K)], dim=1) + bias.double()
+        got = gguf_linear(x.to(DEVICE), parts, bias.to(DEVICE)).double().cpu()
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert gguf_linear(torch.zeros((0, k), device=DEVICE), parts).shape == (0, 32)
 
 
 @needs_triton
@@ -122,6 +124,8 @@ def test_wrong_operands_are_refused() -> None:
         gguf_matmul(torch.randn((2, 128), device=DEVICE), blocks, T.Q4_K)
     with pytest.raises(ValueError, match="do not read Q2_K"):
         gguf_matmul(x, blocks, T.Q2_K)
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \[2, 8\]"):
+        gguf_matmul(x, blocks, T.Q4_K, out=torch.empty((2, 9), device=DEVICE))
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ blocks of Q4_0, Q4_1, Q8_0 (32 values) or Q4_K, Q5_K, Q6_K (256-value super-bloc
   Sums are float32, rounded once to x's dtype. The programs are in `triton_gguf_programs.py`.
 * `gguf_dequantize`: blocks -> a dense [n, k] matrix in any float dtype (prefill products, embedding rows).
 * `gguf_linear`: the first up to `MAX_ROWS` rows, else dequantise W into a temporary (one matrix of bf16 at a time,
-  which PyTorch's caching allocator reuses between calls: its peak is the largest matrix, the LM head) and cuBLAS.
+  which PyTorch's caching allocator reuses between calls: its peak is the largest matrix, the LM head) and cuBLAS;
+  W may be several parts in different formats (a fused q/k/v of a Q4_K_M file), each written to its own columns.
   That costs writing and re-reading W in 16 bits on top of cuBLAS's product: unmeasured, and meant for prefill
   chunks, whose products are many rows.
 
@@ -20,6 +21,7 @@ against bf16 cuBLAS.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -123,10 +125,15 @@ def _blocks_per_step(layout: GGUFFormat, values_per_step: int) -> int:
 
 
 def gguf_matmul(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType, config: GGUFMatmulConfig | None = None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    config: GGUFMatmulConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [rows, k] contiguous (bfloat16, float16; float32 for tests), 1 <= rows <= `MAX_ROWS`; blocks: uint8
-    [n, row bytes] of `qtype` on x's device -> x @ dequant(W)^T [rows, n] in x's dtype (float32 sums)."""
+    [n, row bytes] of `qtype` on x's device -> x @ dequant(W)^T [rows, n] in x's dtype (float32 sums), written
+    into `out` when given (x's dtype, [rows, n], columns contiguous: e.g. a slice of a wider output's columns)."""
     rows, k = x.shape
     layout = _format(qtype, blocks, k)
     config = config or gguf_matmul_config(rows, qtype)
@@ -135,10 +142,13 @@ def gguf_matmul(
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     n = blocks.shape[0]
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {x.dtype} [{rows}, {n}] with contiguous columns")
     blocks_per_step = _blocks_per_step(layout, config.values_per_step)
     _programs().gguf_matmul_kernel[(-(-n // config.block_n),)](
-        x, blocks, out, rows, n, k, layout.row_bytes(k), k // layout.block_values,
+        x, blocks, out, rows, n, k, layout.row_bytes(k), k // layout.block_values, out.stride(0),
         FORMAT=layout.code, BLOCK_BYTES=layout.block_bytes, BLOCK_VALUES=layout.block_values, GROUP=layout.group,
         GROUPS_PER_BLOCK=layout.groups_per_block, GROUPS=blocks_per_step * layout.groups_per_block,
         BLOCKS_PER_STEP=blocks_per_step, BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=config.block_n,
@@ -149,12 +159,20 @@ def gguf_matmul(
 
 
 def gguf_dequantize(
-    blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int, dtype: torch.dtype = torch.bfloat16
+    blocks: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    k: int,
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """blocks: uint8 [n, row bytes] of `qtype` -> the weights [n, k] in `dtype` (computed in float32, rounded once)."""
+    """blocks: uint8 [n, row bytes] of `qtype` -> the weights [n, k] in `dtype` (computed in float32, rounded once),
+    written into `out` when given (contiguous [n, k], e.g. a block of rows of a wider matrix)."""
     layout = _format(qtype, blocks, k)
     n = blocks.shape[0]
-    out = torch.empty((n, k), dtype=dtype, device=blocks.device)
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=blocks.device)
+    elif out.shape != (n, k) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{n}, {k}] matrix")
     if n == 0:
         return out
     blocks_per_step = _blocks_per_step(layout, 256)
@@ -170,12 +188,27 @@ def gguf_dequantize(
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: GGMLQuantizationType, bias: torch.Tensor | None = None
+    x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, GGMLQuantizationType]], bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """F.linear(x, dequant(W), bias) for x [rows, k]: `gguf_matmul` up to `MAX_ROWS` rows, else the dequantised
-    matrix (a temporary) through cuBLAS."""
-    if x.shape[0] <= MAX_ROWS:
-        out = gguf_matmul(x.contiguous(), blocks, qtype)
+    """F.linear(x, W, bias) for x [rows, k], W the rows of `parts` (blocks, format) one after another: a fused
+    projection whose parts are in different formats (Q4_K_M files keep q/k in Q4_K and v in Q6_K) is one call.
+    Up to `MAX_ROWS` rows `gguf_matmul` per part, each into its columns of the output; more rows dequantise W into a
+    temporary [n, k] matrix for cuBLAS."""
+    rows, k = x.shape
+    n = sum(blocks.shape[0] for blocks, _ in parts)
+    if rows == 0:
+        return x.new_zeros((0, n)) if bias is None else x.new_zeros((0, n)) + bias
+    if rows <= MAX_ROWS:
+        x = x.contiguous()
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+        start = 0
+        for blocks, qtype in parts:
+            gguf_matmul(x, blocks, qtype, out=out[:, start : start + blocks.shape[0]])
+            start += blocks.shape[0]
         return out if bias is None else out.add_(bias)
-    weight = gguf_dequantize(blocks, qtype, x.shape[1], x.dtype)  # [n, k], freed on return
+    weight = torch.empty((n, k), dtype=x.dtype, device=x.device)  # freed on return
+    start = 0
+    for blocks, qtype in parts:
+        gguf_dequantize(blocks, qtype, k, out=weight[start : start + blocks.shape[0]])
+        start += blocks.shape[0]
     return F.linear(x, weight, bias)

@@ -91,14 +91,15 @@ def dequantize_step(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def gguf_matmul_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, blocks_ptr, out_ptr, rows, n, k, row_bytes, blocks_per_row,
+    x_ptr, blocks_ptr, out_ptr, rows, n, k, row_bytes, blocks_per_row, out_stride,
     FORMAT: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_VALUES: tl.constexpr, GROUP: tl.constexpr,
     GROUPS_PER_BLOCK: tl.constexpr, GROUPS: tl.constexpr, BLOCKS_PER_STEP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """out[rows, n] = x[rows, k] @ dequant(W[n, k])^T: each program owns BLOCK_N rows of W (output columns) and
-    reads them once, for every row of x. USE_DOT: x padded to BLOCK_M rows, tensor cores on the tile in x's dtype;
-    else one row, multiply-and-sum in float32."""
+    """out[rows, n] = x[rows, k] @ dequant(W[n, k])^T (out's rows `out_stride` apart: it may be a slice of a wider
+    output): each program owns BLOCK_N rows of W (output columns) and reads them once, for every row of x.
+    USE_DOT: x padded to BLOCK_M rows, tensor cores on the tile in x's dtype; else one row, multiply-and-sum in
+    float32."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols_inside = cols < n
     row_ptr = blocks_ptr + cols.to(tl.int64) * row_bytes  # [BLOCK_N]
@@ -116,7 +117,7 @@ def gguf_matmul_kernel(  # type: ignore[no-untyped-def]
             tile = tl.reshape(w, (BLOCK_N, GROUPS * GROUP)).to(x.dtype)  # [BN, STEP]
             acc = tl.dot(x, tl.trans(tile), acc, input_precision=PRECISION)
         tl.store(
-            out_ptr + row_ids[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+            out_ptr + row_ids[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
             mask=rows_inside[:, None] & cols_inside[None, :],
         )
     else:
