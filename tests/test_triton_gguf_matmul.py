@@ -3,6 +3,10 @@ every stored format, 1 to 64 rows, reductions that are and are not a multiple of
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +31,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(
     not gguf_programs_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)"
 )
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_gguf_matmul.py"
 ALL_FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 SMALL_BLOCKS = (T.Q4_0, T.Q4_1, T.Q8_0)
 
@@ -143,3 +148,24 @@ def test_bf16_products_on_the_gpu(qtype: GGMLQuantizationType, rows: int) -> Non
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
     dense = F.linear(x.cuda(), gguf_dequantize(torch.from_numpy(blocks).cuda(), qtype, k)).double().cpu()
     torch.testing.assert_close(got, dense, rtol=0, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.skipif(not (interpreting() and gguf_programs_usable(DEVICE)), reason="the dry run is for Triton's interpreter")
+def test_benchmark_dry_run_writes_its_report(tmp_path: Path) -> None:
+    """benchmarks/gpu_gguf_matmul.py --dry-run: tiny shapes on the CPU, every (format, kind, rows) entry checked
+    against the dequantised product and reported with its bytes and the dense baseline."""
+    spec = importlib.util.spec_from_file_location("gpu_gguf_matmul", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    out = tmp_path / "report.json"
+    benchmark.main(["--dry-run", "--formats", "Q6_K,Q4_0", "--rows", "1,3", "--grid", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert {"device", "versions", "date", "command", "copy_GBps_read_plus_written"} <= set(report)
+    assert set(report["results"]) == {f"tiny/{f}/{k}" for f in ("Q6_K", "Q4_0") for k in ("qkv", "down")}
+    down = report["results"]["tiny/Q6_K/down"]
+    assert down["quantized_bytes"] == 64 * 768 // 256 * 210 and down["dense_bytes"] == 2 * 64 * 768
+    for rows in ("rows1", "rows3"):
+        chosen = down[rows]["chosen"]
+        assert chosen["relative_error"] < 1e-5 and chosen["ms"] > 0 and down[rows]["dense_bf16_ms"] > 0
+        assert len(down[rows]["grid"]) > 1
