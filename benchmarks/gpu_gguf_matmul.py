@@ -46,9 +46,10 @@ SHAPES = {  # model -> matrix kind -> (N, K)
 CHAIN_BYTES = 512 * 2**20  # copies of a kind until the chain reads this much (L2 is 50-60 MB)
 MAX_COPIES = 36
 GRID = [  # --grid: (block_n, values_per_step, warps, stages, use_dot)
-    GGUFMatmulConfig(4, 256, 4, 2, False), GGUFMatmulConfig(8, 512, 4, 2, False), GGUFMatmulConfig(16, 256, 4, 2, False),
-    GGUFMatmulConfig(8, 256, 8, 3, False), GGUFMatmulConfig(16, 256, 4, 2, True), GGUFMatmulConfig(32, 512, 4, 3, True),
-    GGUFMatmulConfig(64, 256, 8, 2, True), GGUFMatmulConfig(32, 256, 8, 3, True),
+    GGUFMatmulConfig(4, 256, 4, 2, False), GGUFMatmulConfig(8, 256, 4, 2, False), GGUFMatmulConfig(8, 512, 4, 2, False),
+    GGUFMatmulConfig(16, 512, 4, 2, False), GGUFMatmulConfig(8, 1024, 8, 2, False), GGUFMatmulConfig(16, 256, 4, 2, True),
+    GGUFMatmulConfig(32, 256, 4, 2, True), GGUFMatmulConfig(32, 512, 4, 3, True), GGUFMatmulConfig(64, 256, 8, 2, True),
+    GGUFMatmulConfig(32, 256, 8, 3, True),
 ]
 
 
@@ -124,7 +125,7 @@ def measure_kind(
                                 "copies": copies, "dense_copies": dense_copies}
     for rows in rows_list:
         x = torch.randn(rows, k, dtype=dtype, device=device)
-        chosen = gguf_matmul_config(rows, qtype)
+        chosen = gguf_matmul_config(rows, qtype, n)
         configs = [chosen] + ([c for c in GRID if c != chosen and (c.use_dot or rows == 1)] if args.grid else [])
         tried: dict[str, object] = {}
         for config in configs:

@@ -169,3 +169,12 @@ def test_benchmark_dry_run_writes_its_report(tmp_path: Path) -> None:
         chosen = down[rows]["chosen"]
         assert chosen["relative_error"] < 1e-5 and chosen["ms"] > 0 and down[rows]["dense_bf16_ms"] > 0
         assert len(down[rows]["grid"]) > 1
+
+
+def test_config_by_rows_and_shape() -> None:
+    """One row multiplies and sums; more rows go through tensor cores, in wider tiles for wide matrices."""
+    assert gguf_matmul_config(1, T.Q4_K, 4096) == GGUFMatmulConfig(8, 512, 4, 2, False)
+    assert gguf_matmul_config(16, T.Q8_0, 4096) == GGUFMatmulConfig(32, 512, 4, 3, True)
+    assert gguf_matmul_config(64, T.Q8_0, 4096) == GGUFMatmulConfig(16, 256, 4, 2, True)
+    assert gguf_matmul_config(4, T.Q4_K, 151936) == GGUFMatmulConfig(32, 256, 4, 2, True)
+    assert all(gguf_matmul_config(rows, T.Q6_K).use_dot for rows in range(2, MAX_ROWS + 1))

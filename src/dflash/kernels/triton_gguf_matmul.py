@@ -81,13 +81,15 @@ class GGUFMatmulConfig:
     use_dot: bool = True  # False: multiply-and-sum, one row only
 
 
-def gguf_matmul_config(rows: int, qtype: GGMLQuantizationType) -> GGUFMatmulConfig:
-    """One row: few outputs per program (many programs in flight to cover the memory latency), one super-block or
-    eight small blocks per step; more rows: 32-row tiles of W through tensor cores. Unmeasured starting points;
-    `benchmarks/gpu_gguf_matmul.py` is how to check and change them."""
+def gguf_matmul_config(rows: int, qtype: GGMLQuantizationType, n: int = 0) -> GGUFMatmulConfig:
+    """From `benchmarks/gpu_gguf_matmul.py --grid` on an H200 (Qwen3-8B shapes): one row in 8-output tiles of
+    512-value steps (the best or within a few percent for every format and matrix); more rows through tensor cores
+    in 16-output tiles, 32 for wide matrices (n >= 16384: gate/up, LM head), Q8_0 in 512-value steps."""
     if rows == 1:
-        return GGUFMatmulConfig(block_n=8, values_per_step=256, warps=4, stages=2, use_dot=False)
-    return GGUFMatmulConfig(block_n=32, values_per_step=256, warps=4, stages=2, use_dot=True)
+        return GGUFMatmulConfig(block_n=8, values_per_step=512, warps=4, stages=2, use_dot=False)
+    if qtype == GGMLQuantizationType.Q8_0 and rows <= 16:
+        return GGUFMatmulConfig(block_n=32, values_per_step=512, warps=4, stages=3, use_dot=True)
+    return GGUFMatmulConfig(block_n=32 if n >= 16384 else 16, values_per_step=256, warps=4, stages=2, use_dot=True)
 
 
 def gguf_programs_usable(device: torch.device) -> bool:
@@ -136,7 +138,7 @@ def gguf_matmul(
     into `out` when given (x's dtype, [rows, n], columns contiguous: e.g. a slice of a wider output's columns)."""
     rows, k = x.shape
     layout = _format(qtype, blocks, k)
-    config = config or gguf_matmul_config(rows, qtype)
+    config = config or gguf_matmul_config(rows, qtype, blocks.shape[0])
     if not 1 <= rows <= (MAX_ROWS if config.use_dot else 1):
         raise ValueError(f"gguf_matmul does not serve {rows} rows with {config}")
     if not x.is_contiguous():

@@ -98,8 +98,8 @@ def gguf_matmul_kernel(  # type: ignore[no-untyped-def]
 ):
     """out[rows, n] = x[rows, k] @ dequant(W[n, k])^T (out's rows `out_stride` apart: it may be a slice of a wider
     output): each program owns BLOCK_N rows of W (output columns) and reads them once, for every row of x.
-    USE_DOT: x padded to BLOCK_M rows, tensor cores on the tile in x's dtype; else one row, multiply-and-sum in
-    float32."""
+    USE_DOT: x padded to BLOCK_M rows, tensor cores on the tile in x's dtype; else one row, multiply-and-add in
+    float32 into a [BLOCK_N, GROUPS, GROUP] accumulator."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     cols_inside = cols < n
     row_ptr = blocks_ptr + cols.to(tl.int64) * row_bytes  # [BLOCK_N]
@@ -121,15 +121,17 @@ def gguf_matmul_kernel(  # type: ignore[no-untyped-def]
             mask=rows_inside[:, None] & cols_inside[None, :],
         )
     else:
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # products added elementwise, summed once at the end (a sum per step cost more than the loads)
+        total = tl.zeros((BLOCK_N, GROUPS, GROUP), dtype=tl.float32)
         ks_in_step = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
         for first in range(0, blocks_per_row, BLOCKS_PER_STEP):
             w = dequantize_step(row_ptr, cols_inside, first, blocks_per_row, FORMAT, BLOCK_BYTES, GROUP, GROUPS,
                                 GROUPS_PER_BLOCK)  # [BN, G, GROUP]
             ks = first * BLOCK_VALUES + ks_in_step
             x = tl.load(x_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)  # [G, GROUP]
-            total += tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
-        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols_inside)
+            total += w * x[None, :, :]
+        sums = tl.sum(tl.sum(total, axis=2), axis=1)  # [BLOCK_N]
+        tl.store(out_ptr + cols, sums.to(out_ptr.dtype.element_ty), mask=cols_inside)
 
 
 @triton.jit
