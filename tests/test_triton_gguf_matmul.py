@@ -177,4 +177,6 @@ def test_config_by_rows_and_shape() -> None:
     assert gguf_matmul_config(16, T.Q8_0, 4096) == GGUFMatmulConfig(32, 512, 4, 3, True)
     assert gguf_matmul_config(64, T.Q8_0, 4096) == GGUFMatmulConfig(16, 256, 4, 2, True)
     assert gguf_matmul_config(4, T.Q4_K, 151936) == GGUFMatmulConfig(32, 256, 4, 2, True)
+    assert gguf_matmul_config(64, T.Q4_K, 151936) == GGUFMatmulConfig(64, 256, 8, 2, True)
+    assert gguf_matmul_config(64, T.Q6_K, 151936) == GGUFMatmulConfig(32, 256, 4, 2, True)
     assert all(gguf_matmul_config(rows, T.Q6_K).use_dot for rows in range(2, MAX_ROWS + 1))

@@ -121,7 +121,7 @@ def gguf_matmul_kernel(  # type: ignore[no-untyped-def]
             mask=rows_inside[:, None] & cols_inside[None, :],
         )
     else:
-        # products added elementwise, summed once at the end (a sum per step cost more than the loads)
+        # products added elementwise, summed once at the end: one reduction per output, not one per step
         total = tl.zeros((BLOCK_N, GROUPS, GROUP), dtype=tl.float32)
         ks_in_step = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
         for first in range(0, blocks_per_row, BLOCKS_PER_STEP):

@@ -11,7 +11,9 @@ logged at info level. `quantized` requested explicitly raises `ModelLoadError` w
 `quantized` on a CUDA device keeps the blocks on the GPU for the Triton programs
 (`dflash.models.gpu_quantized_layers`): the dtype must be bfloat16 or float16, Triton installed, and every matrix
 in a format they read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); the model kinds the CPU path declines (hybrids,
-Gemma 4, mixtures of experts) are declined there too. `auto` on a GPU stays dense for now.
+Gemma 4, mixtures of experts) are declined there too. `auto` on a GPU stays dense: the block programs take longer
+than bf16 cuBLAS on the same matrices (`dflash.kernels.triton_gguf_matmul`), so quantized GPU weights are for
+models whose dense weights would not fit.
 """
 
 from __future__ import annotations
