@@ -80,9 +80,7 @@ FORMATS: dict[GGMLQuantizationType, GGUFFormat] = {
     T.Q5_K: GGUFFormat(4, 256, 176, 32, 8),
     T.Q6_K: GGUFFormat(5, 256, 210, 16, 16),
 }
-
-
-FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K)
+FOUR_BIT = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K)  # their wide matrices want wider tiles past 16 rows
 
 
 @dataclass(frozen=True)
@@ -103,7 +101,7 @@ def gguf_matmul_config(rows: int, qtype: GGMLQuantizationType, n: int = 0) -> GG
     wide = n >= 16384
     if rows == 1:
         return GGUFMatmulConfig(block_n=8, values_per_step=512, warps=4, stages=2, use_dot=False)
-    if qtype == GGMLQuantizationType.Q8_0 and rows <= 16:
+    if qtype == T.Q8_0 and rows <= 16:
         return GGUFMatmulConfig(block_n=32, values_per_step=512, warps=4, stages=3, use_dot=True)
     if rows > 16 and wide and qtype in FOUR_BIT:
         return GGUFMatmulConfig(block_n=64, values_per_step=256, warps=8, stages=2, use_dot=True)

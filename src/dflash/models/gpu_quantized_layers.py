@@ -52,8 +52,8 @@ class GGUFLinear(nn.Module):
         self.in_features = segments[0].columns
         self.out_features = sum(segment.rows for segment in segments)
         self.formats = [GGMLQuantizationType(segment.qtype) for segment in segments]
-        self._buffers_names = [f"blocks_{i}" if i else "blocks" for i in range(len(segments))]
-        for name, segment in zip(self._buffers_names, segments, strict=True):
+        self._block_names = [f"blocks_{i}" if i else "blocks" for i in range(len(segments))]
+        for name, segment in zip(self._block_names, segments, strict=True):
             self.register_buffer(name, _device_blocks(segment, device), persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device)) if bias else None
@@ -61,7 +61,7 @@ class GGUFLinear(nn.Module):
     @property
     def parts(self) -> list[tuple[torch.Tensor, GGMLQuantizationType]]:
         """(blocks [rows, row bytes], format) of each segment, in output order."""
-        return [(getattr(self, name), qtype) for name, qtype in zip(self._buffers_names, self.formats, strict=True)]
+        return [(getattr(self, name), qtype) for name, qtype in zip(self._block_names, self.formats, strict=True)]
 
     @property
     def qtype(self) -> GGMLQuantizationType:
