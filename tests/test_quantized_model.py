@@ -126,7 +126,7 @@ def test_auto_choice(tmp_path: Path) -> None:
     assert choose_weights("quantized", default, CPU, torch.float32).kind == "quantized"
     assert choose_weights("dense", default, CPU, torch.float32).kind == "dense"
     on_gpu = choose_weights("auto", default, torch.device("cuda"), torch.bfloat16)
-    assert on_gpu.kind == "dense" and "CPU only" in on_gpu.reason
+    assert on_gpu.kind == "dense" and "opt-in" in on_gpu.reason
     in_bf16 = choose_weights("auto", default, CPU, torch.bfloat16)
     assert in_bf16.kind == "dense" and "float32" in in_bf16.reason
     hf_dir = tmp_path / "hf"
@@ -134,8 +134,10 @@ def test_auto_choice(tmp_path: Path) -> None:
     assert choose_weights("auto", hf_dir, CPU, torch.float32).kind == "dense"
     with pytest.raises(ModelLoadError, match="not a GGUF"):
         choose_weights("quantized", hf_dir, CPU, torch.float32)
-    with pytest.raises(ModelLoadError, match="CPU only"):
+    with pytest.raises(ModelLoadError, match="bfloat16 or float16"):
         choose_weights("quantized", default, torch.device("cuda"), torch.float32)
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        choose_weights("quantized", default, torch.device("mps"), torch.float32)
 
 
 def test_kernel_unavailable_falls_back_with_a_warning(

@@ -38,8 +38,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
     group.add_argument(
         "--weights", default="auto", choices=["auto", "dense", "quantized"],
-        help="target weights: quantized GGUF blocks through the CPU kernel, or dense; auto = quantized on CPU "
-        "in float32 when every matrix is Q4_1/Q8_0 and the kernel builds, dense otherwise",
+        help="target weights: quantized GGUF blocks (through the CPU kernel on the CPU, Q4_1/Q8_0; through Triton "
+        "programs on a GPU in bf16/fp16, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), or dense; auto = quantized on CPU in float32 "
+        "when every matrix is Q4_1/Q8_0 and the kernel builds, dense otherwise (GPUs included)",
     )
     group.add_argument(
         "--draft-weights", default="auto", choices=["auto", "dense", "quantized"],

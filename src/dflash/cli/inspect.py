@@ -33,14 +33,15 @@ def run(args: argparse.Namespace) -> int:
 
     device = pick_device("auto")
     choice = choose_weights(args.weights, resolve_model_path(args.path), device, pick_dtype("auto", device))
-    checkpoint = load_checkpoint(args.path, weights=choice.kind)
+    checkpoint = load_checkpoint(args.path, weights=choice.kind, quantized_for=device.type)
     weights: dict[str, Any] = {"path": choice.kind, "reason": choice.reason}
     if isinstance(checkpoint, QuantizedCheckpoint):
-        from dflash.kernels.build import load_quant_kernel
-
         params = checkpoint.parameter_count()
         weights["matrix_types"] = checkpoint.type_counts()
-        weights["kernel_isa"] = load_quant_kernel().isa()
+        if device.type == "cpu":
+            from dflash.kernels.build import load_quant_kernel
+
+            weights["kernel_isa"] = load_quant_kernel().isa()
     else:
         params = sum(t.numel() for t in checkpoint.weights.values())
     info: dict[str, Any] = {"kind": "target", "source": str(checkpoint.source), "parameters": params}

@@ -111,7 +111,7 @@ class DraftHead(nn.Module):
 
 
 def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
-    """A copy of the rows `ids` of an LM head: dense `nn.Linear`, or GGUF blocks on the CPU kernel."""
+    """A copy of the rows `ids` of an LM head: dense `nn.Linear`, or GGUF blocks on the CPU kernel or the GPU."""
     # a quantized head exists only where its module was loaded (it needs gguf, which dense models do without)
     quantized = sys.modules.get("dflash.models.quantized_layers")
     if quantized is not None and isinstance(lm_head, quantized.QuantizedLinear):
@@ -124,6 +124,9 @@ def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
         head = QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType(lm_head.qtype), lm_head.in_features))
         head.use_products(lm_head.products)  # the kernel the target's head runs on
         return head
+    on_gpu = sys.modules.get("dflash.models.gpu_quantized_layers")
+    if on_gpu is not None and isinstance(lm_head, on_gpu.GGUFLinear):  # GGUF blocks on the GPU
+        return lm_head.rows(ids)
     weight = lm_head.weight  # [vocab, hidden]
     assert isinstance(weight, torch.Tensor)
     rows = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)

@@ -90,16 +90,18 @@ def load_engine(
     draft_format = _drafter_weight_format(loading.draft_weights, choice.kind, torch_device, torch_dtype)
     # a rank's share is read straight in the run's dtype (half the host memory of float32 in bf16)
     load_dtype = torch.float32 if shard is None else torch_dtype
-    checkpoint = load_checkpoint(model or "default", load_dtype, weights=choice.kind, shard=shard)
+    checkpoint = load_checkpoint(
+        model or "default", load_dtype, weights=choice.kind, shard=shard, quantized_for=torch_device.type
+    )
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
     products = None
-    if choice.kind == "quantized" or draft_format == "q8_0":
+    if (choice.kind == "quantized" and torch_device.type == "cpu") or draft_format == "q8_0":
         products = choose_cpu_matmul(loading.cpu_matmul)
     if isinstance(checkpoint, QuantizedCheckpoint):
-        target = build_quantized_model(checkpoint, device=torch_device)
-        assert products is not None
-        use_cpu_matmul(target, products.kind)
+        target = build_quantized_model(checkpoint, device=torch_device, dtype=torch_dtype)
+        if products is not None:  # the CPU kernel's products (a GPU's blocks go through the Triton programs)
+            use_cpu_matmul(target, products.kind)
     else:
         target = build_model(
             checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype,

@@ -30,6 +30,7 @@ from dflash.kernels.triton_attention import attention_kernel_usable, few_row_att
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
 from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
+from dflash.models.gpu_quantized_layers import GGUFLinear
 from dflash.models.int8_linear import Int8Linear
 from dflash.models.layers import DecoderLayer, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM
@@ -75,13 +76,15 @@ def _fusable_expert_layer(model: CausalLM, layer: nn.Module) -> bool:
 def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, an `Int8Linear` (int8 rows), or a
     `RowParallelLinear` (this rank's product, then the sum over the ranks), or a `VocabParallelHead` (this rank's
-    logits, then every rank's gathered)."""
+    logits, then every rank's gathered); a `GGUFLinear` through its own block program."""
     if isinstance(module, Int8Linear):
         return fast_linear(x, module.values, module.bias, module.scales)
     if isinstance(module, RowParallelLinear):
         return module.reduce(fast_linear(x, module.weight))  # the sum over the ranks, then any bias
     if isinstance(module, VocabParallelHead):
         return module.gather(fast_linear(x, module.weight))
+    if isinstance(module, GGUFLinear):
+        return module(x)  # GGUF blocks: the block program (`dflash.kernels.triton_gguf_matmul`)
     assert isinstance(module, nn.Linear)
     return fast_linear(x, module.weight, module.bias)
 

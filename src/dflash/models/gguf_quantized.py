@@ -1,7 +1,8 @@
-"""Loading a GGUF file with its matrices left quantized (a `QuantizedCheckpoint`), for the CPU kernel.
+"""Loading a GGUF file with its matrices left quantized (a `QuantizedCheckpoint`), for the CPU kernel or the
+GPU programs.
 
-Every 2-D tensor (projections, embedding, LM head) must be in a format the kernel reads (Q4_1, Q8_0); its
-blocks are copied out of the file as they are, with llama's Q/K rows put back in Hugging Face order (a row
+Every 2-D tensor (projections, embedding, LM head) must be in a format the device's code reads (the CPU kernel:
+Q4_1, Q8_0; the GPU programs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); its blocks are copied out of the file as they are, with llama's Q/K rows put back in Hugging Face order (a row
 permutation). 1-D tensors (norms, biases) are dequantised and converted exactly as the dense loader does.
 """
 
@@ -11,17 +12,24 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import validate_weights
 from dflash.models.gguf_file import GGUFFile
 from dflash.models.gguf_loader import open_gguf_model, undo_conversion
-from dflash.models.quantized_weights import QuantizedCheckpoint, QuantizedMatrix, is_supported_type
+from dflash.models.quantized_weights import (
+    QuantizedCheckpoint,
+    QuantizedMatrix,
+    is_gpu_supported_type,
+    is_supported_type,
+)
 
 __all__ = [
     "describe_unsupported",
     "load_gguf_quantized",
     "mixture_of_experts_obstacle",
+    "reads_format",
     "tensor_type_counts",
     "unsupported_matrices",
 ]
@@ -30,12 +38,17 @@ __all__ = [
 _NON_PARAMETERS = {"rope_freqs.weight"}
 
 
-def unsupported_matrices(gguf: GGUFFile) -> dict[str, str]:
-    """GGUF name -> type name of every matrix the quantized path cannot use."""
+def reads_format(device_type: str, qtype: GGMLQuantizationType) -> bool:
+    """Whether the quantized code of `device_type` ("cpu": the CPU kernel, "cuda": the GPU programs) reads `qtype`."""
+    return is_gpu_supported_type(qtype) if device_type == "cuda" else is_supported_type(qtype)
+
+
+def unsupported_matrices(gguf: GGUFFile, device_type: str = "cpu") -> dict[str, str]:
+    """GGUF name -> type name of every matrix the quantized path of `device_type` cannot use."""
     return {
         name: info.qtype.name
         for name, info in gguf.tensors.items()
-        if len(info.shape) == 2 and name not in _NON_PARAMETERS and not is_supported_type(info.qtype)
+        if len(info.shape) == 2 and name not in _NON_PARAMETERS and not reads_format(device_type, info.qtype)
     }
 
 
@@ -58,17 +71,19 @@ def tensor_type_counts(gguf: GGUFFile) -> dict[str, int]:
     return counts
 
 
-def describe_unsupported(unsupported: dict[str, str]) -> str:
+def describe_unsupported(unsupported: dict[str, str], device_type: str = "cpu") -> str:
     types = sorted(set(unsupported.values()))
     example = next(iter(unsupported))
-    return (
-        f"{len(unsupported)} matrices are in {', '.join(types)} (e.g. {example}); "
-        "the quantized CPU kernel reads Q4_1 and Q8_0"
+    reader = (
+        "the quantized GPU programs read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K" if device_type == "cuda"
+        else "the quantized CPU kernel reads Q4_1 and Q8_0"
     )
+    return f"{len(unsupported)} matrices are in {', '.join(types)} (e.g. {example}); {reader}"
 
 
-def load_gguf_quantized(path: Path) -> QuantizedCheckpoint:
-    """Load a GGUF with its matrices kept as raw blocks; raises `ModelLoadError` if one is not Q4_1/Q8_0."""
+def load_gguf_quantized(path: Path, device_type: str = "cpu") -> QuantizedCheckpoint:
+    """Load a GGUF with its matrices kept as raw blocks for the quantized code of `device_type` ("cpu" or "cuda");
+    raises `ModelLoadError` if one is in a format that code does not read."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
@@ -78,9 +93,10 @@ def load_gguf_quantized(path: Path) -> QuantizedCheckpoint:
     moe = mixture_of_experts_obstacle(gguf)
     if moe is not None:
         raise ModelLoadError(f"{path}: cannot keep the weights quantized: {moe} (use --weights dense)")
-    unsupported = unsupported_matrices(gguf)
+    unsupported = unsupported_matrices(gguf, device_type)
     if unsupported:
-        raise ModelLoadError(f"{path}: cannot keep the weights quantized: {describe_unsupported(unsupported)}")
+        reason = describe_unsupported(unsupported, device_type)
+        raise ModelLoadError(f"{path}: cannot keep the weights quantized: {reason}")
     matrices: dict[str, QuantizedMatrix] = {}
     dense: dict[str, torch.Tensor] = {}
     for gguf_name, hf_name in names.items():

@@ -29,7 +29,7 @@ from dflash.kernels.build import (
     load_int8_kernel,
     load_quant_kernel,
 )
-from dflash.models.quantized_weights import QuantizedMatrix
+from dflash.models.quantized_weights import QuantizedMatrix, require_cpu_readable
 
 __all__ = ["QuantizedEmbedding", "QuantizedLinear", "uses_quantized_weights"]
 
@@ -42,6 +42,7 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, matrix: QuantizedMatrix, bias: bool = False) -> None:
         super().__init__()
+        require_cpu_readable(matrix.qtype)
         self.in_features = matrix.columns
         self.out_features = matrix.rows
         self.qtype = int(matrix.qtype)
@@ -88,6 +89,7 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, matrix: QuantizedMatrix) -> None:
         super().__init__()
+        require_cpu_readable(matrix.qtype)
         self.num_embeddings = matrix.rows
         self.embedding_dim = matrix.columns
         self.qtype = int(matrix.qtype)

@@ -2,13 +2,15 @@
 the embedding and the LM head replaced by their quantized stand-ins.
 
 q/k/v rows are stacked into `qkv_proj` and gate/up rows into `gate_up_proj`, as the dense loader does with
-values. Everything else (norms, biases, RoPE tables) is dense float32, loaded by `CausalLM.load_weights`.
-Quantized weights run on the CPU in float32 only.
+values. Everything else (norms, biases, RoPE tables) is dense, loaded by `CausalLM.load_weights`.
+On the CPU the stand-ins are `quantized_layers.py`'s (the CPU kernel, float32); on a CUDA device
+`gpu_quantized_layers.py`'s (the Triton block programs, bfloat16 or float16), every matrix moved there as its blocks.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from dflash.errors import ModelLoadError
 from dflash.models.model import CausalLM
@@ -20,43 +22,79 @@ from dflash.models.rope import Rotary
 __all__ = ["build_quantized_model"]
 
 
-def build_quantized_model(checkpoint: QuantizedCheckpoint, *, device: torch.device | str = "cpu") -> CausalLM:
-    """The model of `checkpoint` on the CPU, in eval mode, with quantized matrices."""
-    if torch.device(device).type != "cpu":
-        raise ModelLoadError(f"quantized weights run on the CPU only (asked for {device}); use --weights dense")
+def build_quantized_model(
+    checkpoint: QuantizedCheckpoint,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    block_programs: bool = False,
+) -> CausalLM:
+    """The model of `checkpoint` in eval mode with quantized matrices: on the CPU in float32, or on a CUDA device
+    in `dtype` (bfloat16 unless given; float16 too). `block_programs` builds the GPU modules on the CPU, in any
+    float dtype: for tests under Triton's interpreter."""
+    device = torch.device(device)
+    if block_programs and device.type == "cpu":
+        dtype = dtype or torch.float32
+    elif device.type == "cpu":
+        dtype = dtype or torch.float32
+        if dtype != torch.float32:
+            raise ModelLoadError(f"quantized CPU weights compute in float32 (asked for {dtype}); use --weights dense")
+    elif device.type == "cuda":
+        dtype = dtype or torch.bfloat16
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ModelLoadError(f"quantized GPU weights take bfloat16 or float16 (asked for {dtype})")
+    else:
+        raise ModelLoadError(f"quantized weights run on the CPU or a CUDA device (asked for {device}); use --weights dense")
     config, matrices = checkpoint.config, checkpoint.matrices
     source = str(checkpoint.source)
     if config.architecture == "gemma4":  # its layers' projections are not the uniform q/k/v this builder joins
         raise ModelLoadError(f"{source}: quantized CPU weights do not support Gemma 4 yet; use --weights dense")
+    on_gpu = device.type == "cuda" or block_programs
+    if on_gpu:
+        from dflash.models.gpu_quantized_layers import GGUFEmbedding, GGUFLinear
 
     def matrix(name: str) -> QuantizedMatrix:
         if name not in matrices:
             raise ModelLoadError(f"{source}: missing matrix {name!r}")
         return matrices[name]
 
+    def linear(weights: QuantizedMatrix, bias: bool = False) -> nn.Module:
+        return GGUFLinear(weights, device, dtype, bias) if on_gpu else QuantizedLinear(weights, bias=bias)
+
+    def fused(parts: list[QuantizedMatrix], what: str, bias: bool = False) -> nn.Module:
+        """The parts' rows as one module: on the GPU in any mix of formats, on the CPU stacked (one format)."""
+        if on_gpu:
+            return GGUFLinear(parts, device, dtype, bias)
+        return QuantizedLinear(QuantizedMatrix.stack_rows(parts, what), bias=bias)
+
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config)
     for i in range(config.num_layers):
         hf, own = f"model.layers.{i}.", f"layers.{i}."
-        qkv = QuantizedMatrix.stack_rows([matrix(f"{hf}self_attn.{n}_proj.weight") for n in "qkv"], f"{hf}qkv")
-        gate_up = QuantizedMatrix.stack_rows(
-            [matrix(f"{hf}mlp.{n}_proj.weight") for n in ("gate", "up")], f"{hf}gate_up"
-        )
-        model.set_submodule(f"{own}self_attn.qkv_proj", QuantizedLinear(qkv, bias=config.attention_bias))
+        qkv = [matrix(f"{hf}self_attn.{n}_proj.weight") for n in "qkv"]
+        gate_up = [matrix(f"{hf}mlp.{n}_proj.weight") for n in ("gate", "up")]
+        model.set_submodule(f"{own}self_attn.qkv_proj", fused(qkv, f"{hf}qkv", bias=config.attention_bias))
         model.set_submodule(
-            f"{own}self_attn.o_proj", QuantizedLinear(matrix(f"{hf}self_attn.o_proj.weight"), bias=config.attention_bias)
+            f"{own}self_attn.o_proj", linear(matrix(f"{hf}self_attn.o_proj.weight"), bias=config.attention_bias)
         )
-        model.set_submodule(f"{own}mlp.gate_up_proj", QuantizedLinear(gate_up))
-        model.set_submodule(f"{own}mlp.down_proj", QuantizedLinear(matrix(f"{hf}mlp.down_proj.weight")))
+        model.set_submodule(f"{own}mlp.gate_up_proj", fused(gate_up, f"{hf}gate_up"))
+        model.set_submodule(f"{own}mlp.down_proj", linear(matrix(f"{hf}mlp.down_proj.weight")))
     embedding = matrix("model.embed_tokens.weight")
-    model.set_submodule("embed_tokens", QuantizedEmbedding(embedding))
+    if on_gpu:  # moved once: a tied head then shares the table's device blocks
+        embedding = QuantizedMatrix(embedding.blocks.to(device), embedding.qtype, embedding.columns)
+        model.set_submodule("embed_tokens", GGUFEmbedding(embedding, device, dtype))
+    else:
+        model.set_submodule("embed_tokens", QuantizedEmbedding(embedding))
     head = embedding if config.tie_word_embeddings else matrix("lm_head.weight")
-    model.set_submodule("lm_head", QuantizedLinear(head))
+    model.set_submodule("lm_head", linear(head))
     # Materialise what is still on the meta device (norms, RoPE tables), leaving the quantized modules alone.
+    quantized = (QuantizedLinear, QuantizedEmbedding, *((GGUFLinear, GGUFEmbedding) if on_gpu else ()))
     for module in model.modules():
-        if not isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            module.to_empty(device="cpu", recurse=False)
-        if isinstance(module, Rotary):
+        if not isinstance(module, quantized):
+            module.to_empty(device=device, recurse=False)
+    model.to(dtype)  # floating tensors only: the blocks stay uint8
+    for module in model.modules():
+        if isinstance(module, Rotary):  # computed on the real device, as the dense builder does
             module.recompute()
     model.load_weights(checkpoint.weights, source)
     return model.eval().requires_grad_(False)

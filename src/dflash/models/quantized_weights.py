@@ -1,8 +1,12 @@
-"""Weight matrices kept as GGUF blocks (Q4_1, Q8_0), and the checkpoint that carries them.
+"""Weight matrices kept as GGUF blocks, and the checkpoint that carries them.
 
 A `QuantizedMatrix` is a [rows, columns] matrix stored row by row as the GGUF file stores it: each row is
-columns / 32 blocks of `BLOCK_BYTES[qtype]` bytes. Rows are independent in these formats, so permuting
-rows (llama's Q/K un-permutation) and stacking matrices row-wise (fused q/k/v, gate/up) work on the bytes.
+columns / `block values` blocks of `block bytes` (`STORED_BLOCKS`: 32-value blocks for Q4_0, Q4_1 and Q8_0,
+256-value super-blocks for Q4_K, Q5_K and Q6_K). Rows are independent in all of them, so permuting rows (llama's
+Q/K un-permutation) and stacking matrices row-wise (fused q/k/v, gate/up) work on the bytes.
+
+Who reads which formats: the CPU kernel Q4_1 and Q8_0 (`is_supported_type`, `BLOCK_BYTES`); the GPU programs
+(`dflash.kernels.triton_gguf_matmul`) every stored format (`is_gpu_supported_type`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ from gguf import GGMLQuantizationType
 from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import Checkpoint
 
-__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "QuantizedCheckpoint", "QuantizedMatrix", "is_supported_type"]
+__all__ = [
+    "BLOCK_BYTES",
+    "BLOCK_VALUES",
+    "STORED_BLOCKS",
+    "QuantizedCheckpoint",
+    "QuantizedMatrix",
+    "is_gpu_supported_type",
+    "is_supported_type",
+    "require_cpu_readable",
+]
 
 BLOCK_VALUES = 32
 # Bytes per block of 32 weights, for the formats the CPU kernel reads.
@@ -25,25 +38,50 @@ BLOCK_BYTES: dict[GGMLQuantizationType, int] = {
     GGMLQuantizationType.Q8_0: 34,  # fp16 d, 32 int8: w = d * q
 }
 
+# Every format a `QuantizedMatrix` holds -> (values per block, bytes per block), llama.cpp's layouts.
+STORED_BLOCKS: dict[GGMLQuantizationType, tuple[int, int]] = {
+    GGMLQuantizationType.Q4_0: (32, 18),  # fp16 d, 16 bytes of nibbles: w = d * (q - 8)
+    GGMLQuantizationType.Q4_1: (32, 20),
+    GGMLQuantizationType.Q8_0: (32, 34),
+    GGMLQuantizationType.Q4_K: (256, 144),  # fp16 d, dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
+    GGMLQuantizationType.Q5_K: (256, 176),  # as Q4_K, plus 32 bytes of fifth bits before the nibbles
+    GGMLQuantizationType.Q6_K: (256, 210),  # 128 bytes low nibbles, 64 of high 2 bits, 16 int8 scales, fp16 d
+}
+
 
 def is_supported_type(qtype: GGMLQuantizationType) -> bool:
+    """Whether the CPU kernel reads `qtype`."""
     return qtype in BLOCK_BYTES
+
+
+def is_gpu_supported_type(qtype: GGMLQuantizationType) -> bool:
+    """Whether the GPU programs (`dflash.kernels.triton_gguf_matmul`) read `qtype`: every stored format."""
+    return qtype in STORED_BLOCKS
+
+
+def require_cpu_readable(qtype: GGMLQuantizationType) -> None:
+    """Raise `ModelLoadError` unless the CPU kernel reads `qtype`."""
+    if not is_supported_type(qtype):
+        raise ModelLoadError(f"quantized weights in {qtype.name} are not supported (Q4_1, Q8_0 are)")
 
 
 @dataclass(frozen=True)
 class QuantizedMatrix:
-    """blocks: uint8 [rows, columns / 32 * block bytes], contiguous, on the CPU."""
+    """blocks: uint8 [rows, columns / block values * block bytes], contiguous (on the CPU when loaded; a GPU
+    module moves them to its device)."""
 
     blocks: torch.Tensor
     qtype: GGMLQuantizationType
     columns: int
 
     def __post_init__(self) -> None:
-        if not is_supported_type(self.qtype):
-            raise ModelLoadError(f"quantized weights in {self.qtype.name} are not supported (Q4_1, Q8_0 are)")
-        if self.columns % BLOCK_VALUES:
-            raise ModelLoadError(f"rows of {self.columns} values are not whole blocks of {BLOCK_VALUES}")
-        expected = self.columns // BLOCK_VALUES * BLOCK_BYTES[self.qtype]
+        if self.qtype not in STORED_BLOCKS:
+            kept = ", ".join(t.name for t in STORED_BLOCKS)
+            raise ModelLoadError(f"quantized weights in {self.qtype.name} are not supported ({kept} are)")
+        block_values, block_bytes = STORED_BLOCKS[self.qtype]
+        if self.columns % block_values:
+            raise ModelLoadError(f"rows of {self.columns} values are not whole blocks of {block_values}")
+        expected = self.columns // block_values * block_bytes
         if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != expected:
             raise ModelLoadError(
                 f"{self.qtype.name} blocks for rows of {self.columns} values must be uint8 [rows, {expected}], "

@@ -65,9 +65,11 @@ def load_checkpoint(
     *,
     weights: WeightKind = "dense",
     shard: tuple[int, int] | None = None,
+    quantized_for: str = "cpu",
 ) -> Checkpoint:
     """Load the model `name_or_path` refers to (see `resolve_model_path`). `weights="quantized"` keeps a
-    GGUF's matrices as raw blocks (a `QuantizedCheckpoint`, float32 for the rest) for the CPU kernel.
+    GGUF's matrices as raw blocks (a `QuantizedCheckpoint`, float32 for the rest) for the CPU kernel, or for the
+    GPU programs with `quantized_for="cuda"` (which read more formats).
     `shard` = (rank, world) keeps only that tensor-parallel rank's part of the split tensors (dense weights only;
     a Hugging Face folder is read in parts, a GGUF file whole and then cut)."""
     path = resolve_model_path(name_or_path)
@@ -88,7 +90,7 @@ def load_checkpoint(
             raise ModelLoadError(f"{path}: quantized weights need a GGUF file")
         from dflash.models.gguf_quantized import load_gguf_quantized
 
-        return load_gguf_quantized(path)
+        return load_gguf_quantized(path, quantized_for)
     if path.is_dir():
         from dflash.models.hf_loader import load_hf_dir
 

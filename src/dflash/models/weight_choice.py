@@ -1,4 +1,4 @@
-"""Choosing between dense float32 weights and quantized GGUF blocks (`--weights auto|dense|quantized`).
+"""Choosing between dense weights and quantized GGUF blocks (`--weights auto|dense|quantized`).
 
 `auto` picks quantized when all of these hold, dense otherwise:
   * the device is the CPU and the dtype float32 (GPUs, and other dtypes, stay dense);
@@ -7,6 +7,13 @@
   * the CPU kernel builds (or was built before) and loads.
 A kernel that fails to build is logged as a warning naming the reason; the other cases are expected and
 logged at info level. `quantized` requested explicitly raises `ModelLoadError` with the reason instead.
+
+`quantized` on a CUDA device keeps the blocks on the GPU for the Triton programs
+(`dflash.models.gpu_quantized_layers`): the dtype must be bfloat16 or float16, Triton installed, and every matrix
+in a format they read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); the model kinds the CPU path declines (hybrids,
+Gemma 4, mixtures of experts) are declined there too. `auto` on a GPU stays dense: the block programs take longer
+than bf16 cuBLAS on the same matrices (`dflash.kernels.triton_gguf_matmul`), so quantized GPU weights are for
+models whose dense weights would not fit.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ def choose_weights(requested: str, path: Path, device: torch.device, dtype: torc
         raise DFlashError(f"unknown weights option {requested!r}; choose one of {', '.join(WEIGHT_OPTIONS)}")
     if requested == "dense":
         return WeightChoice("dense", "dense weights requested")
+    if device.type == "cuda":
+        return _gpu_choice(requested, path, dtype)
     obstacle = _setting_obstacle(path, device, dtype)
     kernel_failed = False
     if obstacle is None:
@@ -62,12 +71,37 @@ def choose_weights(requested: str, path: Path, device: torch.device, dtype: torc
     return WeightChoice("dense", f"auto: {obstacle}")
 
 
+def _gpu_choice(requested: str, path: Path, dtype: torch.dtype) -> WeightChoice:
+    """`auto` -> dense (quantized GPU weights are opt-in); `quantized` -> the blocks on the GPU, or the reason not."""
+    if requested == "auto":
+        log.info("using dense weights on the GPU (quantized GPU weights are opt-in: --weights quantized)")
+        return WeightChoice("dense", "auto: dense weights on a GPU (quantized GPU weights are opt-in: --weights quantized)")
+    from dflash.kernels.triton_decode import triton_available
+
+    if dtype not in (torch.bfloat16, torch.float16):
+        obstacle: str | None = (
+            f"the GPU block programs take bfloat16 or float16 (dtype is {str(dtype).removeprefix('torch.')})"
+        )
+    elif not triton_available():
+        obstacle = "the GPU block programs need Triton, which is not installed"
+    else:
+        obstacle = _model_obstacle(path, "cuda")
+    if obstacle is not None:
+        raise ModelLoadError(f"{path.name}: quantized weights are not available: {obstacle}")
+    return WeightChoice("quantized", "quantized weights requested (GGUF blocks on the GPU)")
+
+
 def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why quantized weights cannot be used for this model, device and dtype (kernel aside), or None."""
     if device.type != "cpu":
         return f"the quantized kernel runs on the CPU only (device is {device})"
     if dtype != torch.float32:
         return f"the quantized kernel computes in float32 (dtype is {str(dtype).removeprefix('torch.')})"
+    return _model_obstacle(path, "cpu")
+
+
+def _model_obstacle(path: Path, device_type: str) -> str | None:
+    """Why the model at `path` cannot keep quantized weights for `device_type`'s code, or None."""
     if path.is_dir() or path.suffix.lower() != ".gguf":
         return "the model is not a GGUF file"
     from dflash.models.gguf_file import GGUFFile
@@ -86,5 +120,5 @@ def _setting_obstacle(path: Path, device: torch.device, dtype: torch.dtype) -> s
     moe = mixture_of_experts_obstacle(gguf)
     if moe is not None:
         return moe
-    unsupported = unsupported_matrices(gguf)
-    return describe_unsupported(unsupported) if unsupported else None
+    unsupported = unsupported_matrices(gguf, device_type)
+    return describe_unsupported(unsupported, device_type) if unsupported else None
