@@ -34,6 +34,7 @@ from dflash.generation.forwards import forwards_for, register_forwards
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
 from dflash.generation.selection import TokenAgreement, TokenChooser
+from dflash.kernels.openmp import release_thread_workers
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.special_text import SpecialTextGuard
@@ -218,6 +219,7 @@ class Engine:
         if runner is None:
             return 0
         self.generate(self.warm_up_request())
+        release_thread_workers()  # requests decode on other threads (`dflash.kernels.openmp`)
         log.info("warm-up: %d CUDA graphs captured", runner.captured)
         return runner.served
 

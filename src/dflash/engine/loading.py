@@ -14,6 +14,7 @@ from dflash.drafter.model import DFlashDrafter
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
 from dflash.errors import DFlashError, ModelLoadError
+from dflash.kernels.openmp import release_thread_workers
 from dflash.models.cpu_matmul import choose_cpu_matmul, tile_products, use_cpu_matmul
 from dflash.models.model import CausalLM
 from dflash.models.quantized_model import build_quantized_model
@@ -133,6 +134,7 @@ def load_engine(
              "" if products is None else f"; {products.kind} products: {products.reason}")
     engine = Engine(target, checkpoint.tokenizer, drafter, options, model_name=name)
     engine.cpu_matmul = None if products is None else products.kind
+    release_thread_workers()  # the loading thread's OpenMP team would slow the decoding thread's (`kernels.openmp`)
     return engine
 
 
