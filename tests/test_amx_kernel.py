@@ -95,13 +95,18 @@ def test_bad_inputs_are_refused(kernel: AmxKernel) -> None:
 def test_choice_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_matmul.choose_cpu_matmul("float32").kind == "float32"
     monkeypatch.setattr(cpu_matmul, "amx_obstacle", lambda: "no tiles here")
-    assert cpu_matmul.choose_cpu_matmul("auto") == cpu_matmul.MatmulChoice("float32", "auto: no tiles here")
+    monkeypatch.setattr(cpu_matmul, "int8_obstacle", lambda: "no AVX2 here")
+    assert cpu_matmul.choose_cpu_matmul("auto") == cpu_matmul.MatmulChoice("float32", "auto: no tiles here; no AVX2 here")
+    monkeypatch.setattr(cpu_matmul, "int8_obstacle", lambda: None)
+    assert cpu_matmul.choose_cpu_matmul("auto").kind == "int8x2"  # without tiles, speculating or not
+    assert cpu_matmul.choose_cpu_matmul("auto", speculative=False).kind == "int8x2"
     with pytest.raises(ModelLoadError, match="--cpu-matmul amx is not available: no tiles here"):
         cpu_matmul.choose_cpu_matmul("amx")
     with pytest.raises(ModelLoadError, match="unknown --cpu-matmul 'bf16'"):
         cpu_matmul.choose_cpu_matmul("bf16")
     monkeypatch.setattr(cpu_matmul, "amx_obstacle", lambda: None)
-    assert cpu_matmul.choose_cpu_matmul("auto").kind == "amx"
+    assert cpu_matmul.choose_cpu_matmul("auto").kind == "amx"  # verified rows cost about one on the tiles
+    assert cpu_matmul.choose_cpu_matmul("auto", speculative=False).kind == "int8x2"  # one row per step
 
 
 def test_unknown_products_are_refused() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
 from dflash.kernels.build import Int8Kernel, load_int8_kernel
@@ -128,3 +129,14 @@ def test_default_model_under_two_part_products() -> None:
     assert difference.mean().item() < 0.01 and difference.max().item() < 0.1
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert_speculation_is_plain(engine, ids, "int8x2")
+
+
+@needs_int8
+def test_auto_takes_two_parts_where_rows_come_one_per_step() -> None:
+    """auto: int8x2 for an engine that decodes one row per step (no drafter, or --spec none); with a drafter, the
+    bf16 tiles where the CPU has them (verified rows cost about one there), else int8x2."""
+    assert load_engine("default", "none", loading=LoadOptions(device="cpu")).cpu_matmul == "int8x2"
+    plain = load_engine("default", "default", options=EngineOptions(spec="none"), loading=LoadOptions(device="cpu"))
+    assert plain.cpu_matmul == "int8x2"
+    speculating = load_engine("default", "default", loading=LoadOptions(device="cpu"))
+    assert speculating.cpu_matmul == ("amx" if cpu_matmul.amx_obstacle() is None else "int8x2")

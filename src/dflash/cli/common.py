@@ -56,9 +56,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--cpu-matmul", default="auto", choices=["auto", "float32", "amx", "int8", "int8x2"],
         help="kernel of the quantized matrices on the CPU: float32 products, amx (bf16 products on the AMX "
-        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), or int8 "
-        "(inputs quantised to int8 blocks, integer dot products, AMX-INT8 tiles for verified rows where the CPU has "
-        "them; fastest, but the rounded inputs change answers more than bf16 does); auto = amx where the CPU has it",
+        "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), int8x2 "
+        "(inputs rounded to two 8-bit parts, about 15 bits: integer dot products, closer to float32 than bf16), or "
+        "int8 (one 8-bit part, as llama.cpp's activations: changes answers more); auto = amx where the CPU has it "
+        "and the engine speculates, else int8x2 where the CPU has AVX2, else float32",
     )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")

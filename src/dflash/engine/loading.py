@@ -96,9 +96,12 @@ def load_engine(
     )
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
+    if draft is None and is_default_model(model) and default_drafter_available():
+        draft = "default"
+    speculative = draft not in (None, "", "none") and options.spec != "none"
     products = None
     if (choice.kind == "quantized" and torch_device.type == "cpu") or draft_format == "q8_0":
-        products = choose_cpu_matmul(loading.cpu_matmul)
+        products = choose_cpu_matmul(loading.cpu_matmul, speculative=speculative)
     if isinstance(checkpoint, QuantizedCheckpoint):
         target = build_quantized_model(checkpoint, device=torch_device, dtype=torch_dtype)
         if products is not None:  # the CPU kernel's products (a GPU's blocks go through the Triton programs)
@@ -109,8 +112,6 @@ def load_engine(
             source=str(checkpoint.source), tensor_parallel=tensor_parallel,
         )
     del checkpoint.weights
-    if draft is None and is_default_model(model) and default_drafter_available():
-        draft = "default"
     drafter = None
     if draft not in (None, "", "none"):
         assert draft is not None
