@@ -27,6 +27,7 @@ from dataclasses import asdict
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
+from gpu_skinny_gemm import graph_ms  # benchmarks/ is the script's folder
 
 from dflash.kernels.triton_gguf_matmul import (
     FORMATS,
@@ -74,25 +75,7 @@ def timed_ms(fn: Callable[[], object], iters: int, graphs: bool) -> float:
             fn()
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return graph_ms(fn, iters)  # compiled and warmed up outside the capture
 
 
 def copy_bandwidth(device: torch.device, iters: int, graphs: bool) -> float:
