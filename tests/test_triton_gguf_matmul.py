@@ -151,9 +151,10 @@ def test_bf16_products_on_the_gpu(qtype: GGMLQuantizationType, rows: int) -> Non
 
 
 @pytest.mark.skipif(not (interpreting() and gguf_programs_usable(DEVICE)), reason="the dry run is for Triton's interpreter")
-def test_benchmark_dry_run_writes_its_report(tmp_path: Path) -> None:
+def test_benchmark_dry_run_writes_its_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/gpu_gguf_matmul.py --dry-run: tiny shapes on the CPU, every (format, kind, rows) entry checked
     against the dequantised product and reported with its bytes and the dense baseline."""
+    monkeypatch.syspath_prepend(str(BENCHMARK.parent))  # it imports a sibling benchmark, as when run as a script
     spec = importlib.util.spec_from_file_location("gpu_gguf_matmul", BENCHMARK)
     assert spec is not None and spec.loader is not None
     benchmark = importlib.util.module_from_spec(spec)
