@@ -18,7 +18,8 @@ blocks of Q4_0, Q4_1, Q8_0 (32 values) or Q4_K, Q5_K, Q6_K (256-value super-bloc
 Configurations are fixed by shape (no autotuning), `gguf_matmul_config`; `benchmarks/gpu_gguf_matmul.py` times them
 against bf16 cuBLAS.
 
-Speed, measured on one H200 (that benchmark, Qwen3-8B and Qwen3-32B shapes, Triton 3.6, 2026-11-26): the programs
+Speed, measured on one H200 (that benchmark, Qwen3-8B and Qwen3-32B shapes, Triton 3.6, 2026-11-26;
+results/gpu_gguf_matmul_h200.json): the programs
 are instruction-bound, not memory-bound. One row reads 0.56 to 1.17 TB/s of blocks for the 4-bit formats and Q6_K,
 1.0 to 1.7 TB/s for Q8_0 (a device copy moved 2.7 TB/s read plus written), so a product takes 1.0 to 2.6 times as
 long as cuBLAS on the same matrix in bf16 (1.0-1.4 for Q4_K and Q4_0, 1.4-2.6 for Q6_K); 4 to 64 rows take 1.2 to
