@@ -13,12 +13,14 @@ through `dflash.parallel` (row-parallel o/down projections, each followed by an 
 Three ways to run each forward:
 * `*_ms` (the headline `tp1_step_ms` / `tp2_step_ms`): what the engine runs, the graph runner's forward
   (`dflash.fastpath.runner.GraphRunner.target_forward`: inputs copied into a captured CUDA graph of the fused layers,
-  outputs copied out); on two GPUs with the run's default all-reduce (`DFLASH_TP_ALLREDUCE=auto`: the fused sums
-  over symmetric memory where the GPUs reach each other, `tp2_all_reduce` says which), and `tp2_*_nccl_ms` /
-  `tp2_*_symmetric_ms` the same with NCCL's all-reduce / the one-shot all-reduce then the add+RMSNorm;
+  outputs copied out); on two GPUs with the run's default all-reduce (`DFLASH_TP_ALLREDUCE=auto`: the sums folded
+  into the add+RMSNorm over symmetric memory where the GPUs reach each other, `tp2_all_reduce` says which), and
+  `tp2_*_<mode>_ms` the same with each other all-reduce (nccl, symmetric: the one-shot all-reduce then the
+  add+RMSNorm, fused / oneway: the folded sums with flags / without);
 * `*_graph_ms`: the model's own (unfused) forward captured in one CUDA graph, NCCL all-reduces inside;
 * `*_eager_ms`: the model's own forward, uncaptured.
-Also the latency of one all-reduce of one residual row and of 33 rows, eager (NCCL) and captured (NCCL, symmetric).
+Also the latency of one all-reduce of one residual row and of 33 rows, eager (NCCL) and captured (NCCL, symmetric),
+and of one folded sum (`folded_graph_<mode>_*_us`, captured, with the add+RMSNorm).
 
 Weights are drawn on each GPU in place (each rank only its shard), so start-up takes seconds. DFlash rounds with
 the drafter on another GPU (`--draft-device`): `benchmarks/gpu_draft_device.py`.
@@ -54,6 +56,7 @@ from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
 from dflash.models.rope import Rotary
+from dflash.parallel.collectives import FOLDED
 from dflash.parallel.group import TensorParallel, multicast_off
 from dflash.parallel.launch import launch
 from dflash.parallel.layers import prepare_sums
@@ -263,6 +266,20 @@ def all_reduce_us(
     return round(median_ms(fn, tp.device, tp, iters=10, warmup=2) * 10, 3)  # ms per 100 -> us per call
 
 
+def folded_sum_us(config: ModelConfig, dtype: torch.dtype, tp: TensorParallel, rows: int) -> float:
+    """Median microseconds of one sum folded into the add+RMSNorm (the run's current folded mode), 100 back to back
+    in one CUDA graph, alternating regions as the fused forward does."""
+    partial = torch.zeros(rows, config.hidden_size, dtype=dtype, device=tp.device)
+    weight = torch.ones(config.hidden_size, dtype=dtype, device=tp.device)
+
+    def hundred() -> None:
+        stream = partial
+        for call in range(100):
+            _, stream = tp.sums.add_rms_norm(partial, stream, weight, 1e-6, call % 2)
+
+    return round(median_ms(as_graph(hundred, tp.device), tp.device, tp, iters=10, warmup=2) * 10, 3)
+
+
 # ---- the two phases -------------------------------------------------------------------------------------------
 def run_tp1(config: ModelConfig, device: torch.device, dtype: torch.dtype, context: int) -> dict[str, Any]:
     started = time.perf_counter()
@@ -308,9 +325,14 @@ def tp2_rank(tp: TensorParallel, payload: dict[str, Any]) -> int:
             tp.sums.use(mode)
             out[f"allreduce_graph_{mode}_1row_us"] = all_reduce_us(config, dtype, tp, 1, graph=True)
             out[f"allreduce_graph_{mode}_33rows_us"] = all_reduce_us(config, dtype, tp, TREE_BUDGET + 1, graph=True)
+        for mode in FOLDED if default_mode in FOLDED else ():
+            tp.sums.use(mode)
+            out[f"folded_graph_{mode}_1row_us"] = folded_sum_us(config, dtype, tp, 1)
+            out[f"folded_graph_{mode}_33rows_us"] = folded_sum_us(config, dtype, tp, TREE_BUDGET + 1)
         tp.sums.use("nccl")
         out.update(measure(model, cache, context, tp.device, tp, "tp2", ("graph",)))
-        others = ("nccl", "symmetric") if default_mode == "fused" else ("nccl",)
+        others = ("nccl", "symmetric", *FOLDED) if default_mode in FOLDED else ("nccl",)
+        others = tuple(mode for mode in others if mode != default_mode)
         for mode in others:  # the engine with the other all-reduces, for comparison
             tp.sums.use(mode)
             timed = measure(model, cache, context, tp.device, tp, "tp2", ("engine",))
@@ -349,7 +371,7 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
             one, two = out.get(f"tp1_{shape}{kind}_ms"), out.get(f"tp2_{shape}{kind}_ms")
             if one and two:
                 found[f"tp2_over_tp1_{shape}{kind}"] = round(two / one, 3)
-        for mode in ("nccl", "symmetric"):
+        for mode in ("nccl", "symmetric", *FOLDED):
             one, two = out.get(f"tp1_{shape}_ms"), out.get(f"tp2_{shape}_{mode}_ms")
             if one and two:
                 found[f"tp2_{mode}_over_tp1_{shape}"] = round(two / one, 3)

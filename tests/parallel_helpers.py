@@ -8,6 +8,7 @@ that each load their shard, run scripted forwards and generations, and save what
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Callable
@@ -302,55 +303,63 @@ def engine_program(tp: TensorParallel, pair: dict[str, Any], *, graphed: bool = 
 
 
 def sums_program(tp: TensorParallel) -> dict[str, Any]:
-    """The fused rank sums (`PartialSums.add_rms_norm` in "fused" mode) against NCCL's all-reduce followed by the
-    add+RMSNorm, on bf16 rows of a width that is no power of two: eagerly, 40 times in a row (alternating regions,
-    with a one-shot all-reduce in between), and as a chain of four replayed 20 times from a CUDA graph."""
+    """The folded rank sums (`PartialSums.add_rms_norm` in "fused" and "oneway" modes) against NCCL's all-reduce
+    followed by the add+RMSNorm, on bf16 rows of a width that is no power of two: eagerly, 40 times in a row (with a
+    one-shot all-reduce in between), and as a chain of four replayed 20 times from a CUDA graph. Consecutive folded
+    sums alternate between the two regions, as the fused forward's do."""
     from dflash.kernels.triton_decode import add_rms_norm
 
     sums, device, width, eps = tp.sums, tp.device, 1000, 1e-6
     record: dict[str, Any] = {"mode": sums.prepare(width, torch.bfloat16), "cases": {}}
-    for rows in (1, 3, 33, 128):
-        generator = torch.Generator().manual_seed(rows)
-        residual, weight = (torch.randn(rows, width, generator=generator).to(device, torch.bfloat16),
-                            torch.randn(width, generator=generator).to(device, torch.bfloat16))
-        partials = [torch.randn(4, rows, width, generator=generator) for _ in range(tp.world)]
-        mine = partials[tp.rank].to(device, torch.bfloat16)  # [4, rows, width]: four sub-layers' partial rows
-        sums.use("nccl")
-        plain = [sums(mine[step].clone()) for step in range(4)]
-        expected, stream = [], residual
-        for step in range(4):
-            normed, stream = add_rms_norm(sums(mine[step].clone()), stream, weight, eps)
-            expected.append((normed, stream))
-        sums.use("fused")
-        eager = [sums.add_rms_norm(mine[i % 4], None if i % 4 else residual, weight, eps, i % 2) for i in range(40)]
-        one_shot = sums(mine[0].clone())  # the one-shot all-reduce between fused sums uses its own buffer and flags
-        first = sums.add_rms_norm(mine[0], residual, weight, eps, 0)
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the kernel compiled before capture
-            sums.add_rms_norm(mine[0], residual, weight, eps, 0)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph):
-            chain, stream = [], residual
+    calls = itertools.count()
+
+    def folded(partial: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sums.add_rms_norm(partial, residual, weight, eps, next(calls) % 2)
+
+    for mode in ("fused", "oneway"):
+        for rows in (1, 3, 33, 128):
+            generator = torch.Generator().manual_seed(rows)
+            residual, weight = (torch.randn(rows, width, generator=generator).to(device, torch.bfloat16),
+                                torch.randn(width, generator=generator).to(device, torch.bfloat16))
+            partials = [torch.randn(4, rows, width, generator=generator) for _ in range(tp.world)]
+            mine = partials[tp.rank].to(device, torch.bfloat16)  # [4, rows, width]: four sub-layers' partial rows
+            sums.use("nccl")
+            plain = [sums(mine[step].clone()) for step in range(4)]
+            expected, stream = [], residual
             for step in range(4):
-                normed, stream = sums.add_rms_norm(mine[step], stream, weight, eps, step % 2)
-                chain.append((normed, stream))
-        replays = []
-        for _ in range(20):
-            graph.replay()
-            replays.append([(a.clone(), b.clone()) for a, b in chain])
-        torch.cuda.synchronize()
-        record["cases"][rows] = {
-            "expected": [(a.cpu(), b.cpu()) for a, b in expected],
-            "plain": [t.cpu() for t in plain],
-            "first": tuple(t.cpu() for t in first),
-            "one_shot": one_shot.cpu(),
-            "eager_repeats_equal": all(
-                torch.equal(eager[i][0], eager[i % 4][0]) and torch.equal(eager[i][1], eager[i % 4][1])
-                for i in range(40)
-            ),
-            "eager_plain_sum": eager[1][1].cpu(),  # no residual: the plain sum of the second partial rows
-            "replays": [[(a.cpu(), b.cpu()) for a, b in replay] for replay in replays],
-        }
+                normed, stream = add_rms_norm(sums(mine[step].clone()), stream, weight, eps)
+                expected.append((normed, stream))
+            sums.use(mode)
+            eager = [folded(mine[i % 4], None if i % 4 else residual) for i in range(40)]
+            one_shot = sums(mine[0].clone())  # the one-shot all-reduce between folded sums uses its own buffer
+            first = folded(mine[0], residual)
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # the kernel compiled before capture
+                folded(mine[0], residual)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                chain, stream = [], residual
+                for step in range(4):
+                    normed, stream = folded(mine[step], stream)
+                    chain.append((normed, stream))
+            replays = []
+            for _ in range(20):
+                graph.replay()
+                replays.append([(a.clone(), b.clone()) for a, b in chain])
+            torch.cuda.synchronize()
+            record["cases"][(mode, rows)] = {
+                "expected": [(a.cpu(), b.cpu()) for a, b in expected],
+                "plain": [t.cpu() for t in plain],
+                "first": tuple(t.cpu() for t in first),
+                "one_shot": one_shot.cpu(),
+                "eager_repeats_equal": all(
+                    torch.equal(eager[i][0], eager[i % 4][0]) and torch.equal(eager[i][1], eager[i % 4][1])
+                    for i in range(40)
+                ),
+                "eager_plain_sum": eager[1][1].cpu(),  # no residual: the plain sum of the second partial rows
+                "replays": [[(a.cpu(), b.cpu()) for a, b in replay] for replay in replays],
+            }
+            del graph
     return record

@@ -8,7 +8,7 @@
 | `DFLASH_CPU_LAYER_OPS`         | on       | 0/false/no/off: torch operations instead of the fused CPU kernel        |
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
-| `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric, fused (`collectives`)      |
+| `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric, fused, oneway            |
 | `DFLASH_TP_VOCAB_SPLIT`        | on       | 0: embeddings and LM head whole on every rank, not split by vocab rows  |
 | `DFLASH_API_KEY`               | none     | the key `dflash serve` requires (`dflash.cli.api_key`)                  |
 | `DFLASH_MIN_TOKENS`            | off      | agent stall recovery (`dflash.server.stall`): no EOS before N tokens    |
@@ -46,7 +46,7 @@ LLAMA_BENCH = "DFLASH_LLAMA_BENCH"
 PREFIX = "DFLASH_"
 ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
 PRODUCTS_CHOICES = ("skinny", "cublas")
-TP_ALLREDUCE_CHOICES = ("auto", "nccl", "symmetric", "fused")
+TP_ALLREDUCE_CHOICES = ("auto", "nccl", "symmetric", "fused", "oneway")
 
 _OFF = frozenset({"", "0", "false", "no", "off", "none"})
 _ON = frozenset({"1", "true", "yes", "on"})
@@ -83,7 +83,7 @@ def products(env: Mapping[str, str] | None = None) -> str:
 
 
 def tp_allreduce(env: Mapping[str, str] | None = None) -> str:
-    """`DFLASH_TP_ALLREDUCE`: "auto" (the default), "nccl", "symmetric" or "fused"; raises `ValueError` for anything else."""
+    """`DFLASH_TP_ALLREDUCE`: "auto" (the default), "nccl", "symmetric", "fused" or "oneway"; raises `ValueError` for anything else."""
     return _choice(_environ(env), TP_ALLREDUCE, TP_ALLREDUCE_CHOICES)
 
 

@@ -24,7 +24,7 @@ def add_tensor_parallel_option(parser: argparse.ArgumentParser) -> None:
         help="split the target across N GPUs (cuda:0..N-1), one process each over NCCL (--device cpu: N CPU "
         "processes over gloo); the heads, key/value heads and MLP width must divide by N. Each GPU holds a whole "
         "drafter. Runs dense weights; on GPUs each rank replays CUDA graphs with the all-reduces inside "
-        "(DFLASH_TP_ALLREDUCE=auto|nccl|symmetric|fused) (default 1: one device)",
+        "(DFLASH_TP_ALLREDUCE=auto|nccl|symmetric|fused|oneway) (default 1: one device)",
     )
 
 

@@ -90,6 +90,96 @@ def _kernel() -> Any:
     return sum_add_rms_norm_kernel
 
 
+@cache
+def _oneway_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def oneway_sum_add_rms_norm_kernel(  # type: ignore[no-untyped-def]
+        partial_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, buffers_ptr,
+        rank, width, capacity, region_offset, eps,
+        WORLD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+        SIGN: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < width
+        dtype = partial_ptr.dtype.element_ty
+        mine = tl.load(partial_ptr + row * width + cols, mask=inside, other=0.0)
+        # what goes out never has the "not yet written" pattern (all bits set, a NaN): that NaN is sent as the
+        # NaN with the sign bit clear
+        mine_bits = mine.to(BITS, bitcast=True)
+        sent = tl.where(mine_bits == -1, mine_bits ^ SIGN, mine_bits).to(dtype, bitcast=True)
+        for peer in tl.static_range(WORLD):
+            if peer != rank:  # this rank's slot in the peer's region: [sender][capacity rows][width]
+                peer_buffer = tl.load(buffers_ptr + peer).to(tl.pointer_type(dtype))
+                tl.store(peer_buffer + region_offset + (rank * capacity + row) * width + cols, sent, mask=inside)
+        own_buffer = tl.load(buffers_ptr + rank).to(tl.pointer_type(dtype))
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for peer in tl.static_range(WORLD):
+            if peer == rank:
+                total += mine.to(tl.float32)
+            else:
+                slot = own_buffer + region_offset + (peer * capacity + row) * width + cols
+                arrived = tl.load(slot, mask=inside, other=0.0, volatile=True)
+                while tl.max((arrived.to(BITS, bitcast=True) == -1).to(tl.int32), axis=0) != 0:
+                    arrived = tl.load(slot, mask=inside, other=0.0, volatile=True)
+                total += arrived.to(tl.float32)
+                tl.store(slot.to(tl.pointer_type(BITS)), tl.full((BLOCK,), -1, BITS), mask=inside)  # unwritten again
+        x = total.to(dtype)
+        if HAS_RESIDUAL:
+            added = x.to(tl.float32) + tl.load(residual_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
+            x = added.to(dtype)
+        tl.store(sum_ptr + row * width + cols, x, mask=inside)
+        x32 = x.to(tl.float32)
+        inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / width + eps)
+        normed = (x32 * inverse_rms).to(dtype).to(tl.float32)
+        weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * width + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=inside)
+
+    return oneway_sum_add_rms_norm_kernel
+
+
+def oneway_sum_add_rms_norm(
+    partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+    buffers: torch.Tensor, rank: int, world: int, capacity: int, region_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sum_add_rms_norm` without flags: the rows themselves say they have arrived. The region's slots hold the
+    "unwritten" pattern (every bit set) until a peer's row lands; the reader polls its slot until no element has
+    that pattern, adds, and writes the pattern back. One trip over NVLink instead of data, fence, then flag. The
+    regions must be filled with the pattern before the first sum (`fill_unwritten`); consecutive sums alternate
+    between two regions as for `sum_add_rms_norm` (a peer writes region r again only after this rank's next sum's
+    row reached it, sent after this rank wrote the pattern back)."""
+    rows, width = partial.shape
+    out = torch.empty_like(partial)
+    summed = torch.empty_like(partial)
+    block = next_power_of_two(width)
+    bits = _bits_type(partial.dtype)
+    import triton.language as tl
+
+    _oneway_kernel()[(rows,)](
+        partial, residual if residual is not None else partial, weight, out, summed, buffers,
+        rank, width, capacity, region_offset, eps,
+        WORLD=world, HAS_RESIDUAL=residual is not None, BLOCK=block, BITS=getattr(tl, bits),
+        SIGN=-(2 ** (partial.element_size() * 8 - 1)), num_warps=8 if block >= 4096 else 4,
+    )
+    return out, summed
+
+
+def _bits_type(dtype: torch.dtype) -> str:
+    """The signed integer type of `dtype`'s width (Triton's name)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if size not in (2, 4):
+        raise ValueError(f"one-way rank sums take 16- or 32-bit rows, not {dtype}")
+    return f"int{size * 8}"
+
+
+def fill_unwritten(regions: torch.Tensor) -> None:
+    """Set every element of `regions` (this rank's one-way regions) to the "unwritten" pattern, all bits set."""
+    regions.view(torch.int16 if regions.element_size() == 2 else torch.int32).fill_(-1)
+
+
 def sum_add_rms_norm(
     partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
     buffers: torch.Tensor, pads: torch.Tensor, rank: int, world: int, capacity: int, region_offset: int,

@@ -1,6 +1,6 @@
 """The sum that ends each row-parallel sub-layer: every rank's partial output, added up on every rank.
 
-Three ways to do it, chosen once per run by `DFLASH_TP_ALLREDUCE` (auto | nccl | symmetric | fused):
+Four ways to do it, chosen once per run by `DFLASH_TP_ALLREDUCE` (auto | nccl | symmetric | fused | oneway):
 
 * `nccl`: the process group's `all_reduce` (gloo on CPU ranks). Any size; inside a CUDA graph an all-reduce of one
   residual row still takes ~18 us on two NVLink-connected GPUs (`results/gpu_tensor_parallel_*.json`), and a
@@ -15,8 +15,11 @@ Three ways to do it, chosen once per run by `DFLASH_TP_ALLREDUCE` (auto | nccl |
   row-parallel projection of the fused forward does), one program per row stores the partial, meets the peers,
   adds every rank's row and does the add+RMSNorm (`add_rms_norm`, `dflash.kernels.triton_rank_sums`): one launch
   instead of two. Other sums take the one-shot all-reduce.
+* `oneway`: `fused` without its flags: the rows carry their own arrival (a slot holds an "unwritten" bit pattern
+  until the peer's row lands; `oneway_sum_add_rms_norm`), so a sum costs one trip over NVLink where `fused` has the
+  row, a system-wide fence, then the flag.
 
-`auto` takes `fused` where the symmetric buffer can be set up and Triton is there, `symmetric` without Triton, NCCL
+`auto` takes `oneway` where the symmetric buffer can be set up and Triton is there, `symmetric` without Triton, NCCL
 otherwise. All give every rank the same sum bit for bit (NCCL's ring hands one reduced copy to all; the symmetric
 kernels add in the same order on every rank), which keeps the ranks' logits, and so their greedy choices,
 identical.
@@ -44,6 +47,8 @@ log = logging.getLogger("dflash.parallel")
 # drafted blocks, the graph runner's prefill chunks) fits; longer prefill chunks use NCCL, where bandwidth decides.
 SYMMETRIC_ROWS = 128
 
+FOLDED = ("fused", "oneway")  # the modes whose sums are folded into the add+RMSNorm
+
 
 class PartialSums:
     """`sum(partial)`: the element-wise sum of `partial` over the ranks of `group`, on every rank."""
@@ -53,7 +58,8 @@ class PartialSums:
         self.device = device
         self.asked = mode or environment.tp_allreduce()
         if self.asked not in environment.TP_ALLREDUCE_CHOICES:
-            raise DFlashError(f"unknown all-reduce {self.asked!r}; choose one of auto, nccl, symmetric")
+            choices = ", ".join(environment.TP_ALLREDUCE_CHOICES)
+            raise DFlashError(f"unknown all-reduce {self.asked!r}; choose one of {choices}")
         self.mode = "nccl"  # until `prepare` sets up the symmetric buffer
         self._buffer: torch.Tensor | None = None  # [SYMMETRIC_ROWS * width] of the one-shot all-reduce
         self._group_name = ""
@@ -63,14 +69,17 @@ class PartialSums:
         """Set up the symmetric buffer for rows of `width` elements of `dtype` where the mode allows it; every
         rank must call this at the same point (it is a collective). Returns the mode in use."""
         if self.asked == "nccl" or self.device.type != "cuda":
-            if self.asked in ("symmetric", "fused"):
+            if self.asked in (*FOLDED, "symmetric"):
                 raise DFlashError(f"DFLASH_TP_ALLREDUCE={self.asked} needs CUDA ranks")
             return self.mode
         try:
             self._buffer, self._folding = self._symmetric_buffer(width, dtype)
-            self.mode = "fused" if self._folding is not None and self.asked in ("auto", "fused") else "symmetric"
+            if self._folding is None or self.asked == "symmetric":
+                self.mode = "symmetric"
+            else:
+                self.mode = "oneway" if self.asked == "auto" else self.asked
         except Exception as exc:  # any failure of the alpha API means: use NCCL
-            if self.asked in ("symmetric", "fused"):
+            if self.asked in (*FOLDED, "symmetric"):
                 raise DFlashError(
                     f"DFLASH_TP_ALLREDUCE={self.asked}: symmetric memory is not usable here: {exc}"
                 ) from exc
@@ -78,12 +87,13 @@ class PartialSums:
         return self.mode
 
     def _symmetric_buffer(self, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, _Folding | None]:
-        """The one-shot all-reduce's staging rows, and the fused sums' two regions after them in the same
-        symmetric allocation (with their flags), where Triton is there and the signal pads have room."""
+        """The one-shot all-reduce's staging rows, then the fused sums' two regions (with their flags in the
+        signal pads) and the one-way sums' two regions, in the same symmetric allocation, where Triton is there and
+        the signal pads have room."""
         import torch.distributed._symmetric_memory as symm_mem
 
         from dflash.kernels.triton_decode import triton_available
-        from dflash.kernels.triton_rank_sums import REGIONS
+        from dflash.kernels.triton_rank_sums import REGIONS, fill_unwritten
 
         ranks = dist.get_world_size(self.group)
         index = self.device.index or 0
@@ -102,7 +112,8 @@ class PartialSums:
                 enable(self._group_name)
         staging = SYMMETRIC_ROWS * width  # the one-shot all-reduce's rows
         region = ranks * staging  # a fused region: a slot of rows per sending rank
-        allocation = symm_mem.empty(staging + REGIONS * region, dtype=dtype, device=self.device)
+        oneway_start = staging + REGIONS * region
+        allocation = symm_mem.empty(oneway_start + REGIONS * region, dtype=dtype, device=self.device)
         handle = symm_mem.rendezvous(allocation, self.group)
         flags = REGIONS * SYMMETRIC_ROWS * ranks
         pad_flags = int(handle.signal_pad_size) // 4
@@ -115,9 +126,12 @@ class PartialSums:
                 pads=torch.tensor([handle.get_signal_pad(r, [1], torch.int32).data_ptr() for r in every],
                                   dtype=torch.int64, device=self.device),
                 rank=handle.rank, world=ranks, width=width, dtype=dtype, first_region=staging, region=region,
-                first_flag=pad_flags - flags,
+                first_flag=pad_flags - flags, first_oneway_region=oneway_start,
             )
-        elif self.asked == "fused":
+            fill_unwritten(allocation[oneway_start:])
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)  # no peer's row lands before this rank's regions were cleared
+        elif self.asked in FOLDED:
             raise RuntimeError(f"no Triton, or a signal pad of {pad_flags} flags (the fused sums need {2 * flags})")
         return allocation[:staging], folding
 
@@ -125,26 +139,31 @@ class PartialSums:
         """Switch between "nccl" and a prepared "symmetric" all-reduce (graphs captured before keep the old one)."""
         if mode == "symmetric" and self._buffer is None:
             raise DFlashError("the symmetric all-reduce was not set up (prepare) on this run")
-        if mode == "fused" and self._folding is None:
-            raise DFlashError("the fused sums were not set up (prepare) on this run")
-        if mode not in ("nccl", "symmetric", "fused"):
-            raise DFlashError(f"unknown all-reduce {mode!r}; choose nccl, symmetric or fused")
+        if mode in FOLDED and self._folding is None:
+            raise DFlashError(f"the {mode} sums were not set up (prepare) on this run")
+        if mode not in ("nccl", "symmetric", *FOLDED):
+            raise DFlashError(f"unknown all-reduce {mode!r}; choose nccl, symmetric, fused or oneway")
         self.mode = mode
 
     def add_rms_norm(
         self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, region: int
     ) -> SumAndNorm:
         """`triton_decode.add_rms_norm(sum(partial), residual, weight, eps)` with the sum over the ranks: partial,
-        residual [rows, width] -> (RMSNorm(sum + residual) * weight, sum + residual). In `fused` mode one kernel
-        where the rows fit the buffer; `region` (0 or 1) must alternate between consecutive calls."""
+        residual [rows, width] -> (RMSNorm(sum + residual) * weight, sum + residual). In `fused` and `oneway` modes
+        one kernel where the rows fit the buffer; `region` (0 or 1) must alternate between consecutive calls."""
         folding = self._folding
         if (
-            self.mode == "fused" and folding is not None and partial.dtype == folding.dtype
+            self.mode in FOLDED and folding is not None and partial.dtype == folding.dtype
             and partial.dim() == 2 and partial.shape[0] <= SYMMETRIC_ROWS and partial.shape[1] == folding.width
             and partial.is_contiguous() and (residual is None or residual.is_contiguous())
         ):
-            from dflash.kernels.triton_rank_sums import sum_add_rms_norm
+            from dflash.kernels.triton_rank_sums import oneway_sum_add_rms_norm, sum_add_rms_norm
 
+            if self.mode == "oneway":
+                return oneway_sum_add_rms_norm(
+                    partial, residual, weight, eps, buffers=folding.buffers, rank=folding.rank, world=folding.world,
+                    capacity=SYMMETRIC_ROWS, region_offset=folding.first_oneway_region + region * folding.region,
+                )
             return sum_add_rms_norm(
                 partial, residual, weight, eps, buffers=folding.buffers, pads=folding.pads, rank=folding.rank,
                 world=folding.world, capacity=SYMMETRIC_ROWS,
@@ -160,7 +179,7 @@ class PartialSums:
         """partial: any shape -> the sum over the ranks, same shape (a new tensor, or `partial` summed in place)."""
         buffer = self._buffer
         if (
-            self.mode in ("symmetric", "fused") and buffer is not None
+            self.mode in ("symmetric", *FOLDED) and buffer is not None
             and partial.numel() <= buffer.numel() and partial.dtype == buffer.dtype
         ):
             staging = buffer[: partial.numel()].view(partial.shape)
@@ -185,3 +204,4 @@ class _Folding:
     first_region: int  # where the regions start in the allocation (elements): after the one-shot rows
     region: int  # elements of one region: SYMMETRIC_ROWS rows per sending rank
     first_flag: int  # the first int32 flag of the pads the fused sums use
+    first_oneway_region: int  # where the one-way sums' regions start (elements)

@@ -94,7 +94,7 @@ def split_layers(layers: nn.ModuleList, tensor_parallel: TensorParallel) -> None
 
 def prepare_sums(model: nn.Module, tensor_parallel: TensorParallel) -> str:
     """Set up the run's all-reduce for `model`'s residual rows (its hidden size and dtype), once the model is on
-    its device; a collective: every rank calls it. Returns the all-reduce in use ("nccl" | "symmetric" | "fused")."""
+    its device; a collective: every rank calls it. Returns the all-reduce in use ("nccl" | "symmetric" | "fused" | "oneway")."""
     embedding = model.get_submodule("embed_tokens")
     assert isinstance(embedding, nn.Embedding)
     return tensor_parallel.sums.prepare(embedding.embedding_dim, embedding.weight.dtype)
