@@ -321,7 +321,7 @@ def tp2_rank(tp: TensorParallel, payload: dict[str, Any]) -> int:
     out.update(measure(model, cache, context, tp.device, tp, "tp2", ("eager",)))
     _save_part(tp, payload, out)  # the eager figures are safe before graph capture is tried
     if tp.device.type == "cuda":
-        for mode in dict.fromkeys(("nccl", "symmetric" if default_mode == "fused" else default_mode)):
+        for mode in dict.fromkeys(("nccl", "symmetric" if default_mode in FOLDED else default_mode)):
             tp.sums.use(mode)
             out[f"allreduce_graph_{mode}_1row_us"] = all_reduce_us(config, dtype, tp, 1, graph=True)
             out[f"allreduce_graph_{mode}_33rows_us"] = all_reduce_us(config, dtype, tp, TREE_BUDGET + 1, graph=True)
@@ -406,9 +406,11 @@ def main() -> int:
         "environment": environment(args.device),
         "variables": variables_set(),
         "notes": "*_ms: the engine's forward (the graph runner: fused layers in captured CUDA graphs, all-reduces "
-                 "inside; tp2 with the run's default all-reduce, tp2_all_reduce); tp2_*_nccl_ms: the same with "
-                 "NCCL's all-reduce; *_graph_ms: the model's unfused forward in one CUDA graph (NCCL); *_eager_ms: "
-                 "uncaptured. tp2_vocab_split: embeddings and LM head split by vocabulary rows.",
+                 "inside; tp2 with the run's default all-reduce, tp2_all_reduce); tp2_*_<mode>_ms: the same with "
+                 "another all-reduce (nccl; symmetric: one-shot then add+RMSNorm; fused / oneway: folded into the "
+                 "add+RMSNorm, with flags / without); *_graph_ms: the model's unfused forward in one CUDA graph "
+                 "(NCCL); *_eager_ms: uncaptured. folded_graph_<mode>_*_us: one folded sum, 100 in a graph. "
+                 "tp2_vocab_split: embeddings and LM head split by vocabulary rows.",
     }
 
     def save() -> None:
