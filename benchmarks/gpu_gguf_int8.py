@@ -1,0 +1,130 @@
+"""4-bit GGUF products through integer dot products (`dflash.kernels.triton_gguf_int8`) against the block programs
+(`triton_gguf_matmul`) and dense bf16 cuBLAS, on a model's weight shapes.
+
+For each shape, 4-bit format and row count: the time per matrix of `nibble_matmul` (inputs rounded once per call,
+outside the timed chain, as a layer shares one rounding between its products; that rounding timed apart), of the
+block program's configuration in use, and of `F.linear` in bf16; the bandwidth each implies (the word layout's
+bytes, the file's bytes, bf16 bytes), beside a device copy's. Chains over distinct copies stay out of L2, replayed
+as CUDA graphs (`gpu_gguf_matmul.py`'s harness). `--grid` times the configurations in GRID for each row count.
+
+Usage: python benchmarks/gpu_gguf_int8.py --out FILE [--shapes qwen3-8b] [--formats Q4_K,Q4_0] [--rows 1,2,4,8] [--grid]
+       TRITON_INTERPRET=1 python benchmarks/gpu_gguf_int8.py --dry-run  (CPU, tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gpu_gguf_matmul import CHAIN_BYTES, MAX_COPIES, SHAPES, copy_bandwidth, random_blocks, timed_ms
+
+from dflash.kernels.gguf_nibbles import nibble_matrix
+from dflash.kernels.triton_gguf_int8 import NibbleConfig, nibble_matmul, nibble_config, quantize_input
+from dflash.kernels.triton_gguf_matmul import FORMATS, gguf_matmul
+
+GRID = [NibbleConfig(block_n, step, warps, 2) for block_n in (2, 4, 8) for step in (16, 32) for warps in (4, 8)]
+
+
+def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], args: argparse.Namespace,
+            device: torch.device, dtype: torch.dtype, graphs: bool) -> dict[str, object]:
+    file_bytes = n * FORMATS[qtype].row_bytes(k)
+    copies = 1 if args.dry_run else max(1, min(MAX_COPIES, -(-CHAIN_BYTES // file_bytes)))
+    blocks = [random_blocks(n, k, qtype, device) for _ in range(copies)]
+    matrices = [nibble_matrix(b, qtype, k) for b in blocks]
+    word_bytes = matrices[0].nbytes
+    dense_copies = 1 if args.dry_run else max(1, min(MAX_COPIES, -(-CHAIN_BYTES // (2 * n * k))))
+    dense = [torch.randn(n, k, dtype=dtype, device=device) * 0.02 for _ in range(dense_copies)]
+    entry: dict[str, object] = {"n": n, "k": k, "file_bytes": file_bytes, "word_bytes": word_bytes, "copies": copies}
+    for rows in rows_list:
+        x = torch.randn(rows, k, dtype=dtype, device=device)
+        parts = quantize_input(x)
+        reference = F.linear(x.float(), matrices[0].dequantized())
+        error = float((nibble_matmul(parts, matrices[0], dtype=torch.float32) - reference).abs().max()
+                      / reference.abs().max().clamp_min(1e-6))
+        chosen = nibble_config(n, k)
+        configs = [chosen] + ([c for c in GRID if c != chosen] if args.grid else [])
+        tried: dict[str, object] = {}
+        for config in configs:
+            try:
+                ms = timed_ms(lambda config=config: [nibble_matmul(parts, m, config, dtype=dtype) for m in matrices],
+                              args.iters, graphs) / copies
+            except Exception as exc:  # registers or shared memory the device cannot give
+                tried[str(asdict(config))] = f"not run: {type(exc).__name__}: {str(exc)[:160]}"
+                continue
+            tried[str(asdict(config))] = {"ms": round(ms, 5), "word_GBps": round(word_bytes / ms / 1e6, 1)}
+        rounding_ms = timed_ms(lambda: quantize_input(x), args.iters, graphs)
+        block_ms = timed_ms(lambda: [gguf_matmul(x, b, qtype) for b in blocks], args.iters, graphs) / copies
+        dense_ms = timed_ms(lambda: [F.linear(x, w) for w in dense], args.iters, graphs) / dense_copies
+        best = min((v["ms"], key) for key, v in tried.items() if isinstance(v, dict))
+        result = {
+            "relative_error": float(f"{error:.3g}"), "chosen": tried.get(str(asdict(chosen))),
+            "best": {"config": best[1], "ms": best[0]}, "input_rounding_ms": round(rounding_ms, 5),
+            "block_program_ms": round(block_ms, 5), "dense_bf16_ms": round(dense_ms, 5),
+            "dense_GBps": round(2 * n * k / dense_ms / 1e6, 1),
+            "best_over_block_program": round(best[0] / block_ms, 3), "best_over_dense": round(best[0] / dense_ms, 3),
+        }
+        if args.grid:
+            result["grid"] = tried
+        entry[f"rows{rows}"] = result
+        print(f"{qtype.name:5s} {n:6d}x{k:<6d} rows {rows}: words {best[0] * 1e3:7.1f} us "
+              f"({word_bytes / best[0] / 1e6:6.0f} GB/s)  blocks {block_ms * 1e3:7.1f}  bf16 {dense_ms * 1e3:7.1f}  "
+              f"rounding {rounding_ms * 1e3:5.1f}  err {error:.2g}", flush=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen3-8b")
+    parser.add_argument("--kinds", default="qkv,o,gate_up,down,head")
+    parser.add_argument("--formats", default="Q4_K,Q4_0")
+    parser.add_argument("--rows", default="1,2,4,8")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--grid", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (with TRITON_INTERPRET=1)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.shapes, args.iters = "tiny", 1
+        device, dtype, graphs = torch.device("cpu"), torch.float32, False
+    else:
+        device, dtype, graphs = torch.device("cuda"), torch.bfloat16, True
+    torch.manual_seed(0)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    copy_gbps = copy_bandwidth(device, args.iters, graphs)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + written)", flush=True)
+    results: dict[str, object] = {}
+    for shape in args.shapes.split(","):
+        for name in args.formats.split(","):
+            qtype = GGMLQuantizationType[name]
+            for kind, (n, k) in SHAPES[shape].items():
+                if kind in args.kinds.split(","):
+                    results[f"{shape}/{name}/{kind}"] = measure(n, k, qtype, rows_list, args, device, dtype, graphs)
+                    if graphs:
+                        torch.cuda.empty_cache()
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if graphs else "cpu (dry run, Triton interpreter)",
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "python": platform.python_version()},
+        "command": " ".join(["python", "benchmarks/gpu_gguf_int8.py", *(sys.argv[1:] if argv is None else argv)]),
+        "copy_GBps_read_plus_written": round(copy_gbps, 1),
+        "notes": "ms per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of --iters "
+                 "replays); word_GBps = the word layout's bytes / time; inputs rounded outside the chain "
+                 "(input_rounding_ms: that rounding for one call); block_program: gguf_matmul's configuration in use; "
+                 "dense: F.linear on a bf16 matrix of the same shape",
+        "results": results,
+    }
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

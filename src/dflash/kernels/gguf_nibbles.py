@@ -1,0 +1,92 @@
+"""4-bit GGUF matrices re-laid for word loads and integer dot products on the GPU (`triton_gguf_int8`).
+
+GGUF interleaves each block's scales with its 4-bit values, in blocks of 18 (Q4_0), 20 (Q4_1) or 144 (Q4_K) bytes,
+so a row's values are not at 4-byte-aligned offsets and a program reading them as words must skip the scales.
+`NibbleMatrix` keeps the same bits apart, losslessly:
+
+* `words`: int32 [n, k / 8], the 4-bit values of every group of 32 (the run of values that share one scale) as 16
+  bytes, byte t holding value t in its low nibble and value t + 16 in its high one: Q4_0 and Q4_1's own order;
+  Q4_K's pairs of sub-blocks (byte t: value t of sub-block 2c low, of sub-block 2c + 1 high) are reordered to it.
+* the scales, as the file has them: Q4_0: fp16 [n, k / 32, 1] (d) with w = d (q - 8); Q4_1: fp16 [n, k / 32, 2]
+  (d, m) with w = d q + m; Q4_K: fp16 [n, k / 256, 2] (d, dmin) and uint8 [n, k / 32, 2] (6-bit scale, 6-bit
+  min), with w = d scale q - dmin min. The bytes per weight are the file's (Q4_K: 4.625 bits against 4.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+__all__ = ["NIBBLE_FORMATS", "NibbleMatrix", "nibble_matrix"]
+
+T = GGMLQuantizationType
+GROUP = 32
+NIBBLE_FORMATS = (T.Q4_0, T.Q4_1, T.Q4_K)
+
+
+@dataclass(frozen=True)
+class NibbleMatrix:
+    qtype: GGMLQuantizationType
+    n: int
+    k: int
+    words: torch.Tensor  # int32 [n, k // 8]
+    pairs: torch.Tensor  # Q4_0: fp16 [n, k // 32, 1] (d); Q4_1: [n, k // 32, 2] (d, m); Q4_K: [n, k // 256, 2]
+    sub_scales: torch.Tensor | None = None  # Q4_K: uint8 [n, k // 32, 2] (scale, min), 6 bits each
+
+    def to(self, device: torch.device | str) -> NibbleMatrix:
+        moved = None if self.sub_scales is None else self.sub_scales.to(device)
+        return NibbleMatrix(self.qtype, self.n, self.k, self.words.to(device), self.pairs.to(device), moved)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.sub_scales is None else self.sub_scales.numel()
+        return self.words.numel() * 4 + self.pairs.numel() * 2 + extra
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights [n, k] in float32 (tests, and the reference for the products)."""
+        nibbles = self.words.view(torch.uint8).view(self.n, self.k // GROUP, 16)
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [n, groups, 32] in value order
+        if self.qtype == T.Q4_K:
+            assert self.sub_scales is not None
+            pairs = self.pairs.float().repeat_interleave(8, dim=1)  # [n, groups, 2]
+            scale = pairs[..., 0] * self.sub_scales[..., 0].float()
+            minimum = -pairs[..., 1] * self.sub_scales[..., 1].float()
+        elif self.qtype == T.Q4_1:
+            scale, minimum = self.pairs[..., 0].float(), self.pairs[..., 1].float()
+        else:
+            scale = self.pairs[..., 0].float()
+            minimum = -8 * scale
+        return (q * scale[..., None] + minimum[..., None]).reshape(self.n, self.k)
+
+
+def nibble_matrix(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> NibbleMatrix:
+    """blocks: uint8 [n, row bytes] of Q4_0, Q4_1 or Q4_K rows of k values (on any device) -> the same weights
+    re-laid (on the blocks' device)."""
+    if qtype not in NIBBLE_FORMATS:
+        raise ValueError(f"{qtype.name} is not a 4-bit format the word programs read")
+    n = blocks.shape[0]
+    if qtype in (T.Q4_0, T.Q4_1):
+        size = 18 if qtype == T.Q4_0 else 20
+        raw = blocks.reshape(n, k // GROUP, size)
+        head = size - 16
+        nibbles = raw[..., head:]  # [n, groups, 16], already in the target order
+        pairs = raw[..., :head].contiguous().view(torch.float16)  # [n, groups, 1 or 2]: d (and m)
+        return NibbleMatrix(qtype, n, k, _as_words(nibbles, n, k), pairs)
+    raw = blocks.reshape(n, k // 256, 144)
+    pairs = raw[..., :4].contiguous().view(torch.float16).view(n, k // 256, 2)  # (d, dmin)
+    packed = raw[..., 4:16].to(torch.int32)  # [n, blocks, 12]: llama.cpp's get_scale_min_k4 layout
+    low, high, mixed = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scale = torch.cat([low & 63, (mixed & 15) | ((low >> 6) << 4)], dim=-1)  # [n, blocks, 8]
+    minimum = torch.cat([high & 63, (mixed >> 4) | ((high >> 6) << 4)], dim=-1)
+    sub_scales = torch.stack([scale, minimum], dim=-1).to(torch.uint8).view(n, k // GROUP, 2)
+    chunks = raw[..., 16:].reshape(n, k // 256, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+    values = torch.stack([chunks & 15, chunks >> 4], dim=3).reshape(n, k // GROUP, 32)  # [n, groups, 32] in order
+    nibbles = values[..., :16] | (values[..., 16:] << 4)  # byte t: value t low, t + 16 high
+    return NibbleMatrix(qtype, n, k, _as_words(nibbles, n, k), pairs.contiguous(), sub_scales.contiguous())
+
+
+def _as_words(nibbles: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """uint8 [n, groups, 16] -> int32 [n, k // 8] (little-endian: byte 4 i + b is bits 8 b of word i)."""
+    return nibbles.contiguous().view(n, k // 2).view(torch.int32)

@@ -1,0 +1,107 @@
+"""Few-row products with 4-bit GGUF weights through integer dot products (`dp4a`), on `NibbleMatrix` words.
+
+The block programs of `triton_gguf_matmul` turn every 4-bit value into a float before multiplying: about five
+instructions per weight, which leaves them instruction-bound at a fraction of the memory bandwidth. Here, as in
+the CPU's `int8_matmul.cpp`, each input row is rounded once per call to 8-bit parts per group of 32 values, and a
+weight word (8 values) meets the input in two `dp4a` instructions per part after two masks: under one instruction
+per weight. The float side per group: acc += (scale_w dx) isum + min_w sx, with isum the group's exact integer sum.
+
+Inputs: two 8-bit parts per group (x ~ dx (256 q + low), dx = max |x| / 127 / 256, about 15 bits): the rounding
+moves a product about as little as bf16 inputs would. Every row's rounding depends on that row only and the integer
+sums are exact, so a row's result does not depend on how many rows are multiplied together.
+
+`nibble_matmul(x, matrix)`: x [rows, k] (rows <= `MAX_ROWS`), the matrix a `NibbleMatrix` on x's device ->
+[rows, n] in x's dtype. Under Triton's CPU interpreter `dp4a` is computed with shifts (no inline PTX there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+
+import torch
+from gguf import GGMLQuantizationType
+
+from dflash.kernels.gguf_nibbles import GROUP, NibbleMatrix
+from dflash.kernels.triton_decode import interpreting, next_power_of_two
+
+__all__ = ["MAX_ROWS", "NibbleConfig", "QuantizedInput", "nibble_config", "nibble_matmul", "quantize_input"]
+
+MAX_ROWS = 8
+FORMAT_CODES = {GGMLQuantizationType.Q4_0: 0, GGMLQuantizationType.Q4_1: 1, GGMLQuantizationType.Q4_K: 2}
+
+
+@dataclass(frozen=True)
+class QuantizedInput:
+    """x [rows, k] as two 8-bit parts per group of 32: high, low int8 [rows, k]; scale float32 [rows, k / 32]
+    (dx: x ~ dx (256 high + low)); total float32 [rows, k / 32] (dx times the group's sum of 256 high + low)."""
+
+    high: torch.Tensor
+    low: torch.Tensor
+    scale: torch.Tensor
+    total: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NibbleConfig:
+    block_n: int = 4  # weight rows (outputs) per program
+    group_step: int = 32  # groups of 32 values per loop step, per weight row
+    warps: int = 4
+    stages: int = 2
+
+
+def nibble_config(n: int, k: int) -> NibbleConfig:
+    """The configuration for an [n, k] matrix. Chosen by the matrix alone, never by the number of input rows: the
+    float sums' order follows the configuration, so a row's result stays the same in any batch."""
+    return NibbleConfig()
+
+
+@cache
+def _programs() -> ModuleType:
+    from dflash.kernels import triton_gguf_int8_programs
+
+    return triton_gguf_int8_programs
+
+
+def quantize_input(x: torch.Tensor) -> QuantizedInput:
+    """x: [rows, k] contiguous, k a multiple of 32 -> its two 8-bit parts per group of 32 (`QuantizedInput`)."""
+    rows, k = x.shape
+    if k % GROUP:
+        raise ValueError(f"rows of {k} values are not whole groups of {GROUP}")
+    groups = k // GROUP
+    high = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    low = torch.empty_like(high)
+    scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    total = torch.empty_like(scale)
+    per_program = min(32, next_power_of_two(groups))
+    _programs().quantize_kernel[(rows, -(-groups // per_program))](x.contiguous(), high, low, scale, total, k, GROUPS=per_program)
+    return QuantizedInput(high, low, scale, total)
+
+
+def nibble_matmul(
+    x: torch.Tensor | QuantizedInput, matrix: NibbleMatrix, config: NibbleConfig | None = None,
+    out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x: [rows, k] (1 <= rows <= `MAX_ROWS`) or its `quantize_input` (to share one rounding between several
+    matrices) -> x @ W^T [rows, n] in x's dtype (or `dtype`), written into `out` when given (columns contiguous)."""
+    quantized = x if isinstance(x, QuantizedInput) else quantize_input(x)
+    rows, k = quantized.high.shape
+    if k != matrix.k:
+        raise ValueError(f"x has rows of {k} values, the matrix {matrix.k}")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"nibble_matmul serves 1 to {MAX_ROWS} rows, not {rows}")
+    config = config or nibble_config(matrix.n, k)
+    out_dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else torch.float32)
+    if out is None:
+        out = torch.empty((rows, matrix.n), dtype=out_dtype, device=quantized.high.device)
+    elif out.shape != (rows, matrix.n) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {matrix.n}] with contiguous columns")
+    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
+    _programs().nibble_matmul_kernel[(-(-matrix.n // config.block_n),)](
+        quantized.high.view(torch.int32), quantized.low.view(torch.int32), quantized.scale, quantized.total,
+        matrix.words, matrix.pairs, sub, out, rows, matrix.n, k, out.stride(0),
+        FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=next_power_of_two(rows), BLOCK_N=config.block_n, GROUP_STEP=config.group_step,
+        EMULATE=interpreting(), num_warps=config.warps, num_stages=config.stages,
+    )
+    return out

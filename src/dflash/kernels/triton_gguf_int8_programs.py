@@ -1,0 +1,116 @@
+"""The Triton programs of `dflash.kernels.triton_gguf_int8` (imported only where Triton is installed)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize_kernel(x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, k, GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """One program per (row, GROUPS groups): rounds x to two 8-bit parts per group of 32."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]  # [G, 1]
+    t = tl.arange(0, 32)[None, :]  # [1, 32]
+    cols = g * 32 + t  # [G, 32]
+    inside = cols < k
+    x = tl.load(x_ptr + row * k + cols, mask=inside, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [G]
+    d = amax / 127.0
+    inverse = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    high = tl.floor(x * inverse[:, None] + 0.5)  # [G, 32] in [-127, 127]
+    residual = x - d[:, None] * high
+    low = tl.minimum(tl.maximum(tl.floor(residual * (inverse[:, None] * 256.0) + 0.5), -127.0), 127.0)
+    high_i = high.to(tl.int32)
+    low_i = low.to(tl.int32)
+    tl.store(high_ptr + row * k + cols, high_i.to(tl.int8), mask=inside)
+    tl.store(low_ptr + row * k + cols, low_i.to(tl.int8), mask=inside)
+    scale = d / 256.0
+    groups = tl.cdiv(k, 32)
+    g1 = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    tl.store(scale_ptr + row * groups + g1, scale, mask=g1 < groups)
+    total = tl.sum(256 * high_i + low_i, axis=1).to(tl.float32) * scale
+    tl.store(total_ptr + row * groups + g1, total, mask=g1 < groups)
+
+
+@triton.jit
+def dp4a(a, b, c, EMULATE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """c + the dot product of a's and b's four signed bytes (int32 words)."""
+    if EMULATE:
+        total = c
+        for i in tl.static_range(4):
+            total += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return total
+    else:
+        return tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
+        )
+
+@triton.jit
+def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
+    high_ptr, low_ptr, scale_ptr, total_ptr, words_ptr, pairs_ptr, sub_ptr, out_ptr,
+    rows, n, k, out_stride,
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """out[rows, n] = x @ W^T: each program owns BLOCK_N rows of W and walks them GROUP_STEP groups at a
+    time, every group's 4 words against each input row's 8 words of each part."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cols_inside = cols < n
+    groups = k // 32
+    m = tl.arange(0, BLOCK_M)  # [BM]
+    m_inside = m < rows
+    u = tl.arange(0, 4)  # a group's words
+    acc = tl.zeros((BLOCK_M, BLOCK_N, GROUP_STEP), dtype=tl.float32)
+    for first in range(0, groups, GROUP_STEP):
+        g = first + tl.arange(0, GROUP_STEP)  # [GS]
+        g_inside = g < groups
+        w_mask = cols_inside[:, None, None] & g_inside[None, :, None]  # [BN, GS, 1]
+        words = tl.load(
+            words_ptr + cols.to(tl.int64)[:, None, None] * (k // 8) + g[None, :, None] * 4 + u[None, None, :],
+            mask=w_mask, other=0,
+        )  # [BN, GS, 4]: values 4u..4u+3 in the low nibbles, 16+4u.. in the high ones
+        first_half = words & 0x0F0F0F0F
+        second_half = (words >> 4) & 0x0F0F0F0F
+        x_mask = m_inside[:, None, None] & g_inside[None, :, None]  # [BM, GS, 1]
+        x_at = m.to(tl.int64)[:, None, None] * (k // 4) + g[None, :, None] * 8 + u[None, None, :]  # [BM, GS, 4]
+        x_high_1 = tl.load(high_ptr + x_at, mask=x_mask, other=0)
+        x_high_2 = tl.load(high_ptr + x_at + 4, mask=x_mask, other=0)
+        x_low_1 = tl.load(low_ptr + x_at, mask=x_mask, other=0)
+        x_low_2 = tl.load(low_ptr + x_at + 4, mask=x_mask, other=0)
+        a1 = tl.broadcast_to(first_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        a2 = tl.broadcast_to(second_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        zero = tl.zeros((BLOCK_M, BLOCK_N, GROUP_STEP, 4), dtype=tl.int32)
+        b1 = tl.broadcast_to(x_high_1[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        b2 = tl.broadcast_to(x_high_2[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        dot_high = dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
+        b1 = tl.broadcast_to(x_low_1[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        b2 = tl.broadcast_to(x_low_2[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        dot_low = dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
+        isum = tl.sum(dot_high * 256 + dot_low, axis=3).to(tl.float32)  # [BM, BN, GS], exact below 2^24
+        g_row = cols.to(tl.int64)[:, None] * groups + g[None, :]  # [BN, GS]
+        wg_mask = cols_inside[:, None] & g_inside[None, :]
+        if FORMAT == 2:  # Q4_K: d scale q - dmin min
+            block_at = cols.to(tl.int64)[:, None] * (groups // 8) + g[None, :] // 8
+            d = tl.load(pairs_ptr + block_at * 2, mask=wg_mask, other=0.0).to(tl.float32)
+            dmin = tl.load(pairs_ptr + block_at * 2 + 1, mask=wg_mask, other=0.0).to(tl.float32)
+            sub_scale = tl.load(sub_ptr + g_row * 2, mask=wg_mask, other=0).to(tl.float32)
+            sub_min = tl.load(sub_ptr + g_row * 2 + 1, mask=wg_mask, other=0).to(tl.float32)
+            w_scale = d * sub_scale
+            w_min = -(dmin * sub_min)
+        elif FORMAT == 1:  # Q4_1: d q + m
+            w_scale = tl.load(pairs_ptr + g_row * 2, mask=wg_mask, other=0.0).to(tl.float32)
+            w_min = tl.load(pairs_ptr + g_row * 2 + 1, mask=wg_mask, other=0.0).to(tl.float32)
+        else:  # Q4_0: d (q - 8)
+            w_scale = tl.load(pairs_ptr + g_row, mask=wg_mask, other=0.0).to(tl.float32)
+            w_min = -8.0 * w_scale
+        xg = m.to(tl.int64)[:, None] * groups + g[None, :]  # [BM, GS]
+        xg_mask = m_inside[:, None] & g_inside[None, :]
+        dx = tl.load(scale_ptr + xg, mask=xg_mask, other=0.0)
+        sx = tl.load(total_ptr + xg, mask=xg_mask, other=0.0)
+        acc += (w_scale[None, :, :] * dx[:, None, :]) * isum + w_min[None, :, :] * sx[:, None, :]
+    out = tl.sum(acc, axis=2)  # [BM, BN]
+    tl.store(
+        out_ptr + m[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
+        mask=m_inside[:, None] & cols_inside[None, :],
+    )

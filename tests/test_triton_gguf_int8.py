@@ -1,0 +1,109 @@
+"""4-bit GGUF matrices as words (`dflash.kernels.gguf_nibbles`) and their integer-dot products
+(`dflash.kernels.triton_gguf_int8`): the re-laid weights are exactly the file's, the products match float products
+with the dequantised weights, and a row's result does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, nibble_matrix
+from dflash.kernels.triton_gguf_int8 import MAX_ROWS, NibbleConfig, nibble_matmul, quantize_input
+from dflash.kernels.triton_gguf_matmul import gguf_programs_usable
+from tests.test_triton_gguf_matmul import format_blocks
+
+T = GGMLQuantizationType
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_triton = pytest.mark.skipif(
+    not gguf_programs_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)"
+)
+
+
+def reduction(qtype: GGMLQuantizationType) -> int:
+    return 288 if qtype in (T.Q4_0, T.Q4_1) else 768  # 9 groups; 3 super-blocks (24 groups)
+
+
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+def test_words_and_scales_are_the_files_weights(qtype: GGMLQuantizationType) -> None:
+    k = reduction(qtype)
+    blocks = format_blocks(24, k, qtype, seed=3)
+    matrix = nibble_matrix(torch.from_numpy(blocks), qtype, k)
+    assert matrix.words.shape == (24, k // 8) and matrix.words.dtype == torch.int32
+    expected = torch.from_numpy(dequantize(blocks, qtype).reshape(24, k)).float()
+    assert torch.equal(matrix.dequantized(), expected)  # bit for bit: fp16 scales times small integers in float32
+    assert matrix.nbytes == (blocks.size if qtype != T.Q4_K else blocks.size + 24 * (k // 256) * 4)
+
+
+@needs_triton
+def test_input_parts_rebuild_the_input() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 96, generator=generator) * torch.tensor([0.01, 1.0, 30.0])[:, None]).to(DEVICE)
+    x[1, 32:64] = 0.0  # a zero group: scale 0, parts 0
+    parts = quantize_input(x)
+    rebuilt = (parts.high.float() * 256 + parts.low.float()).view(3, 3, 32) * parts.scale[..., None]
+    error = (rebuilt.view(3, 96) - x).abs().max(dim=1).values
+    assert bool((error <= x.abs().max(dim=1).values / (127 * 256)).all())  # about 15 bits
+    assert bool((parts.high.abs() <= 127).all()) and bool((parts.low.abs() <= 127).all())
+    sums = (parts.high.float() * 256 + parts.low.float()).view(3, 3, 32).sum(-1) * parts.scale
+    torch.testing.assert_close(parts.total, sums, rtol=1e-6, atol=0.0)
+    assert float(parts.scale[1, 1]) == 0.0 and float(parts.total[1, 1]) == 0.0
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_products_match_the_dequantised_weights(qtype: GGMLQuantizationType, rows: int) -> None:
+    k, n = reduction(qtype), 37  # outputs that fill no tile
+    blocks = format_blocks(n, k, qtype, seed=rows)
+    matrix = nibble_matrix(torch.from_numpy(blocks), qtype, k).to(DEVICE)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    weights = matrix.dequantized()
+    want = x @ weights.T
+    got = nibble_matmul(x, matrix, NibbleConfig(block_n=4, group_step=8))
+    assert got.dtype == x.dtype and got.shape == (rows, n)
+    scale = (x.abs() @ weights.abs().T).max()  # the inputs' rounding is ~2^-15 of each product
+    assert float((got - want).abs().max()) <= float(scale) * 2e-4
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+def test_a_rows_result_does_not_depend_on_its_neighbours(qtype: GGMLQuantizationType) -> None:
+    k, n = reduction(qtype), 20
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, qtype, seed=9)), qtype, k).to(DEVICE)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    config = NibbleConfig(block_n=8, group_step=4)  # configurations are chosen by the matrix, never by the rows
+    together = nibble_matmul(x, matrix, config)
+    for row in range(5):
+        alone = nibble_matmul(x[row : row + 1].contiguous(), matrix, config)
+        assert torch.equal(alone[0], together[row]), row
+
+
+@needs_triton
+def test_refuses_what_it_does_not_serve() -> None:
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(4, 64, T.Q4_0, seed=1)), T.Q4_0, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="serves 1 to"):
+        nibble_matmul(torch.zeros(MAX_ROWS + 1, 64, device=DEVICE), matrix)
+    with pytest.raises(ValueError, match="rows of 96 values"):
+        nibble_matmul(torch.zeros(1, 96, device=DEVICE), matrix)
+    with pytest.raises(ValueError, match="not a 4-bit format"):
+        nibble_matrix(torch.zeros(4, 68, dtype=torch.uint8), T.Q8_0, 64)
+
+
+def test_q4_k_reorder_follows_the_sub_block_pairs() -> None:
+    """One Q4_K super-block with every nibble distinct per position: group 2c + h takes the h-th nibbles of chunk
+    c's 32 bytes, in byte order."""
+    raw = np.zeros((1, 144), dtype=np.uint8)
+    raw[0, 0:2] = np.array([1.0], dtype="<f2").view(np.uint8)  # d = 1, dmin = 0
+    raw[0, 4:8] = 1  # sub-block scales 1 for j < 4
+    raw[0, 12:16] = 1  # and for j >= 4 (low nibbles of the mixed bytes)
+    chunk_bytes = (np.arange(128) % 16) | ((15 - np.arange(128) % 16) << 4)
+    raw[0, 16:] = chunk_bytes.astype(np.uint8)
+    matrix = nibble_matrix(torch.from_numpy(raw), T.Q4_K, 256)
+    values = matrix.dequantized().view(8, 32)
+    for group in range(8):
+        expected = torch.arange(32) % 16 if group % 2 == 0 else 15 - torch.arange(32) % 16
+        assert torch.equal(values[group], expected.float()), group
+    assert torch.equal(matrix.dequantized()[0], torch.from_numpy(dequantize(raw, T.Q4_K).reshape(256)).float())
