@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType
 from gpu_gguf_matmul import CHAIN_BYTES, MAX_COPIES, SHAPES, copy_bandwidth, random_blocks, timed_ms
 
 from dflash.kernels.gguf_nibbles import nibble_matrix
-from dflash.kernels.triton_gguf_int8 import NibbleConfig, nibble_matmul, nibble_config, quantize_input
+from dflash.kernels.triton_gguf_int8 import NibbleConfig, nibble_config, nibble_matmul, quantize_input
 from dflash.kernels.triton_gguf_matmul import FORMATS, gguf_matmul
 
 GRID = [NibbleConfig(block_n, step, warps, 2) for block_n in (2, 4, 8) for step in (16, 32) for warps in (4, 8)]
@@ -53,15 +53,15 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
         tried: dict[str, object] = {}
         for config in configs:
             try:
-                ms = timed_ms(lambda config=config: [nibble_matmul(parts, m, config, dtype=dtype) for m in matrices],
+                ms = timed_ms(lambda config=config, parts=parts: [nibble_matmul(parts, m, config, dtype=dtype) for m in matrices],
                               args.iters, graphs) / copies
             except Exception as exc:  # registers or shared memory the device cannot give
                 tried[str(asdict(config))] = f"not run: {type(exc).__name__}: {str(exc)[:160]}"
                 continue
             tried[str(asdict(config))] = {"ms": round(ms, 5), "word_GBps": round(word_bytes / ms / 1e6, 1)}
-        rounding_ms = timed_ms(lambda: quantize_input(x), args.iters, graphs)
-        block_ms = timed_ms(lambda: [gguf_matmul(x, b, qtype) for b in blocks], args.iters, graphs) / copies
-        dense_ms = timed_ms(lambda: [F.linear(x, w) for w in dense], args.iters, graphs) / dense_copies
+        rounding_ms = timed_ms(lambda x=x: quantize_input(x), args.iters, graphs)
+        block_ms = timed_ms(lambda x=x: [gguf_matmul(x, b, qtype) for b in blocks], args.iters, graphs) / copies
+        dense_ms = timed_ms(lambda x=x: [F.linear(x, w) for w in dense], args.iters, graphs) / dense_copies
         best = min((v["ms"], key) for key, v in tried.items() if isinstance(v, dict))
         result = {
             "relative_error": float(f"{error:.3g}"), "chosen": tried.get(str(asdict(chosen))),
