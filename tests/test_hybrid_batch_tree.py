@@ -5,10 +5,12 @@ path, and the accepted path is replayed into the request's state (`SlotTable.com
 Greedy DDTree in a batch therefore gives the plain greedy tokens (which are also the single-request DDTree
 tokens): alone, mixed with plain and linear requests of other lengths, with a mostly right drafter whose accepted
 paths end at many depths and run through non-first children, through a cancellation and through prefix-cache hits.
+Sampled DDTree requests in a batch keep the target's distribution.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -18,7 +20,9 @@ from dflash.batch import core as core_module
 from dflash.batch.draft_pass import DraftRows
 from dflash.batch.pool import SlotTable
 from dflash.batch.target_pass import TargetRows, run_target
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.vocab import DraftScores
+from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.kv.recurrent import RecurrentStates
 from dflash.models.gated_deltanet import new_recurrent_states
@@ -26,7 +30,7 @@ from dflash.models.model import CausalLM
 from tests.batch_helpers import drain, make_core, make_sequence
 from tests.family_checks import check_batched_core_equals_plain
 from tests.hybrid_models import hf_tiny_hybrid, ours_from_hf_hybrid
-from tests.spec_helpers import one_torch_thread, random_prompts, run
+from tests.spec_helpers import one_torch_thread, random_prompts, run, total_variation
 from tests.test_batch_core import _install_oracle as install_batch_oracle
 from tests.test_ddtree_decode import install_oracle, run_ddtree
 from tests.test_hybrid_spec import BLOCK, VOCAB, _drafter, _path, _tree_inputs
@@ -245,3 +249,71 @@ def test_prefix_cache_hits_restore_the_state_before_ddtree_rounds(
     assert [seq.sink.token_ids for seq in (first, *later)] == plain
     assert first.stats.cached_tokens == 0 and [seq.stats.cached_tokens for seq in later] == [32, 32]
     assert later[0].stats.acceptance_length > 2.0 and kept
+
+
+# ---- sampling ------------------------------------------------------------------------------------------------
+
+SAMPLED_VOCAB, SAMPLED_BLOCK, SAMPLED_NEW = 8, 4, 4
+
+
+def _sampling_pair() -> tuple[CausalLM, DFlashDrafter]:
+    """An 8-token hybrid target (its head scaled up: next-token distributions far from uniform) and a random
+    one-layer drafter with blocks of 4: trees of depth up to 3 whose paths often end inside the tree."""
+    hf = hf_tiny_hybrid(seed=3, vocab_size=SAMPLED_VOCAB)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)
+    raw = {
+        "num_hidden_layers": 1, "num_target_layers": 4, "hidden_size": 64, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": SAMPLED_VOCAB,
+        "block_size": SAMPLED_BLOCK,
+        "dflash_config": {"mask_token_id": SAMPLED_VOCAB - 1, "target_layer_ids": [1]},
+    }
+    torch.manual_seed(7)
+    drafter = DFlashDrafter(DrafterConfig.from_dict(raw)).eval().requires_grad_(False)
+    return ours_from_hf_hybrid(hf), drafter
+
+
+def _sampled_counts(
+    pair: tuple[CausalLM, DFlashDrafter], mode: str, samples: int, monkeypatch: pytest.MonkeyPatch
+) -> list[Counter[int]]:
+    """Token counts per output position of `samples` requests (seeds 0..) sampled at temperature 1, 64 per batch,
+    every step speculating."""
+    target, drafter = pair
+    per_position: list[Counter[int]] = [Counter() for _ in range(SAMPLED_NEW)]
+    for first in range(0, samples, 64):
+        core = make_core(target, drafter, max_batch=64, ddtree_budget=6, linear_drafts=SAMPLED_BLOCK - 1)
+        monkeypatch.setattr(core.policy, "plan", lambda *args, **kwargs: True)
+        seqs = [
+            make_sequence(target, [1, 2, 3], SAMPLED_NEW, mode, sampling=SamplingParams(temperature=1.0, seed=seed))
+            for seed in range(first, min(samples, first + 64))
+        ]
+        for seq in seqs:
+            core.add(seq)
+        drain(core)
+        for seq in seqs:
+            for position, token in enumerate(seq.sink.token_ids):
+                per_position[position][token] += 1
+    return per_position
+
+
+@pytest.mark.slow
+def test_sampled_ddtree_in_a_batch_keeps_the_hybrid_target_s_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-position token distributions of 3000 sampled DDTree requests (64 per batch, trees over each request's
+    recurrent state) agree with plain sampling's within TV 0.06; a control whose tree walk takes the first child
+    whatever the target sampled exceeds it (the test can fail)."""
+    pair = _sampling_pair()
+    samples, tolerance = 3000, 0.06
+    reference = _sampled_counts(pair, "none", samples, monkeypatch)
+    sampled = _sampled_counts(pair, "ddtree", samples, monkeypatch)
+    distances = [total_variation(p, s) for p, s in zip(reference, sampled, strict=True)]
+    assert max(distances) < tolerance, distances
+    original = core_module.follow_tree
+
+    def broken(tree: Any, posterior: Any) -> tuple[list[int], int]:
+        if tree.num_nodes == 0:
+            return original(tree, posterior)
+        return [0, 1], int(posterior[1])
+
+    monkeypatch.setattr(core_module, "follow_tree", broken)
+    control = _sampled_counts(pair, "ddtree", samples, monkeypatch)
+    assert max(total_variation(p, s) for p, s in zip(reference, control, strict=True)) > tolerance
