@@ -92,7 +92,7 @@ def test_engine_verifies_trees_one_request_at_a_time(
     target: CausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With max batch 1 (the single-request loops) DDTree verifies trees on a hybrid, eagerly (logged); every
-    strategy a request asks for gives the plain tokens. In the batched step DDTree becomes linear (logged)."""
+    strategy a request asks for gives the plain tokens. The batched step keeps DDTree too."""
     with caplog.at_level(logging.INFO, logger="dflash.engine"):
         engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1))
     options = engine.options
@@ -109,7 +109,7 @@ def test_engine_verifies_trees_one_request_at_a_time(
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dflash.engine"):
         batched = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=4))
-    assert batched.options.spec == "linear" and "verifying drafts linearly" in caplog.text
+    assert batched.batched and batched.options.spec == "ddtree" and "eager forwards" in caplog.text
     batched.close()
 
 
@@ -250,8 +250,9 @@ def test_batched_core_keeps_each_requests_state(
     target: CausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Requests decoding together through the batched core (prefill chunks packed with other requests'
-    verification blocks, each with its own linear-attention state and rollback) give the tokens each gives alone.
-    The speculation policy, which times real steps, is told to speculate every step: rollbacks must happen."""
+    verification blocks and trees, each with its own linear-attention state and rollback) give the tokens each
+    gives alone. The speculation policy, which times real steps, is told to speculate every step: rollbacks must
+    happen."""
     from dflash.kv.prefix_cache import PrefixCache
     from tests.batch_helpers import drain, make_core, make_sequence
 
@@ -265,7 +266,7 @@ def test_batched_core_keeps_each_requests_state(
     monkeypatch.setattr(core.policy, "plan", lambda *args, **kwargs: True)
     for attempt in range(2):  # the second time, prompts resume from the prefix cache's blocks and their states
         sequences = [
-            make_sequence(target, prompt, 24, "linear" if i % 3 else "none") for i, prompt in enumerate(prompts)
+            make_sequence(target, prompt, 24, ("none", "linear", "ddtree")[i % 3]) for i, prompt in enumerate(prompts)
         ]
         for seq in sequences:
             core.add(seq)
@@ -274,18 +275,19 @@ def test_batched_core_keeps_each_requests_state(
         assert sum(seq.stats.rounds for seq in sequences) > 0
         cached = [seq.stats.cached_tokens for seq in sequences]
         assert cached == ([0, 0, 0, 0] if attempt == 0 else [0, 32, 64, 16])
-    with pytest.raises(GenerationError, match="tree verification"):
-        core.add(make_sequence(target, prompts[0], 4, "ddtree"))
 
 
 def test_engine_batches_hybrid_requests(target: CausalLM, tmp_path: Path) -> None:
-    engine = _engine(target, tmp_path, EngineOptions(spec="linear", max_batch=4))
+    """Through the engine's batched loop, every strategy (DDTree trees included) gives the plain tokens."""
+    engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=4))
     assert engine.batched
     try:
         prompt = random_prompts(1, VOCAB, seed=14, lengths=(20,))[0]
         request = GenerationRequest(prompt_ids=prompt, max_new_tokens=16, ignore_eos=True)
         plain, _ = run(target, None, prompt, 16)
-        assert engine.generate(request, spec="ddtree").token_ids == plain
+        for spec in ("ddtree", "linear", "none"):
+            result = engine.generate(request, spec=spec)
+            assert result.token_ids == plain and (result.stats.rounds > 0) == (spec != "none"), spec
     finally:
         engine.close()
 

@@ -180,14 +180,14 @@ def test_linear_dflash_is_lossless(pair: tuple[Any, CausalLM], monkeypatch: pyte
 def test_batched_core_gives_each_request_its_plain_greedy_tokens(
     pair: tuple[Any, CausalLM], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Plain and linear requests decoding together (prefill chunks beside verification blocks, each request with its
-    own recurrent state, rows sharing each expert's product), with a mostly right drafter."""
+    """Plain, linear and DDTree requests decoding together (prefill chunks beside verification blocks and trees,
+    each request with its own recurrent state, rows sharing each expert's product), with a mostly right drafter."""
     _, ours = pair
     drafter = _drafter()
     prompts = random_prompts(4, VOCAB, seed=12, lengths=(12, 40, 75, 23))
     references = [run(ours, None, p, 20, prefill_chunk=CHUNK)[0] for p in prompts]
     core = make_core(ours, drafter, max_batch=4, prefill_chunk=CHUNK, linear_drafts=5)
-    seqs = [make_sequence(ours, p, 20, ("linear", "none")[i % 2]) for i, p in enumerate(prompts)]
+    seqs = [make_sequence(ours, p, 20, ("linear", "ddtree", "none")[i % 3]) for i, p in enumerate(prompts)]
     for seq in seqs:
         core.add(seq)
     core.step()  # admits every request (their drafter tables exist from here on)
@@ -200,14 +200,14 @@ def test_batched_core_gives_each_request_its_plain_greedy_tokens(
 
 
 def test_guards_of_both_families_apply(pair: tuple[Any, CausalLM], folder: Path) -> None:
-    """No CUDA graphs (hybrids run eagerly), no DDTree in the batched step, no tensor parallelism, dense weights."""
+    """No CUDA graphs (hybrids run eagerly), no tensor parallelism, dense weights; DDTree alone and batched."""
     _, ours = pair
     assert not ours.capturable and ours.config.is_moe and ours.config.is_hybrid
-    for batch, spec in ((1, "ddtree"), (4, "linear")):
+    for batch in (1, 4):
         options = resolve_options(EngineOptions(spec="ddtree", max_batch=batch), device=torch.device("cuda"),
                                   has_drafter=True, tensor_parallel=False, capturable=ours.capturable,
                                   hybrid=ours.config.is_hybrid)
-        assert not options.cuda_graphs and options.spec == spec
+        assert not options.cuda_graphs and options.spec == "ddtree"
     with pytest.raises(ModelLoadError, match="not split"):
         shard_config(ours.config, 2)
     assert choose_weights("auto", folder, torch.device("cpu"), torch.float32).kind == "dense"

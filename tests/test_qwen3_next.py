@@ -97,6 +97,14 @@ def test_ddtree_is_lossless(pair: tuple[Any, CausalLM], monkeypatch: pytest.Monk
     check_linear_and_ddtree_equal_plain(monkeypatch, pair[1], _drafter(), 16)
 
 
+def test_batched_core_with_trees_is_lossless(pair: tuple[Any, CausalLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain, linear and DDTree requests decoding together in the batched core, each tree over its own request's
+    recurrent state, with a mostly right drafter: every request's plain greedy tokens."""
+    from tests.family_checks import check_batched_core_equals_plain
+
+    check_batched_core_equals_plain(monkeypatch, pair[1], _drafter(), 16)
+
+
 def test_linear_dflash_is_lossless(pair: tuple[Any, CausalLM]) -> None:
     _, ours = pair
     drafter = _drafter()
@@ -178,6 +186,6 @@ def test_guards_of_both_families_apply(pair: tuple[Any, CausalLM]) -> None:
     assert not ours.capturable and ours.config.is_moe and ours.config.is_hybrid
     options = resolve_options(EngineOptions(max_batch=4), device=torch.device("cuda"), has_drafter=True,
                               tensor_parallel=False, capturable=ours.capturable, hybrid=ours.config.is_hybrid)
-    assert not options.cuda_graphs and options.spec == "linear"  # the batched step verifies a hybrid linearly
+    assert not options.cuda_graphs and options.spec == "ddtree"  # the batched step verifies a hybrid's trees
     with pytest.raises(ModelLoadError, match="tensor-parallel"):
         shard_config(ours.config, 2)

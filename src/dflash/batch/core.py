@@ -150,8 +150,6 @@ class BatchCore:
 
     def add_check(self, seq: Sequence) -> None:
         """Refuse a sequence that could never be admitted (it needs more memory than the whole pool)."""
-        if seq.mode == "ddtree" and self.target.config.is_hybrid:
-            raise GenerationError("tree verification cannot follow a linear-attention state: use linear")
         needed = self.target_pool.blocks_for(self.positions_needed(seq))
         if needed > self.target_pool.num_blocks:
             raise GenerationError(

@@ -144,9 +144,10 @@ class SlotTable:
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Move the rows at positions `keep` (ascending, all >= start) to start, start+1, ... in every layer, and
-        commit up to them (a tree's accepted path after verification)."""
+        commit up to them (a tree's accepted path after verification). A linear-attention state replays that
+        path's rows from the state before the tree (`RecurrentStates.keep`, as `KVCache.compact` does)."""
         if self.recurrent is not None:
-            raise GenerationError("tree verification cannot keep a path of a linear-attention state")
+            self.recurrent.keep(start, [int(position) for position in keep.tolist()])
         count = int(keep.numel())
         if count:
             dest = self._slots[start : start + count]

@@ -6,8 +6,9 @@ linear verification or a DDTree tree) and ends `done`. The speculative state is 
 generation's (`dflash.speculative.session.SpecState`): `start` is the position of `pending`, the committed token without
 target K/V yet, and `new_features` are the features of the positions the drafter has not read.
 
-A recurrent layer (a later model family) adds its own per-request state beside the tables, with the same commit
-points: the tables' `crop`/`compact` after each round is where such a state keeps the accepted row's value.
+A hybrid model's linear-attention layers add a per-request state beside the target table (`SlotTable.recurrent`),
+with the same commit points: the table's `crop`/`compact` after each round is where that state keeps the
+accepted rows (a chain's first rows, or a tree's path replayed).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Each request contributes a run of rows written after its committed positions: a prefill chunk, a plain decoding
 step, a linear verification block or a DDTree tree (with its ancestor mask). The projections and the LM head run
-once over all rows; attention runs per request over the paged pool (`dflash.batch.attention`).
+once over all rows; attention runs per request over the paged pool (`dflash.batch.attention`). A hybrid model's
+linear-attention layers advance each request's own recurrent state by its rows; a tree's rows each from their
+parent's state (`RecurrentStates.tree_parents`, set for this pass as the single-request forward sets it).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import torch
 
 from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
-from dflash.errors import GenerationError
 from dflash.kernels.fused_cpu import layer_ops
 from dflash.models.model import CausalLM
+from dflash.models.qwen3_5 import tree_parents
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,6 @@ def run_target(
     row = 0
     for item in items:
         n = int(item.tokens.numel())
-        if item.table.recurrent is not None and item.visibility is not None:
-            raise GenerationError("a linear-attention state follows one chain of rows, not a tree")
         item.table.reserve(item.table.length + n)
         bounds.append(slice(row, row + n))
         row += n
@@ -85,7 +85,18 @@ def run_target(
     tokens = torch.cat([item.tokens for item in items])[None]  # [1, rows]
     positions = torch.cat([item.positions for item in items])[None]  # [1, rows]
     backend = PackedAttention(pool, segments, model.sliding, [item.table.recurrent for item in items])
-    hidden, features = model.run_layers(tokens, positions, None, None, backend, capture)  # [1, rows, hidden]
+    # a tree's rows go through the linear layers each from its parent's state; the table's compact keeps the path
+    trees = [
+        (state, visibility) for item in items
+        if (state := item.table.recurrent) is not None and (visibility := item.visibility) is not None
+    ]
+    for state, visibility in trees:
+        state.tree_parents = tree_parents(visibility)
+    try:
+        hidden, features = model.run_layers(tokens, positions, None, None, backend, capture)  # [1, rows, hidden]
+    finally:
+        for state, _ in trees:
+            state.tree_parents = None
     for item, rows in zip(items, bounds, strict=True):
         if item.table.recurrent is not None:  # its state took in every row; the table's crop keeps the accepted
             item.table.recurrent.advance(rows.stop - rows.start)

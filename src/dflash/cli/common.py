@@ -25,9 +25,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--spec", default="ddtree", choices=["none", "linear", "ddtree"],
         help="decoding strategy: ddtree (default: the drafter's block verified as a tree of its likeliest "
-        "continuations, the fastest on CPU and GPU), linear (its single most likely chain) or none (plain decoding); "
-        "hybrid models with linear-attention layers (Qwen3.5, Qwen3-Next) verify trees one request at a time "
-        "(--max-concurrency 1, the GPU's default) and linearly in the batched step",
+        "continuations, the fastest on CPU and GPU), linear (its single most likely chain) or none (plain decoding)",
     )
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument(

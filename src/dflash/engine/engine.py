@@ -77,10 +77,10 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
                     draft_elsewhere: bool = False) -> EngineOptions:
     """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
 
-    `hybrid` (a target with linear-attention layers, whose recurrent state follows one sequence): eager forwards
-    (no CUDA graphs), and in the batched step linear verification instead of trees, until those paths carry the
-    recurrent state. `draft_elsewhere` (the drafter on another device than the target): one request at a time, the
-    single-request loops being the ones that move each round's features and scores between the devices."""
+    `hybrid` (a target with linear-attention layers): eager forwards (no CUDA graphs), until the graph paths carry
+    the recurrent state. `draft_elsewhere` (the drafter on another device
+    than the target): one request at a time, the single-request loops being the ones that move each round's
+    features and scores between the devices."""
     if options.spec not in SPEC_MODES:
         raise DFlashError(f"unknown --spec {options.spec!r}; choose one of {', '.join(SPEC_MODES)}")
     kind = device.type
@@ -109,17 +109,8 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
 
 def _for_hybrid(options: EngineOptions) -> EngineOptions:
     """The options a hybrid (linear-attention) target can run, each change logged once at start-up."""
-    batched = (options.max_batch or 1) > 1
-    hybrid = replace(
-        options,
-        spec="linear" if options.spec == "ddtree" and batched else options.spec,
-        cuda_graphs=False,
-    )
-    reasons = {
-        "spec": "the batched step does not follow a recurrent state along a tree: verifying drafts linearly "
-        "(one request at a time, --max-concurrency 1, verifies trees)",
-        "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
-    }
+    hybrid = replace(options, cuda_graphs=False)
+    reasons = {"cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards"}
     for field, reason in reasons.items():
         if getattr(options, field) != getattr(hybrid, field):
             log.info("hybrid model (linear-attention layers): %s", reason)
@@ -272,8 +263,6 @@ class Engine:
             raise GenerationError(f"unknown spec mode {mode!r}")
         if self.drafter is None or request.sampling.penalised:
             return "none"  # penalties depend on every earlier token: plain decoding applies them exactly
-        if mode == "ddtree" and self.target.config.is_hybrid and self.batched:
-            return "linear"  # the batched step verifies a hybrid's drafts linearly (`resolve_options` logged it)
         return mode
 
     def cached_prompt_tokens(self, request: GenerationRequest) -> int:

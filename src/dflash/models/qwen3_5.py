@@ -6,9 +6,9 @@ then a gate; the attention output is multiplied by sigmoid(gate)) and by partial
 the linear layers. Linear layers keep their past in the cache's `RecurrentStates`, full layers in its K/V slots;
 each kind is numbered by its own slot, so the K/V cache holds only the full-attention layers.
 
-Not supported for this family (the engine picks the paths that are): tree verification (a recurrent state follows
-one sequence, not a tree) and arbitrary attention masks. The batched engine core serves it with one recurrent
-state per request.
+A tree verification (`tree_mask`) takes each row from its parent's recurrent state (`tree_parents`); arbitrary
+attention masks are not supported (a recurrent state cannot follow one). The batched engine core serves the
+family with one recurrent state per request, trees included.
 """
 
 from __future__ import annotations
