@@ -11,7 +11,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, nibble_matrix
-from dflash.kernels.triton_gguf_int8 import MAX_ROWS, NibbleConfig, nibble_matmul, quantize_input
+from dflash.kernels.triton_gguf_int8 import (
+    INTEGER_ROWS,
+    MAX_ROWS,
+    NibbleConfig,
+    nibble_dequantize,
+    nibble_dot,
+    nibble_matmul,
+    nibble_product,
+    quantize_input,
+)
 from dflash.kernels.triton_gguf_matmul import gguf_programs_usable
 from tests.test_triton_gguf_matmul import format_blocks
 
@@ -107,3 +116,40 @@ def test_q4_k_reorder_follows_the_sub_block_pairs() -> None:
         expected = torch.arange(32) % 16 if group % 2 == 0 else 15 - torch.arange(32) % 16
         assert torch.equal(values[group], expected.float()), group
     assert torch.equal(matrix.dequantized()[0], torch.from_numpy(dequantize(raw, T.Q4_K).reshape(256)).float())
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+def test_dequantize_program_gives_the_weights(qtype: GGMLQuantizationType) -> None:
+    k = reduction(qtype)
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(21, k, qtype, seed=4)), qtype, k).to(DEVICE)
+    assert torch.equal(nibble_dequantize(matrix, torch.float32), matrix.dequantized())
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [5, 16, 40])
+def test_tensor_core_products_match_the_dequantised_weights(qtype: GGMLQuantizationType, rows: int) -> None:
+    k, n = reduction(qtype), 45
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, qtype, seed=rows)), qtype, k).to(DEVICE)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+    want = x @ matrix.dequantized().T
+    got = nibble_dot(x, matrix, block_n=16, group_step=4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@needs_triton
+def test_product_takes_the_path_for_its_rows() -> None:
+    """Integer dot products up to INTEGER_ROWS rows (the inputs' rounding shows), tensor cores beyond (float32
+    under the interpreter: the float product's bits up to summation order), each into a slice of a wider output."""
+    k, n = 256, 24
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, T.Q4_K, seed=2)), T.Q4_K, k).to(DEVICE)
+    weights = matrix.dequantized()
+    for rows in (INTEGER_ROWS, INTEGER_ROWS + 1, 70):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+        wide = torch.zeros(rows, n + 8, device=DEVICE)
+        nibble_product(x, matrix, wide[:, 4 : 4 + n])
+        want = x @ weights.T
+        tolerance = 2e-4 if rows <= INTEGER_ROWS else 1e-5
+        assert float((wide[:, 4 : 4 + n] - want).abs().max()) <= tolerance * float((x.abs() @ weights.abs().T).max())
+        assert not bool(wide[:, :4].any()) and not bool(wide[:, 4 + n :].any())

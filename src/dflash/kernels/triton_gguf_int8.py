@@ -12,6 +12,11 @@ sums are exact, so a row's result does not depend on how many rows are multiplie
 
 `nibble_matmul(x, matrix)`: x [rows, k] (rows <= `MAX_ROWS`), the matrix a `NibbleMatrix` on x's device ->
 [rows, n] in x's dtype. Under Triton's CPU interpreter `dp4a` is computed with shifts (no inline PTX there).
+Every extra input row costs its own `dp4a`s, so past a few rows the products go to tensor cores instead:
+`nibble_dot` (up to `DOT_ROWS` rows: each step's weights dequantised in registers to x's dtype, as two tiles of
+every group's first and second halves against the matching columns of x, so no tile is re-laid). `nibble_product`
+chooses: `INTEGER_ROWS` rows or fewer by integer dot products, then tensor cores, then (prefill chunks) the matrix
+dequantised (`nibble_dequantize`) for cuBLAS.
 """
 
 from __future__ import annotations
@@ -26,9 +31,23 @@ from gguf import GGMLQuantizationType
 from dflash.kernels.gguf_nibbles import GROUP, NibbleMatrix
 from dflash.kernels.triton_decode import interpreting, next_power_of_two
 
-__all__ = ["MAX_ROWS", "NibbleConfig", "QuantizedInput", "nibble_config", "nibble_matmul", "quantize_input"]
+__all__ = [
+    "DOT_ROWS",
+    "INTEGER_ROWS",
+    "MAX_ROWS",
+    "NibbleConfig",
+    "QuantizedInput",
+    "nibble_config",
+    "nibble_dequantize",
+    "nibble_dot",
+    "nibble_matmul",
+    "nibble_product",
+    "quantize_input",
+]
 
 MAX_ROWS = 8
+INTEGER_ROWS = 4  # beyond this, the integer path's per-row dp4a cost more than tensor cores (H100)
+DOT_ROWS = 64
 FORMAT_CODES = {GGMLQuantizationType.Q4_0: 0, GGMLQuantizationType.Q4_1: 1, GGMLQuantizationType.Q4_K: 2}
 
 
@@ -105,3 +124,53 @@ def nibble_matmul(
         EMULATE=interpreting(), num_warps=config.warps, num_stages=config.stages,
     )
     return out
+
+
+def nibble_dot(
+    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int = 32, group_step: int = 8
+) -> torch.Tensor:
+    """x: [rows, k] contiguous (16-bit; float32 for tests), rows <= `DOT_ROWS` -> x @ W^T [rows, n] in x's dtype
+    on tensor cores (float32 sums), written into `out` when given (columns contiguous)."""
+    rows, k = x.shape
+    if k != matrix.k or not 1 <= rows <= DOT_ROWS:
+        raise ValueError(f"nibble_dot takes 1 to {DOT_ROWS} rows of {matrix.k} values, not {list(x.shape)}")
+    if out is None:
+        out = torch.empty((rows, matrix.n), dtype=x.dtype, device=x.device)
+    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
+    _programs().nibble_dot_kernel[(-(-matrix.n // block_n),)](
+        x.contiguous(), matrix.words.view(torch.uint8), matrix.pairs, sub, out, rows, matrix.n, k, out.stride(0),
+        FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=block_n,
+        GROUP_STEP=group_step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def nibble_dequantize(
+    matrix: NibbleMatrix, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The weights [n, k] in `dtype` (float32 arithmetic, rounded once), into `out` when given (contiguous)."""
+    if out is None:
+        out = torch.empty((matrix.n, matrix.k), dtype=dtype, device=matrix.words.device)
+    if matrix.n == 0:
+        return out
+    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
+    block_n, group_step = 16, 8
+    grid = (-(-matrix.n // block_n), -(-(matrix.k // GROUP) // group_step))
+    _programs().nibble_dequantize_kernel[grid](
+        matrix.words.view(torch.uint8), matrix.pairs, sub, out, matrix.n, matrix.k,
+        FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_N=block_n, GROUP_STEP=group_step, num_warps=4,
+    )
+    return out
+
+
+def nibble_product(
+    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor, quantized: QuantizedInput | None = None
+) -> torch.Tensor:
+    """x [rows, k] @ W^T into out [rows, n] by the path for its number of rows; `quantized` is x's rounding when
+    the caller shares one between several matrices (used up to `INTEGER_ROWS` rows)."""
+    rows = x.shape[0]
+    if rows <= INTEGER_ROWS:
+        return nibble_matmul(quantized if quantized is not None else x, matrix, out=out, dtype=x.dtype)
+    if rows <= DOT_ROWS:
+        return nibble_dot(x, matrix, out=out)
+    return out.copy_(x @ nibble_dequantize(matrix, x.dtype).T)

@@ -46,6 +46,27 @@ def dp4a(a, b, c, EMULATE: tl.constexpr):  # type: ignore[no-untyped-def]
             "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1
         )
 
+
+@triton.jit
+def group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, groups, FORMAT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Each (weight row, group)'s scale and min, float32 [BN, GS]: w = scale q + min for the group's 4-bit q."""
+    g_row = cols.to(tl.int64)[:, None] * groups + g[None, :]  # [BN, GS]
+    inside = cols_inside[:, None] & g_inside[None, :]
+    if FORMAT == 2:  # Q4_K: d scale q - dmin min
+        block_at = cols.to(tl.int64)[:, None] * (groups // 8) + g[None, :] // 8
+        d = tl.load(pairs_ptr + block_at * 2, mask=inside, other=0.0).to(tl.float32)
+        dmin = tl.load(pairs_ptr + block_at * 2 + 1, mask=inside, other=0.0).to(tl.float32)
+        sub_scale = tl.load(sub_ptr + g_row * 2, mask=inside, other=0).to(tl.float32)
+        sub_min = tl.load(sub_ptr + g_row * 2 + 1, mask=inside, other=0).to(tl.float32)
+        return d * sub_scale, -(dmin * sub_min)
+    elif FORMAT == 1:  # Q4_1: d q + m
+        scale = tl.load(pairs_ptr + g_row * 2, mask=inside, other=0.0).to(tl.float32)
+        return scale, tl.load(pairs_ptr + g_row * 2 + 1, mask=inside, other=0.0).to(tl.float32)
+    else:  # Q4_0: d (q - 8)
+        scale = tl.load(pairs_ptr + g_row, mask=inside, other=0.0).to(tl.float32)
+        return scale, -8.0 * scale
+
+
 @triton.jit
 def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
     high_ptr, low_ptr, scale_ptr, total_ptr, words_ptr, pairs_ptr, sub_ptr, out_ptr,
@@ -88,22 +109,7 @@ def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
         b2 = tl.broadcast_to(x_low_2[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
         dot_low = dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
         isum = tl.sum(dot_high * 256 + dot_low, axis=3).to(tl.float32)  # [BM, BN, GS], exact below 2^24
-        g_row = cols.to(tl.int64)[:, None] * groups + g[None, :]  # [BN, GS]
-        wg_mask = cols_inside[:, None] & g_inside[None, :]
-        if FORMAT == 2:  # Q4_K: d scale q - dmin min
-            block_at = cols.to(tl.int64)[:, None] * (groups // 8) + g[None, :] // 8
-            d = tl.load(pairs_ptr + block_at * 2, mask=wg_mask, other=0.0).to(tl.float32)
-            dmin = tl.load(pairs_ptr + block_at * 2 + 1, mask=wg_mask, other=0.0).to(tl.float32)
-            sub_scale = tl.load(sub_ptr + g_row * 2, mask=wg_mask, other=0).to(tl.float32)
-            sub_min = tl.load(sub_ptr + g_row * 2 + 1, mask=wg_mask, other=0).to(tl.float32)
-            w_scale = d * sub_scale
-            w_min = -(dmin * sub_min)
-        elif FORMAT == 1:  # Q4_1: d q + m
-            w_scale = tl.load(pairs_ptr + g_row * 2, mask=wg_mask, other=0.0).to(tl.float32)
-            w_min = tl.load(pairs_ptr + g_row * 2 + 1, mask=wg_mask, other=0.0).to(tl.float32)
-        else:  # Q4_0: d (q - 8)
-            w_scale = tl.load(pairs_ptr + g_row, mask=wg_mask, other=0.0).to(tl.float32)
-            w_min = -8.0 * w_scale
+        w_scale, w_min = group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, groups, FORMAT)
         xg = m.to(tl.int64)[:, None] * groups + g[None, :]  # [BM, GS]
         xg_mask = m_inside[:, None] & g_inside[None, :]
         dx = tl.load(scale_ptr + xg, mask=xg_mask, other=0.0)
@@ -114,3 +120,69 @@ def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
         out_ptr + m[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
         mask=m_inside[:, None] & cols_inside[None, :],
     )
+
+
+@triton.jit
+def group_values(bytes_ptr, pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k, FORMAT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The weights of groups g of rows cols, float32: (values 0..15, values 16..31) of each group, [BN, GS, 16]
+    each, from the group's 16 bytes (byte t: value t low, t + 16 high)."""
+    t = tl.arange(0, 16)
+    inside = cols_inside[:, None, None] & g_inside[None, :, None]
+    raw = tl.load(
+        bytes_ptr + cols.to(tl.int64)[:, None, None] * (k // 2) + g[None, :, None] * 16 + t[None, None, :],
+        mask=inside, other=0,
+    ).to(tl.int32)  # [BN, GS, 16]
+    scale, minimum = group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k // 32, FORMAT)
+    low = (raw & 15).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
+    high = (raw >> 4).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
+    return low, high
+
+
+@triton.jit
+def nibble_dot_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, bytes_ptr, pairs_ptr, sub_ptr, out_ptr, rows, n, k, out_stride,
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[rows, n] = x @ W^T on tensor cores: each step's weights dequantised in registers to x's dtype as two
+    tiles (every group's first and second 16 values), each against the matching columns of x."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cols_inside = cols < n
+    m = tl.arange(0, BLOCK_M)
+    m_inside = m < rows
+    t = tl.arange(0, 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in range(0, k // 32, GROUP_STEP):
+        g = first + tl.arange(0, GROUP_STEP)
+        g_inside = g < k // 32
+        low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
+        x_at = m.to(tl.int64)[:, None, None] * k + g[None, :, None] * 32 + t[None, None, :]  # [BM, GS, 16]
+        x_mask = m_inside[:, None, None] & g_inside[None, :, None]
+        x_first = tl.reshape(tl.load(x_ptr + x_at, mask=x_mask, other=0.0), (BLOCK_M, GROUP_STEP * 16))
+        x_second = tl.reshape(tl.load(x_ptr + x_at + 16, mask=x_mask, other=0.0), (BLOCK_M, GROUP_STEP * 16))
+        tile = tl.reshape(low, (BLOCK_N, GROUP_STEP * 16)).to(x_first.dtype)
+        acc = tl.dot(x_first, tl.trans(tile), acc, input_precision=PRECISION)
+        tile = tl.reshape(high, (BLOCK_N, GROUP_STEP * 16)).to(x_first.dtype)
+        acc = tl.dot(x_second, tl.trans(tile), acc, input_precision=PRECISION)
+    tl.store(
+        out_ptr + m[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+        mask=m_inside[:, None] & cols_inside[None, :],
+    )
+
+
+@triton.jit
+def nibble_dequantize_kernel(  # type: ignore[no-untyped-def]
+    bytes_ptr, pairs_ptr, sub_ptr, out_ptr, n, k,
+    FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
+):
+    """out[n, k] = W in out's dtype: program (i, s) writes rows i * BLOCK_N.. of groups s * GROUP_STEP..."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_inside = cols < n
+    g = tl.program_id(1) * GROUP_STEP + tl.arange(0, GROUP_STEP)
+    g_inside = g < k // 32
+    low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
+    t = tl.arange(0, 16)
+    at = out_ptr + cols.to(tl.int64)[:, None, None] * k + g[None, :, None] * 32 + t[None, None, :]
+    inside = cols_inside[:, None, None] & g_inside[None, :, None]
+    tl.store(at, low.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(at + 16, high.to(out_ptr.dtype.element_ty), mask=inside)
