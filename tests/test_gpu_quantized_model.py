@@ -54,7 +54,9 @@ def test_block_model_matches_the_dense_model(tmp_path: Path, mix: str) -> None:
     assert uses_gpu_quantized_weights(model) and not uses_gpu_quantized_weights(dense)
     assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
     qkv = model.layers[1].self_attn.qkv_proj
-    assert isinstance(qkv, GGUFLinear) and qkv.blocks.device.type == DEVICE.type
+    assert isinstance(qkv, GGUFLinear) and all(b.device.type == DEVICE.type for b in qkv.buffers())
+    if mix == "q4_k_m":  # q and k in Q4_K as words, v in Q6_K as blocks
+        assert qkv.formats == [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K] and hasattr(qkv, "words")
     assert model.layers[0].input_layernorm.weight.dtype == DTYPE
     expected_type = GGMLQuantizationType.Q6_K if mix == "q4_k_m" else GGMLQuantizationType.Q8_0
     assert model.lm_head.qtype == expected_type and model.layers[1].mlp.down_proj.qtype == expected_type

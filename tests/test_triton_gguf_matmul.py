@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from dflash.kernels.gguf_nibbles import nibble_matrix
+from dflash.kernels.gpu_quantized_products import QuantizedPart, quantized_linear
 from dflash.kernels.triton_decode import interpreting
+from dflash.kernels.triton_gguf_int8 import INTEGER_ROWS
 from dflash.kernels.triton_gguf_matmul import (
     FORMATS,
     MAX_ROWS,
     GGUFMatmulConfig,
     gguf_dequantize,
-    gguf_linear,
     gguf_matmul,
     gguf_matmul_config,
     gguf_programs_usable,
@@ -100,19 +102,25 @@ def test_dequantize_matches_the_reference(qtype: GGMLQuantizationType) -> None:
 
 
 @needs_triton
-def test_linear_joins_parts_of_different_formats_and_dequantises_past_the_row_limit() -> None:
+@pytest.mark.parametrize("as_words", [False, True], ids=["blocks", "words"])
+def test_linear_joins_parts_of_different_formats_and_dequantises_past_the_row_limit(as_words: bool) -> None:
     """A fused projection of a Q4_K part and a Q6_K part (a Q4_K_M file's q/k and v): each part's product lands in
-    its own columns, through the program up to 64 rows and the dequantised matrix past them, bias added."""
+    its own columns, through the programs up to 64 rows and the dequantised matrix past them, bias added; the Q4_K
+    part as blocks or as words (whose few-row products round the inputs: a looser bound there)."""
     k = 512
     first, second = format_blocks(24, k, T.Q4_K, seed=3), format_blocks(8, k, T.Q6_K, seed=4)
     bias = torch.randn(32)
-    parts = [(torch.from_numpy(first).to(DEVICE), T.Q4_K), (torch.from_numpy(second).to(DEVICE), T.Q6_K)]
-    for rows in (5, MAX_ROWS + 6):
+    first_part: QuantizedPart = (torch.from_numpy(first).to(DEVICE), T.Q4_K)
+    if as_words:
+        first_part = nibble_matrix(torch.from_numpy(first).to(DEVICE), T.Q4_K, k)
+    parts = [first_part, (torch.from_numpy(second).to(DEVICE), T.Q6_K)]
+    for rows in (1, 5, MAX_ROWS + 6):
         x = torch.randn((rows, k), generator=torch.Generator().manual_seed(rows))
         expected = torch.cat([reference(x, first, T.Q4_K), reference(x, second, T.Q6_K)], dim=1) + bias.double()
-        got = gguf_linear(x.to(DEVICE), parts, bias.to(DEVICE)).double().cpu()
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
-    assert gguf_linear(torch.zeros((0, k), device=DEVICE), parts).shape == (0, 32)
+        got = quantized_linear(x.to(DEVICE), parts, bias.to(DEVICE)).double().cpu()
+        bound = 3e-4 if as_words and rows <= INTEGER_ROWS else 1e-5
+        torch.testing.assert_close(got, expected, rtol=0, atol=bound * expected.abs().max().item())
+    assert quantized_linear(torch.zeros((0, k), device=DEVICE), parts).shape == (0, 32)
 
 
 @needs_triton

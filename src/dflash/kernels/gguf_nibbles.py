@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-__all__ = ["NIBBLE_FORMATS", "NibbleMatrix", "nibble_matrix"]
+__all__ = ["NIBBLE_FORMATS", "NibbleMatrix", "nibble_matrix", "select_rows"]
 
 T = GGMLQuantizationType
 GROUP = 32
@@ -90,3 +90,10 @@ def nibble_matrix(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> 
 def _as_words(nibbles: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """uint8 [n, groups, 16] -> int32 [n, k // 8] (little-endian: byte 4 i + b is bits 8 b of word i)."""
     return nibbles.contiguous().view(n, k // 2).view(torch.int32)
+
+
+def select_rows(matrix: NibbleMatrix, ids: torch.Tensor) -> NibbleMatrix:
+    """The rows `ids` [m] of the matrix (a looked-up embedding, an LM head cut to a shortlist)."""
+    sub = None if matrix.sub_scales is None else matrix.sub_scales.index_select(0, ids)
+    return NibbleMatrix(matrix.qtype, int(ids.numel()), matrix.k, matrix.words.index_select(0, ids),
+                        matrix.pairs.index_select(0, ids), sub)

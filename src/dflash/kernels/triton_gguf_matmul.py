@@ -9,11 +9,10 @@ blocks of Q4_0, Q4_1, Q8_0 (32 values) or Q4_K, Q5_K, Q6_K (256-value super-bloc
   one row: multiply-and-sum in float32 on the CUDA cores), so W is read once whatever the number of rows.
   Sums are float32, rounded once to x's dtype. The programs are in `triton_gguf_programs.py`.
 * `gguf_dequantize`: blocks -> a dense [n, k] matrix in any float dtype (prefill products, embedding rows).
-* `gguf_linear`: the first up to `MAX_ROWS` rows, else dequantise W into a temporary (one matrix of bf16 at a time,
-  which PyTorch's caching allocator reuses between calls: its peak is the largest matrix, the LM head) and cuBLAS;
-  W may be several parts in different formats (a fused q/k/v of a Q4_K_M file), each written to its own columns.
-  That costs writing and re-reading W in 16 bits on top of cuBLAS's product: unmeasured, and meant for prefill
-  chunks, whose products are many rows.
+* `dflash.kernels.gpu_quantized_products.quantized_linear` puts them together with the 4-bit word programs
+  (`triton_gguf_int8`): up to `MAX_ROWS` rows per part, else W dequantised into a temporary for cuBLAS (one matrix
+  of bf16 at a time, which PyTorch's caching allocator reuses between calls: its peak is the largest matrix, the
+  LM head), meant for prefill chunks, whose products are many rows.
 
 Configurations are fixed by shape (no autotuning), `gguf_matmul_config`; `benchmarks/gpu_gguf_matmul.py` times them
 against bf16 cuBLAS.
@@ -32,13 +31,11 @@ step's nibble tiles had to be joined for `tl.dot`), faster only for Q6_K and Q8_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from dflash.kernels.triton_decode import interpreting, next_power_of_two
@@ -49,7 +46,6 @@ __all__ = [
     "GGUFFormat",
     "GGUFMatmulConfig",
     "gguf_dequantize",
-    "gguf_linear",
     "gguf_matmul",
     "gguf_matmul_config",
     "gguf_programs_usable",
@@ -204,30 +200,3 @@ def gguf_dequantize(
         BLOCKS_PER_STEP=blocks_per_step, BLOCK_N=block_n, num_warps=4,
     )
     return out
-
-
-def gguf_linear(
-    x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, GGMLQuantizationType]], bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """F.linear(x, W, bias) for x [rows, k], W the rows of `parts` (blocks, format) one after another: a fused
-    projection whose parts are in different formats (Q4_K_M files keep q/k in Q4_K and v in Q6_K) is one call.
-    Up to `MAX_ROWS` rows `gguf_matmul` per part, each into its columns of the output; more rows dequantise W into a
-    temporary [n, k] matrix for cuBLAS."""
-    rows, k = x.shape
-    n = sum(blocks.shape[0] for blocks, _ in parts)
-    if rows == 0:
-        return x.new_zeros((0, n)) if bias is None else x.new_zeros((0, n)) + bias
-    if rows <= MAX_ROWS:
-        x = x.contiguous()
-        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-        start = 0
-        for blocks, qtype in parts:
-            gguf_matmul(x, blocks, qtype, out=out[:, start : start + blocks.shape[0]])
-            start += blocks.shape[0]
-        return out if bias is None else out.add_(bias)
-    weight = torch.empty((n, k), dtype=x.dtype, device=x.device)  # freed on return
-    start = 0
-    for blocks, qtype in parts:
-        gguf_dequantize(blocks, qtype, k, out=weight[start : start + blocks.shape[0]])
-        start += blocks.shape[0]
-    return F.linear(x, weight, bias)

@@ -2,17 +2,18 @@
 (`dflash.kernels.triton_gguf_matmul`): the GPU counterparts of `quantized_layers.py`'s CPU modules.
 
 `GGUFLinear` computes y = x @ dequant(W)^T (+ bias) for 16-bit x of any leading shape: up to 64 rows through the
-block program (W read once as its 4.5 to 8.5 bits per weight), more rows by dequantising W into a temporary bf16
-matrix for cuBLAS. A fused projection may mix formats (a Q4_K_M file's q/k in Q4_K, v in Q6_K): one product per
+word or block programs (W read once as its 4.5 to 8.5 bits per weight; `dflash.kernels.gpu_quantized_products`),
+more rows by dequantising W into a temporary bf16 matrix for cuBLAS. A fused projection may mix formats (a Q4_K_M file's q/k in Q4_K, v in Q6_K): one product per
 run of parts in one format, each into its own output columns. `GGUFEmbedding` keeps the table quantized too and dequantises only the looked-up rows (a
 Qwen3-8B's table is 0.35 GB as Q4_K against 1.2 GB in bf16).
 
 Both keep an empty `weight` buffer in the compute dtype on the device, so code that asks `module.weight.dtype` or
-`.device` keeps working; the blocks are the `blocks` buffer; neither is part of the state dict.
+`.device` keeps working; the weights are the `words`/`blocks` buffers; none is part of the state dict.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +21,10 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from dflash.errors import ModelLoadError
-from dflash.kernels.triton_gguf_matmul import gguf_dequantize, gguf_linear
+from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, NibbleMatrix, nibble_matrix, select_rows
+from dflash.kernels.gpu_quantized_products import QuantizedPart, dequantize_part, quantized_linear
+from dflash.kernels.triton_gguf_int8 import nibble_dequantize
+from dflash.kernels.triton_gguf_matmul import gguf_dequantize
 from dflash.models.quantized_weights import QuantizedMatrix, is_gpu_supported_type
 
 __all__ = ["GGUFEmbedding", "GGUFLinear", "uses_gpu_quantized_weights"]
@@ -32,10 +36,27 @@ def _device_blocks(matrix: QuantizedMatrix, device: torch.device) -> torch.Tenso
     return matrix.blocks.to(device)  # no copy when the blocks are there already (a tied head shares the table's)
 
 
+# One word layout per block tensor: a tied LM head and the embedding table share it as they share the blocks.
+_WORDS: weakref.WeakKeyDictionary[torch.Tensor, NibbleMatrix] = weakref.WeakKeyDictionary()
+
+
+def _device_words(matrix: QuantizedMatrix, device: torch.device) -> NibbleMatrix:
+    blocks = _device_blocks(matrix, device)
+    words = _WORDS.get(blocks)
+    if words is None:
+        words = nibble_matrix(blocks, matrix.qtype, matrix.columns)
+        _WORDS[blocks] = words
+    return words
+
+
 class GGUFLinear(nn.Module):
-    """y[..., out] = x[..., in] @ dequant(W[out, in])^T (+ bias), W held as GGUF blocks on the device: one matrix,
-    or the rows of several (a fused q/k/v or gate/up) whose formats may differ. Consecutive parts of one format are
-    joined into one block buffer (`blocks`, then `blocks_1`, ...), so a uniform fused matrix is one product."""
+    """y[..., out] = x[..., in] @ dequant(W[out, in])^T (+ bias), W held quantized on the device: one matrix, or
+    the rows of several (a fused q/k/v or gate/up) whose formats may differ. Consecutive parts of one format are
+    joined into one segment. A segment in Q4_0, Q4_1 or Q4_K is kept as words (`dflash.kernels.gguf_nibbles`:
+    buffers `words`, `pairs` (the fp16 scales' bits, so a dtype cast of the module leaves them alone) and
+    `sub_scales`, suffixed `_i` past the first segment) for the integer-dot and tensor-core word programs; any
+    other format as its GGUF blocks (`blocks`, `blocks_i`) for the block programs. Inputs are rounded once per
+    call for every word segment that takes integer products."""
 
     weight: torch.Tensor
 
@@ -52,16 +73,34 @@ class GGUFLinear(nn.Module):
         self.in_features = segments[0].columns
         self.out_features = sum(segment.rows for segment in segments)
         self.formats = [GGMLQuantizationType(segment.qtype) for segment in segments]
-        self._block_names = [f"blocks_{i}" if i else "blocks" for i in range(len(segments))]
-        for name, segment in zip(self._block_names, segments, strict=True):
-            self.register_buffer(name, _device_blocks(segment, device), persistent=False)
+        self._suffixes = [f"_{i}" if i else "" for i in range(len(segments))]
+        for suffix, segment in zip(self._suffixes, segments, strict=True):
+            if segment.qtype in NIBBLE_FORMATS:
+                self._register_words(suffix, _device_words(segment, device))
+            else:
+                self.register_buffer("blocks" + suffix, _device_blocks(segment, device), persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device)) if bias else None
 
+    def _register_words(self, suffix: str, words: NibbleMatrix) -> None:
+        self.register_buffer("words" + suffix, words.words, persistent=False)
+        self.register_buffer("pairs" + suffix, words.pairs.view(torch.int16), persistent=False)
+        self.register_buffer("sub_scales" + suffix, words.sub_scales, persistent=False)
+
     @property
-    def parts(self) -> list[tuple[torch.Tensor, GGMLQuantizationType]]:
-        """(blocks [rows, row bytes], format) of each segment, in output order."""
-        return [(getattr(self, name), qtype) for name, qtype in zip(self._block_names, self.formats, strict=True)]
+    def parts(self) -> list[QuantizedPart]:
+        """Each segment in output order: (blocks [rows, row bytes], format), or its `NibbleMatrix`."""
+        found: list[QuantizedPart] = []
+        for suffix, qtype in zip(self._suffixes, self.formats, strict=True):
+            if qtype in NIBBLE_FORMATS:
+                words: torch.Tensor = getattr(self, "words" + suffix)
+                found.append(NibbleMatrix(
+                    qtype, words.shape[0], self.in_features, words, getattr(self, "pairs" + suffix).view(torch.float16),
+                    getattr(self, "sub_scales" + suffix),
+                ))
+            else:
+                found.append((getattr(self, "blocks" + suffix), qtype))
+        return found
 
     @property
     def qtype(self) -> GGMLQuantizationType:
@@ -72,16 +111,28 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = gguf_linear(x.reshape(-1, self.in_features), self.parts, self.bias)  # [rows, out]
+        y = quantized_linear(x.reshape(-1, self.in_features), self.parts, self.bias)  # [rows, out]
         return y.view(*lead, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weights as a dense [out, in] matrix in the compute dtype."""
-        return torch.cat([gguf_dequantize(b, t, self.in_features, self.weight.dtype) for b, t in self.parts])
+        return torch.cat([dequantize_part(part, self.in_features, self.weight.dtype) for part in self.parts])
 
     def rows(self, ids: torch.Tensor) -> GGUFLinear:
         """A bias-free module over the rows `ids` of a single-format W (an LM head cut to a token shortlist)."""
-        blocks = self.parts[0][0].index_select(0, ids.to(self.weight.device))
+        part = self.parts[0]
+        ids = ids.to(self.weight.device)
+        if isinstance(part, NibbleMatrix):
+            head = GGUFLinear.__new__(GGUFLinear)
+            nn.Module.__init__(head)
+            head.in_features, head.out_features, head.formats, head._suffixes = (
+                self.in_features, int(ids.numel()), [part.qtype], [""]
+            )
+            head._register_words("", select_rows(part, ids))
+            head.register_buffer("weight", torch.empty(0, dtype=self.weight.dtype, device=ids.device), persistent=False)
+            head.bias = None
+            return head
+        blocks = part[0].index_select(0, ids)
         return GGUFLinear(QuantizedMatrix(blocks, self.qtype, self.in_features), blocks.device, self.weight.dtype)
 
     def extra_repr(self) -> str:
@@ -103,10 +154,14 @@ def _join_formats(parts: list[QuantizedMatrix]) -> list[QuantizedMatrix]:
 
 
 class GGUFEmbedding(nn.Module):
-    """ids[...] -> rows[..., dim] of a GGUF table on the device, dequantised on lookup in the compute dtype."""
+    """ids[...] -> rows[..., dim] of a GGUF table on the device, dequantised on lookup in the compute dtype; a
+    Q4_0 / Q4_1 / Q4_K table kept as words (shared with a tied head), any other as its blocks."""
 
-    blocks: torch.Tensor
     weight: torch.Tensor
+    words: torch.Tensor
+    pairs: torch.Tensor
+    sub_scales: torch.Tensor | None
+    blocks: torch.Tensor
 
     def __init__(self, matrix: QuantizedMatrix, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -114,12 +169,24 @@ class GGUFEmbedding(nn.Module):
         self.num_embeddings = matrix.rows
         self.embedding_dim = matrix.columns
         self.qtype = GGMLQuantizationType(matrix.qtype)
-        self.register_buffer("blocks", _device_blocks(matrix, device), persistent=False)
+        if self.qtype in NIBBLE_FORMATS:
+            words = _device_words(matrix, device)
+            self.register_buffer("words", words.words, persistent=False)
+            self.register_buffer("pairs", words.pairs.view(torch.int16), persistent=False)
+            self.register_buffer("sub_scales", words.sub_scales, persistent=False)
+        else:
+            self.register_buffer("blocks", _device_blocks(matrix, device), persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, input_ids.reshape(-1))  # [ids, bytes per row]
-        values = gguf_dequantize(rows, self.qtype, self.embedding_dim, self.weight.dtype)  # [ids, dim]
+        ids = input_ids.reshape(-1)
+        if self.qtype in NIBBLE_FORMATS:
+            table = NibbleMatrix(self.qtype, self.num_embeddings, self.embedding_dim, self.words,
+                                 self.pairs.view(torch.float16), self.sub_scales)
+            values = nibble_dequantize(select_rows(table, ids), self.weight.dtype)  # [ids, dim]
+        else:
+            rows = self.blocks.index_select(0, ids)  # [ids, bytes per row]
+            values = gguf_dequantize(rows, self.qtype, self.embedding_dim, self.weight.dtype)  # [ids, dim]
         return values.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
