@@ -26,7 +26,14 @@ from gguf import GGMLQuantizationType
 from gpu_gguf_matmul import CHAIN_BYTES, MAX_COPIES, SHAPES, copy_bandwidth, random_blocks, timed_ms
 
 from dflash.kernels.gguf_nibbles import nibble_matrix
-from dflash.kernels.triton_gguf_int8 import NibbleConfig, nibble_config, nibble_matmul, quantize_input
+from dflash.kernels.triton_gguf_int8 import (
+    MAX_ROWS,
+    NibbleConfig,
+    nibble_config,
+    nibble_dot,
+    nibble_matmul,
+    quantize_input,
+)
 from dflash.kernels.triton_gguf_matmul import FORMATS, gguf_matmul
 
 GRID = [NibbleConfig(block_n, step, warps, 2) for block_n in (2, 4, 8) for step in (16, 32) for warps in (4, 8)]
@@ -46,10 +53,12 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
         x = torch.randn(rows, k, dtype=dtype, device=device)
         parts = quantize_input(x)
         reference = F.linear(x.float(), matrices[0].dequantized())
-        error = float((nibble_matmul(parts, matrices[0], dtype=torch.float32) - reference).abs().max()
-                      / reference.abs().max().clamp_min(1e-6))
+        got = nibble_matmul(parts, matrices[0], dtype=torch.float32) if rows <= MAX_ROWS else nibble_dot(x, matrices[0])
+        error = float((got.float() - reference).abs().max() / reference.abs().max().clamp_min(1e-6))
         chosen = nibble_config(n, k)
         configs = [chosen] + ([c for c in GRID if c != chosen] if args.grid else [])
+        if rows > MAX_ROWS:
+            configs = []
         tried: dict[str, object] = {}
         for config in configs:
             try:
@@ -62,9 +71,12 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
         rounding_ms = timed_ms(lambda x=x: quantize_input(x), args.iters, graphs)
         block_ms = timed_ms(lambda x=x: [gguf_matmul(x, b, qtype) for b in blocks], args.iters, graphs) / copies
         dense_ms = timed_ms(lambda x=x: [F.linear(x, w) for w in dense], args.iters, graphs) / dense_copies
+        dot_ms = timed_ms(lambda x=x: [nibble_dot(x, m) for m in matrices], args.iters, graphs) / copies
+        tried["tensor cores (nibble_dot)"] = {"ms": round(dot_ms, 5), "word_GBps": round(word_bytes / dot_ms / 1e6, 1)}
         best = min((v["ms"], key) for key, v in tried.items() if isinstance(v, dict))
         result = {
             "relative_error": float(f"{error:.3g}"), "chosen": tried.get(str(asdict(chosen))),
+            "dot_ms": round(dot_ms, 5),
             "best": {"config": best[1], "ms": best[0]}, "input_rounding_ms": round(rounding_ms, 5),
             "block_program_ms": round(block_ms, 5), "dense_bf16_ms": round(dense_ms, 5),
             "dense_GBps": round(2 * n * k / dense_ms / 1e6, 1),
@@ -73,7 +85,7 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
         if args.grid:
             result["grid"] = tried
         entry[f"rows{rows}"] = result
-        print(f"{qtype.name:5s} {n:6d}x{k:<6d} rows {rows}: words {best[0] * 1e3:7.1f} us "
+        print(f"{qtype.name:5s} {n:6d}x{k:<6d} rows {rows}: best {best[0] * 1e3:7.1f} us dot {dot_ms * 1e3:7.1f} "
               f"({word_bytes / best[0] / 1e6:6.0f} GB/s)  blocks {block_ms * 1e3:7.1f}  bf16 {dense_ms * 1e3:7.1f}  "
               f"rounding {rounding_ms * 1e3:5.1f}  err {error:.2g}", flush=True)
     return entry
