@@ -46,20 +46,24 @@ __all__ = [
 ]
 
 MAX_ROWS = 8
-INTEGER_ROWS = 4  # beyond this, the integer path's per-row dp4a cost more than tensor cores (H100)
+INTEGER_ROWS = 8  # the integer path beats the tensor-core word program up to 8 rows on an H100
 DOT_ROWS = 64
-FORMAT_CODES = {GGMLQuantizationType.Q4_0: 0, GGMLQuantizationType.Q4_1: 1, GGMLQuantizationType.Q4_K: 2}
+FORMAT_CODES = {
+    GGMLQuantizationType.Q4_0: 0, GGMLQuantizationType.Q4_1: 1, GGMLQuantizationType.Q4_K: 2, GGMLQuantizationType.Q6_K: 3,
+}
 
 
 @dataclass(frozen=True)
 class QuantizedInput:
     """x [rows, k] as two 8-bit parts per group of 32: high, low int8 [rows, k]; scale float32 [rows, k / 32]
-    (dx: x ~ dx (256 high + low)); total float32 [rows, k / 32] (dx times the group's sum of 256 high + low)."""
+    (dx: x ~ dx (256 high + low)); total float32 [rows, k / 32] (dx times the group's sum of 256 high + low);
+    half_total float32 [rows, k / 16] (the same over each 16 values, for Q6_K's scales of 16)."""
 
     high: torch.Tensor
     low: torch.Tensor
     scale: torch.Tensor
     total: torch.Tensor
+    half_total: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,12 @@ def quantize_input(x: torch.Tensor) -> QuantizedInput:
     low = torch.empty_like(high)
     scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     total = torch.empty_like(scale)
+    half_total = torch.empty((rows, 2 * groups), dtype=torch.float32, device=x.device)
     per_program = min(32, next_power_of_two(groups))
-    _programs().quantize_kernel[(rows, -(-groups // per_program))](x.contiguous(), high, low, scale, total, k, GROUPS=per_program)
-    return QuantizedInput(high, low, scale, total)
+    _programs().quantize_kernel[(rows, -(-groups // per_program))](
+        x.contiguous(), high, low, scale, total, half_total, k, GROUPS=per_program
+    )
+    return QuantizedInput(high, low, scale, total, half_total)
 
 
 def nibble_matmul(
@@ -116,8 +123,17 @@ def nibble_matmul(
         out = torch.empty((rows, matrix.n), dtype=out_dtype, device=quantized.high.device)
     elif out.shape != (rows, matrix.n) or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {matrix.n}] with contiguous columns")
+    grid = (-(-matrix.n // config.block_n),)
+    if matrix.qtype == GGMLQuantizationType.Q6_K:
+        _programs().six_bit_matmul_kernel[grid](
+            quantized.high.view(torch.int32), quantized.low.view(torch.int32), quantized.scale, quantized.half_total,
+            matrix.words, matrix.high_bits, matrix.pairs, matrix.sub_scales, out, rows, matrix.n, k, out.stride(0),
+            BLOCK_M=next_power_of_two(rows), BLOCK_N=config.block_n, GROUP_STEP=config.group_step,
+            EMULATE=interpreting(), num_warps=config.warps, num_stages=config.stages,
+        )
+        return out
     sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
-    _programs().nibble_matmul_kernel[(-(-matrix.n // config.block_n),)](
+    _programs().nibble_matmul_kernel[grid](
         quantized.high.view(torch.int32), quantized.low.view(torch.int32), quantized.scale, quantized.total,
         matrix.words, matrix.pairs, sub, out, rows, matrix.n, k, out.stride(0),
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=next_power_of_two(rows), BLOCK_N=config.block_n, GROUP_STEP=config.group_step,
@@ -136,9 +152,8 @@ def nibble_dot(
         raise ValueError(f"nibble_dot takes 1 to {DOT_ROWS} rows of {matrix.k} values, not {list(x.shape)}")
     if out is None:
         out = torch.empty((rows, matrix.n), dtype=x.dtype, device=x.device)
-    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
     _programs().nibble_dot_kernel[(-(-matrix.n // block_n),)](
-        x.contiguous(), matrix.words.view(torch.uint8), matrix.pairs, sub, out, rows, matrix.n, k, out.stride(0),
+        x.contiguous(), matrix.words.view(torch.uint8), *_scale_tensors(matrix), out, rows, matrix.n, k, out.stride(0),
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=block_n,
         GROUP_STEP=group_step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
     )
@@ -153,14 +168,19 @@ def nibble_dequantize(
         out = torch.empty((matrix.n, matrix.k), dtype=dtype, device=matrix.words.device)
     if matrix.n == 0:
         return out
-    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
     block_n, group_step = 16, 8
     grid = (-(-matrix.n // block_n), -(-(matrix.k // GROUP) // group_step))
     _programs().nibble_dequantize_kernel[grid](
-        matrix.words.view(torch.uint8), matrix.pairs, sub, out, matrix.n, matrix.k,
+        matrix.words.view(torch.uint8), *_scale_tensors(matrix), out, matrix.n, matrix.k,
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_N=block_n, GROUP_STEP=group_step, num_warps=4,
     )
     return out
+
+
+def _scale_tensors(matrix: NibbleMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pairs, sub-scales, top bits) as the programs take them; the pairs stand in for what a format lacks."""
+    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
+    return matrix.pairs, sub, matrix.high_bits if matrix.high_bits is not None else matrix.words
 
 
 def nibble_product(

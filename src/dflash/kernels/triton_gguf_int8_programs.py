@@ -7,7 +7,7 @@ import triton.language as tl
 
 
 @triton.jit
-def quantize_kernel(x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, k, GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
+def quantize_kernel(x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, half_total_ptr, k, GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
     """One program per (row, GROUPS groups): rounds x to two 8-bit parts per group of 32."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]  # [G, 1]
@@ -29,8 +29,12 @@ def quantize_kernel(x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, k, GROUPS: t
     groups = tl.cdiv(k, 32)
     g1 = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     tl.store(scale_ptr + row * groups + g1, scale, mask=g1 < groups)
-    total = tl.sum(256 * high_i + low_i, axis=1).to(tl.float32) * scale
+    both = 256 * high_i + low_i  # [G, 32]
+    total = tl.sum(both, axis=1).to(tl.float32) * scale
     tl.store(total_ptr + row * groups + g1, total, mask=g1 < groups)
+    halves = tl.sum(tl.reshape(both, (GROUPS, 2, 16)), axis=2).to(tl.float32) * scale[:, None]  # [G, 2]
+    h = g1[:, None] * 2 + tl.arange(0, 2)[None, :]
+    tl.store(half_total_ptr + row * groups * 2 + h, halves, mask=h < groups * 2)
 
 
 @triton.jit
@@ -123,24 +127,40 @@ def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def group_values(bytes_ptr, pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k, FORMAT: tl.constexpr):  # type: ignore[no-untyped-def]
+def group_values(  # type: ignore[no-untyped-def]
+    bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, cols, cols_inside, g, g_inside, k, FORMAT: tl.constexpr
+):
     """The weights of groups g of rows cols, float32: (values 0..15, values 16..31) of each group, [BN, GS, 16]
-    each, from the group's 16 bytes (byte t: value t low, t + 16 high)."""
+    each, from the group's 16 bytes (byte t: value t low, t + 16 high; Q6_K: their top bits from `high_bits`)."""
     t = tl.arange(0, 16)
     inside = cols_inside[:, None, None] & g_inside[None, :, None]
     raw = tl.load(
         bytes_ptr + cols.to(tl.int64)[:, None, None] * (k // 2) + g[None, :, None] * 16 + t[None, None, :],
         mask=inside, other=0,
     ).to(tl.int32)  # [BN, GS, 16]
-    scale, minimum = group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k // 32, FORMAT)
-    low = (raw & 15).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
-    high = (raw >> 4).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
-    return low, high
+    if FORMAT == 3:  # Q6_K: d scale (q - 32), one int8 scale per half
+        halves = cols.to(tl.int64)[:, None] * (k // 16) + g[None, :] * 2  # [BN, GS]: the first half's index
+        row_inside = cols_inside[:, None] & g_inside[None, :]
+        shift = 2 * (t // 4) + 8 * (t % 4)  # value t's top bits in its half's word
+        top_first = (tl.load(highs_ptr + halves, mask=row_inside, other=0)[:, :, None] >> shift[None, None, :]) & 3
+        top_second = (tl.load(highs_ptr + halves + 1, mask=row_inside, other=0)[:, :, None] >> shift[None, None, :]) & 3
+        d = tl.load(pairs_ptr + cols.to(tl.int64)[:, None] * (k // 256) + g[None, :] // 8, mask=row_inside, other=0.0)
+        first_scale = d.to(tl.float32) * tl.load(sub_ptr + halves, mask=row_inside, other=0).to(tl.int8).to(tl.float32)
+        second_scale = d.to(tl.float32) * tl.load(sub_ptr + halves + 1, mask=row_inside, other=0).to(tl.int8).to(
+            tl.float32)
+        low = ((raw & 15) | (top_first << 4)) - 32
+        high = ((raw >> 4) | (top_second << 4)) - 32
+        return low.to(tl.float32) * first_scale[:, :, None], high.to(tl.float32) * second_scale[:, :, None]
+    else:
+        scale, minimum = group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k // 32, FORMAT)
+        low = (raw & 15).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
+        high = (raw >> 4).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
+        return low, high
 
 
 @triton.jit
 def nibble_dot_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, bytes_ptr, pairs_ptr, sub_ptr, out_ptr, rows, n, k, out_stride,
+    x_ptr, bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, out_ptr, rows, n, k, out_stride,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -155,7 +175,7 @@ def nibble_dot_kernel(  # type: ignore[no-untyped-def]
     for first in range(0, k // 32, GROUP_STEP):
         g = first + tl.arange(0, GROUP_STEP)
         g_inside = g < k // 32
-        low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
+        low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
         x_at = m.to(tl.int64)[:, None, None] * k + g[None, :, None] * 32 + t[None, None, :]  # [BM, GS, 16]
         x_mask = m_inside[:, None, None] & g_inside[None, :, None]
         x_first = tl.reshape(tl.load(x_ptr + x_at, mask=x_mask, other=0.0), (BLOCK_M, GROUP_STEP * 16))
@@ -172,7 +192,7 @@ def nibble_dot_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def nibble_dequantize_kernel(  # type: ignore[no-untyped-def]
-    bytes_ptr, pairs_ptr, sub_ptr, out_ptr, n, k,
+    bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, out_ptr, n, k,
     FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
 ):
     """out[n, k] = W in out's dtype: program (i, s) writes rows i * BLOCK_N.. of groups s * GROUP_STEP..."""
@@ -180,9 +200,68 @@ def nibble_dequantize_kernel(  # type: ignore[no-untyped-def]
     cols_inside = cols < n
     g = tl.program_id(1) * GROUP_STEP + tl.arange(0, GROUP_STEP)
     g_inside = g < k // 32
-    low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
+    low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
     t = tl.arange(0, 16)
     at = out_ptr + cols.to(tl.int64)[:, None, None] * k + g[None, :, None] * 32 + t[None, None, :]
     inside = cols_inside[:, None, None] & g_inside[None, :, None]
     tl.store(at, low.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(at + 16, high.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def six_bit_matmul_kernel(  # type: ignore[no-untyped-def]
+    high_ptr, low_ptr, scale_ptr, half_total_ptr, words_ptr, highs_ptr, d_ptr, sub_ptr, out_ptr,
+    rows, n, k, out_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """`nibble_matmul_kernel` for Q6_K: each word's nibbles joined with their top bits (values 0..63) before the
+    dot products, one integer sum per 16 values (each has its own scale), w = d scale (q - 32)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cols_inside = cols < n
+    groups = k // 32
+    m = tl.arange(0, BLOCK_M)
+    m_inside = m < rows
+    u = tl.arange(0, 4)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, GROUP_STEP), dtype=tl.float32)
+    for first in range(0, groups, GROUP_STEP):
+        g = first + tl.arange(0, GROUP_STEP)
+        g_inside = g < groups
+        w_mask = cols_inside[:, None, None] & g_inside[None, :, None]
+        words = tl.load(
+            words_ptr + cols.to(tl.int64)[:, None, None] * (k // 8) + g[None, :, None] * 4 + u[None, None, :],
+            mask=w_mask, other=0,
+        )  # [BN, GS, 4]
+        halves = cols.to(tl.int64)[:, None, None] * (k // 16) + g[None, :, None] * 2  # [BN, GS, 1]
+        top_first = tl.load(highs_ptr + halves, mask=w_mask, other=0)
+        top_second = tl.load(highs_ptr + halves + 1, mask=w_mask, other=0)
+        first_half = (words & 0x0F0F0F0F) | (((top_first >> (2 * u[None, None, :])) & 0x03030303) << 4)
+        second_half = ((words >> 4) & 0x0F0F0F0F) | (((top_second >> (2 * u[None, None, :])) & 0x03030303) << 4)
+        x_mask = m_inside[:, None, None] & g_inside[None, :, None]
+        x_at = m.to(tl.int64)[:, None, None] * (k // 4) + g[None, :, None] * 8 + u[None, None, :]
+        a1 = tl.broadcast_to(first_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        a2 = tl.broadcast_to(second_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        zero = tl.zeros((BLOCK_M, BLOCK_N, GROUP_STEP, 4), dtype=tl.int32)
+        xh1 = tl.broadcast_to(tl.load(high_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        xh2 = tl.broadcast_to(tl.load(high_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        xl1 = tl.broadcast_to(tl.load(low_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        xl2 = tl.broadcast_to(tl.load(low_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        sum_first = tl.sum(dp4a(a1, xh1, zero, EMULATE) * 256 + dp4a(a1, xl1, zero, EMULATE), axis=3).to(tl.float32)
+        sum_second = tl.sum(dp4a(a2, xh2, zero, EMULATE) * 256 + dp4a(a2, xl2, zero, EMULATE), axis=3).to(tl.float32)
+        row_halves = cols.to(tl.int64)[:, None] * (k // 16) + g[None, :] * 2  # [BN, GS]
+        wg_mask = cols_inside[:, None] & g_inside[None, :]
+        d = tl.load(d_ptr + cols.to(tl.int64)[:, None] * (k // 256) + g[None, :] // 8, mask=wg_mask, other=0.0).to(
+            tl.float32)
+        first_scale = d * tl.load(sub_ptr + row_halves, mask=wg_mask, other=0).to(tl.int8).to(tl.float32)
+        second_scale = d * tl.load(sub_ptr + row_halves + 1, mask=wg_mask, other=0).to(tl.int8).to(tl.float32)
+        xg = m.to(tl.int64)[:, None] * groups + g[None, :]  # [BM, GS]
+        xg_mask = m_inside[:, None] & g_inside[None, :]
+        dx = tl.load(scale_ptr + xg, mask=xg_mask, other=0.0)[:, None, :]
+        sx_first = tl.load(half_total_ptr + xg * 2, mask=xg_mask, other=0.0)[:, None, :]
+        sx_second = tl.load(half_total_ptr + xg * 2 + 1, mask=xg_mask, other=0.0)[:, None, :]
+        acc += first_scale[None, :, :] * (dx * sum_first - 32.0 * sx_first)
+        acc += second_scale[None, :, :] * (dx * sum_second - 32.0 * sx_second)
+    out = tl.sum(acc, axis=2)
+    tl.store(
+        out_ptr + m[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
+        mask=m_inside[:, None] & cols_inside[None, :],
+    )

@@ -52,9 +52,9 @@ def _device_words(matrix: QuantizedMatrix, device: torch.device) -> NibbleMatrix
 class GGUFLinear(nn.Module):
     """y[..., out] = x[..., in] @ dequant(W[out, in])^T (+ bias), W held quantized on the device: one matrix, or
     the rows of several (a fused q/k/v or gate/up) whose formats may differ. Consecutive parts of one format are
-    joined into one segment. A segment in Q4_0, Q4_1 or Q4_K is kept as words (`dflash.kernels.gguf_nibbles`:
+    joined into one segment. A segment in Q4_0, Q4_1, Q4_K or Q6_K is kept as words (`dflash.kernels.gguf_nibbles`:
     buffers `words`, `pairs` (the fp16 scales' bits, so a dtype cast of the module leaves them alone) and
-    `sub_scales`, suffixed `_i` past the first segment) for the integer-dot and tensor-core word programs; any
+    `sub_scales`, `high_bits`, suffixed `_i` past the first segment) for the integer-dot and tensor-core word programs; any
     other format as its GGUF blocks (`blocks`, `blocks_i`) for the block programs. Inputs are rounded once per
     call for every word segment that takes integer products."""
 
@@ -86,6 +86,7 @@ class GGUFLinear(nn.Module):
         self.register_buffer("words" + suffix, words.words, persistent=False)
         self.register_buffer("pairs" + suffix, words.pairs.view(torch.int16), persistent=False)
         self.register_buffer("sub_scales" + suffix, words.sub_scales, persistent=False)
+        self.register_buffer("high_bits" + suffix, words.high_bits, persistent=False)
 
     @property
     def parts(self) -> list[QuantizedPart]:
@@ -96,7 +97,7 @@ class GGUFLinear(nn.Module):
                 words: torch.Tensor = getattr(self, "words" + suffix)
                 found.append(NibbleMatrix(
                     qtype, words.shape[0], self.in_features, words, getattr(self, "pairs" + suffix).view(torch.float16),
-                    getattr(self, "sub_scales" + suffix),
+                    getattr(self, "sub_scales" + suffix), getattr(self, "high_bits" + suffix),
                 ))
             else:
                 found.append((getattr(self, "blocks" + suffix), qtype))
@@ -155,12 +156,13 @@ def _join_formats(parts: list[QuantizedMatrix]) -> list[QuantizedMatrix]:
 
 class GGUFEmbedding(nn.Module):
     """ids[...] -> rows[..., dim] of a GGUF table on the device, dequantised on lookup in the compute dtype; a
-    Q4_0 / Q4_1 / Q4_K table kept as words (shared with a tied head), any other as its blocks."""
+    Q4_0 / Q4_1 / Q4_K / Q6_K table kept as words (shared with a tied head), any other as its blocks."""
 
     weight: torch.Tensor
     words: torch.Tensor
     pairs: torch.Tensor
     sub_scales: torch.Tensor | None
+    high_bits: torch.Tensor | None
     blocks: torch.Tensor
 
     def __init__(self, matrix: QuantizedMatrix, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -174,6 +176,7 @@ class GGUFEmbedding(nn.Module):
             self.register_buffer("words", words.words, persistent=False)
             self.register_buffer("pairs", words.pairs.view(torch.int16), persistent=False)
             self.register_buffer("sub_scales", words.sub_scales, persistent=False)
+            self.register_buffer("high_bits", words.high_bits, persistent=False)
         else:
             self.register_buffer("blocks", _device_blocks(matrix, device), persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
@@ -182,7 +185,7 @@ class GGUFEmbedding(nn.Module):
         ids = input_ids.reshape(-1)
         if self.qtype in NIBBLE_FORMATS:
             table = NibbleMatrix(self.qtype, self.num_embeddings, self.embedding_dim, self.words,
-                                 self.pairs.view(torch.float16), self.sub_scales)
+                                 self.pairs.view(torch.float16), self.sub_scales, self.high_bits)
             values = nibble_dequantize(select_rows(table, ids), self.weight.dtype)  # [ids, dim]
         else:
             rows = self.blocks.index_select(0, ids)  # [ids, bytes per row]
