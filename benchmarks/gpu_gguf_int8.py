@@ -30,12 +30,15 @@ from dflash.kernels.triton_gguf_int8 import (
     MAX_ROWS,
     NibbleConfig,
     nibble_config,
+    nibble_dequantize,
     nibble_dot,
     nibble_matmul,
     quantize_input,
 )
 from dflash.kernels.triton_gguf_matmul import FORMATS, gguf_matmul
 
+DOT_GRID = [(32, 4, 4), (64, 4, 4), (64, 8, 8), (128, 4, 8), (64, 2, 4), (32, 16, 8)]
+DEQUANTIZE_GRID = [(16, 8, 4), (32, 4, 4), (64, 4, 8), (8, 16, 4), (32, 8, 8)]
 GRID = [NibbleConfig(block_n, step, warps, 2) for block_n in (2, 4, 8) for step in (16, 32) for warps in (4, 8)]
 
 
@@ -49,6 +52,15 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
     dense_copies = 1 if args.dry_run else max(1, min(MAX_COPIES, -(-CHAIN_BYTES // (2 * n * k))))
     dense = [torch.randn(n, k, dtype=dtype, device=device) * 0.02 for _ in range(dense_copies)]
     entry: dict[str, object] = {"n": n, "k": k, "file_bytes": file_bytes, "word_bytes": word_bytes, "copies": copies}
+    targets = [torch.empty((n, k), dtype=dtype, device=device) for _ in range(min(copies, 2))]
+    dequantized: dict[str, object] = {}
+    for block_n, step, warps in DEQUANTIZE_GRID if args.grid else DEQUANTIZE_GRID[:1]:
+        ms = timed_ms(lambda b=block_n, s=step, w=warps: [nibble_dequantize(m, dtype, targets[i % 2 if len(targets) > 1 else 0], b, s, w)
+                                                           for i, m in enumerate(matrices)],
+                      args.iters, graphs) / copies
+        dequantized[f"block_n={block_n} group_step={step} warps={warps}"] = {
+            "ms": round(ms, 5), "GBps_read_plus_written": round((word_bytes + 2 * n * k) / ms / 1e6, 1)}
+    entry["dequantize"] = dequantized
     for rows in rows_list:
         x = torch.randn(rows, k, dtype=dtype, device=device)
         parts = quantize_input(x)
@@ -72,6 +84,14 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
         block_ms = timed_ms(lambda x=x: [gguf_matmul(x, b, qtype) for b in blocks], args.iters, graphs) / copies
         dense_ms = timed_ms(lambda x=x: [F.linear(x, w) for w in dense], args.iters, graphs) / dense_copies
         dot_ms = timed_ms(lambda x=x: [nibble_dot(x, m) for m in matrices], args.iters, graphs) / copies
+        if args.grid and rows > MAX_ROWS:
+            for block_n, step, warps in DOT_GRID:
+                try:
+                    ms = timed_ms(lambda x=x, b=block_n, s=step, w=warps: [nibble_dot(x, m, None, b, s, w) for m in matrices],
+                                  args.iters, graphs) / copies
+                    tried[f"dot block_n={block_n} group_step={step} warps={warps}"] = {"ms": round(ms, 5)}
+                except Exception as exc:
+                    tried[f"dot block_n={block_n} group_step={step} warps={warps}"] = f"not run: {str(exc)[:100]}"
         tried["tensor cores (nibble_dot)"] = {"ms": round(dot_ms, 5), "word_GBps": round(word_bytes / dot_ms / 1e6, 1)}
         best = min((v["ms"], key) for key, v in tried.items() if isinstance(v, dict))
         result = {

@@ -143,7 +143,8 @@ def nibble_matmul(
 
 
 def nibble_dot(
-    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int = 32, group_step: int = 8
+    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int = 32, group_step: int = 8,
+    warps: int = 4,
 ) -> torch.Tensor:
     """x: [rows, k] contiguous (16-bit; float32 for tests), rows <= `DOT_ROWS` -> x @ W^T [rows, n] in x's dtype
     on tensor cores (float32 sums), written into `out` when given (columns contiguous)."""
@@ -155,24 +156,24 @@ def nibble_dot(
     _programs().nibble_dot_kernel[(-(-matrix.n // block_n),)](
         x.contiguous(), matrix.words.view(torch.uint8), *_scale_tensors(matrix), out, rows, matrix.n, k, out.stride(0),
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=block_n,
-        GROUP_STEP=group_step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        GROUP_STEP=group_step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=2,
     )
     return out
 
 
 def nibble_dequantize(
-    matrix: NibbleMatrix, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None
+    matrix: NibbleMatrix, dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+    block_n: int = 16, group_step: int = 8, warps: int = 4,
 ) -> torch.Tensor:
     """The weights [n, k] in `dtype` (float32 arithmetic, rounded once), into `out` when given (contiguous)."""
     if out is None:
         out = torch.empty((matrix.n, matrix.k), dtype=dtype, device=matrix.words.device)
     if matrix.n == 0:
         return out
-    block_n, group_step = 16, 8
     grid = (-(-matrix.n // block_n), -(-(matrix.k // GROUP) // group_step))
     _programs().nibble_dequantize_kernel[grid](
         matrix.words.view(torch.uint8), *_scale_tensors(matrix), out, matrix.n, matrix.k,
-        FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_N=block_n, GROUP_STEP=group_step, num_warps=4,
+        FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_N=block_n, GROUP_STEP=group_step, num_warps=warps,
     )
     return out
 
