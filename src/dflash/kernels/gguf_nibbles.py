@@ -58,7 +58,8 @@ class NibbleMatrix:
         q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # [n, groups, 32] in value order
         if self.qtype == T.Q6_K:
             assert self.sub_scales is not None and self.high_bits is not None
-            top = (self.high_bits.view(self.n, self.k // GROUP, 2, 1, 1) >> _HIGH_SHIFTS) & 3  # [n, g, 2, u, b]
+            shifts = _HIGH_SHIFTS.to(self.high_bits.device)
+            top = (self.high_bits.view(self.n, self.k // GROUP, 2, 1, 1) >> shifts) & 3  # [n, g, 2, u, b]
             q = q + 16 * top.reshape(self.n, self.k // GROUP, 32).float()
             scale = self.pairs.float().repeat_interleave(16, dim=1)[..., 0] * self.sub_scales.view(torch.int8).float()
             return ((q.view(self.n, -1, 16) - 32) * scale[..., None]).reshape(self.n, self.k)
