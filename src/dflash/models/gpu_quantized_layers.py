@@ -21,7 +21,7 @@ from torch import nn
 
 from dflash.errors import ModelLoadError
 from dflash.kernels.triton_gguf_matmul import gguf_dequantize, gguf_linear
-from dflash.models.quantized_weights import QuantizedMatrix, is_gpu_supported_type, join_formats
+from dflash.models.quantized_weights import QuantizedMatrix, is_gpu_supported_type
 
 __all__ = ["GGUFEmbedding", "GGUFLinear", "uses_gpu_quantized_weights"]
 
@@ -48,7 +48,7 @@ class GGUFLinear(nn.Module):
     ) -> None:
         super().__init__()
         device = torch.device(device)
-        segments = join_formats([parts] if isinstance(parts, QuantizedMatrix) else list(parts))
+        segments = _join_formats([parts] if isinstance(parts, QuantizedMatrix) else list(parts))
         self.in_features = segments[0].columns
         self.out_features = sum(segment.rows for segment in segments)
         self.formats = [GGMLQuantizationType(segment.qtype) for segment in segments]
@@ -87,6 +87,19 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"formats={'+'.join(t.name for t in self.formats)}")
+
+
+def _join_formats(parts: list[QuantizedMatrix]) -> list[QuantizedMatrix]:
+    """Consecutive parts of one format stacked into one matrix; the parts must share their row length."""
+    if any(part.columns != parts[0].columns for part in parts):
+        raise ModelLoadError(f"fused parts have rows of {sorted({p.columns for p in parts})} values")
+    joined: list[list[QuantizedMatrix]] = []
+    for part in parts:
+        if joined and joined[-1][0].qtype == part.qtype:
+            joined[-1].append(part)
+        else:
+            joined.append([part])
+    return [run[0] if len(run) == 1 else QuantizedMatrix.stack_rows(run, "a fused projection") for run in joined]
 
 
 class GGUFEmbedding(nn.Module):

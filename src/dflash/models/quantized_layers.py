@@ -44,7 +44,7 @@ from dflash.models.quantized_weights import (
     require_cpu_readable,
 )
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear", "QuantizedStack", "quantized_linear", "uses_quantized_weights"]
+__all__ = ["QuantizedEmbedding", "QuantizedLinear", "QuantizedStack", "linear_of_parts", "uses_quantized_weights"]
 
 
 class QuantizedLinear(nn.Module):
@@ -129,7 +129,7 @@ class QuantizedStack(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, formats={formats}"
 
 
-def quantized_linear(parts: Sequence[QuantizedMatrix], bias: bool = False) -> QuantizedLinear | QuantizedStack:
+def linear_of_parts(parts: Sequence[QuantizedMatrix], bias: bool = False) -> QuantizedLinear | QuantizedStack:
     """The rows of `parts` (a fused projection) as one module: one `QuantizedLinear` where consecutive parts share
     a format, else a `QuantizedStack` of one matrix per run of a format."""
     joined = join_formats(parts)

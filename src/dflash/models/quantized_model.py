@@ -19,7 +19,7 @@ from dflash.models.quantized_layers import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedStack,
-    quantized_linear,
+    linear_of_parts,
 )
 from dflash.models.quantized_weights import QuantizedCheckpoint, QuantizedMatrix
 from dflash.models.registry import MODEL_CLASSES
@@ -71,7 +71,7 @@ def build_quantized_model(
         """The parts' rows as one module, in any mix of formats."""
         if on_gpu:
             return GGUFLinear(parts, device, dtype, bias)
-        return quantized_linear(parts, bias=bias)
+        return linear_of_parts(parts, bias=bias)
 
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config)
