@@ -1,5 +1,6 @@
 """GGUF matrices kept as blocks in every stored format (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): row operations on the
-bytes, and which device's quantized code accepts which file."""
+bytes, and which kernels read which formats (the CPU's int8 kernel and the GPU programs every one, the CPU's
+float32 and bf16 kernels Q4_1 and Q8_0)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dflash.models.quantized_layers import QuantizedEmbedding, QuantizedLinear
 from dflash.models.quantized_weights import (
     STORED_BLOCKS,
     QuantizedMatrix,
+    float_kernels_read,
     is_gpu_supported_type,
     is_supported_type,
 )
@@ -38,9 +40,12 @@ def k_blocks(rows: int, columns: int, qtype: GGMLQuantizationType, seed: int = 0
 
 
 def test_the_cpu_and_gpu_read_their_own_formats() -> None:
-    assert [t for t in STORED_BLOCKS if is_supported_type(t)] == [T.Q4_1, T.Q8_0]
-    assert all(is_gpu_supported_type(t) for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K))
-    assert not is_gpu_supported_type(T.F32) and not is_gpu_supported_type(T.Q2_K)
+    stored = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+    assert list(STORED_BLOCKS) == stored
+    assert all(is_supported_type(t) and is_gpu_supported_type(t) for t in stored)
+    assert [t for t in stored if float_kernels_read(t)] == [T.Q4_1, T.Q8_0]
+    for other in (T.F32, T.Q2_K, T.Q5_0):
+        assert not is_supported_type(other) and not is_gpu_supported_type(other) and not float_kernels_read(other)
 
 
 @pytest.mark.parametrize("qtype", K_FORMATS)
@@ -68,20 +73,31 @@ def test_wrong_sizes_and_unstored_formats_are_refused() -> None:
         QuantizedMatrix(torch.zeros(2, 84, dtype=torch.uint8), T.Q2_K, 256)
 
 
-def test_the_cpu_modules_refuse_what_their_kernel_cannot_read() -> None:
-    matrix = QuantizedMatrix(torch.from_numpy(k_blocks(4, 256, T.Q4_K)), T.Q4_K, 256)
-    for module in (QuantizedLinear, QuantizedEmbedding):
-        with pytest.raises(ModelLoadError, match=r"Q4_K are not supported \(Q4_1, Q8_0 are\)"):
-            module(matrix)
+@pytest.mark.parametrize("qtype", K_FORMATS)
+def test_the_cpu_modules_take_k_formats_on_the_int8_kernel_only(qtype: GGMLQuantizationType) -> None:
+    """A K-format matrix starts on int8x2 products and refuses the float32 and AMX kernels; its embedding rows
+    are `gguf`'s dequantised values."""
+    blocks = k_blocks(4, 256, qtype)
+    matrix = QuantizedMatrix(torch.from_numpy(blocks), qtype, 256)
+    linear = QuantizedLinear(matrix)
+    assert linear.products == "int8x2"
+    for products in ("float32", "amx"):
+        with pytest.raises(ModelLoadError, match=f"--cpu-matmul {products} reads Q4_1 and Q8_0 matrices only, not"):
+            linear.use_products(products)
+    embedding = QuantizedEmbedding(matrix)
+    ids = torch.tensor([[3, 0], [1, 3]])
+    assert torch.equal(embedding(ids), torch.from_numpy(dequantize(blocks, qtype))[ids])
 
 
-def test_a_q4_k_m_file_loads_quantized_for_the_gpu_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU refuses it with its kernel's formats named; for the GPU every matrix stays as its file's blocks."""
+def test_a_q4_k_m_file_loads_quantized_for_the_cpu_and_the_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For either device every matrix stays as its file's blocks."""
     monkeypatch.setenv("DFLASH_NO_CACHE", "1")
     path = write_random_gguf(tmp_path / "tiny.gguf", "tiny", "q4_k_m")
-    with pytest.raises(ModelLoadError, match=r"Q4_K, Q6_K .*the quantized CPU kernel reads Q4_1 and Q8_0"):
-        load_gguf_quantized(path)
-    checkpoint = load_checkpoint(path, weights="quantized", quantized_for="cuda")
-    assert checkpoint.type_counts() == {"Q4_K": 13, "Q6_K": 3}
-    down = checkpoint.matrices["model.layers.1.mlp.down_proj.weight"]  # a layer given more bits
-    assert down.qtype == T.Q6_K and down.shape == (256, 512)
+    for device in ("cpu", "cuda"):
+        checkpoint = load_checkpoint(path, weights="quantized", quantized_for=device)
+        assert checkpoint.type_counts() == {"Q4_K": 13, "Q6_K": 3}
+        down = checkpoint.matrices["model.layers.1.mlp.down_proj.weight"]  # a layer given more bits
+        assert down.qtype == T.Q6_K and down.shape == (256, 512)
+    assert load_gguf_quantized(path).matrix_formats() == {T.Q4_K, T.Q6_K}

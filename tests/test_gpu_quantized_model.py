@@ -14,6 +14,7 @@ from dflash.bench.random_gguf import write_random_gguf
 from dflash.errors import ModelLoadError
 from dflash.fastpath.fused_layers import apply_linear
 from dflash.kernels.triton_gguf_matmul import MAX_ROWS, gguf_programs_usable
+from dflash.models.cpu_matmul import int8_obstacle
 from dflash.models.gguf_loader import load_gguf
 from dflash.models.gpu_quantized_layers import GGUFEmbedding, GGUFLinear, uses_gpu_quantized_weights
 from dflash.models.quantized_model import build_quantized_model
@@ -96,8 +97,8 @@ def test_fused_path_and_shortlist_rows_use_the_blocks(tmp_path: Path) -> None:
 
 
 def test_quantized_on_a_gpu_is_opt_in_and_reads_k_quants(tmp_path: Path) -> None:
-    """A Q4_K_M file: `quantized` on CUDA in bf16 keeps its blocks (the CPU kernel would refuse them); float32 on
-    CUDA is refused; `auto` stays dense on a GPU."""
+    """A Q4_K_M file: `quantized` on CUDA in bf16 keeps its blocks (as the CPU's int8 kernel does); float32 on CUDA
+    is refused; `auto` stays dense on a GPU."""
     path = tiny_file(tmp_path, "q4_k_m")
     cuda = torch.device("cuda")
     assert choose_weights("quantized", path, cuda, torch.bfloat16).kind == "quantized"
@@ -105,13 +106,11 @@ def test_quantized_on_a_gpu_is_opt_in_and_reads_k_quants(tmp_path: Path) -> None
     assert choose_weights("auto", path, cuda, torch.bfloat16).kind == "dense"
     with pytest.raises(ModelLoadError, match="bfloat16 or float16"):
         choose_weights("quantized", path, cuda, torch.float32)
-    with pytest.raises(ModelLoadError, match="CPU kernel reads Q4_1 and Q8_0"):
-        choose_weights("quantized", path, torch.device("cpu"), torch.float32)
+    if int8_obstacle() is None:
+        assert choose_weights("quantized", path, torch.device("cpu"), torch.float32).kind == "quantized"
     checkpoint = load_checkpoint(path, weights="quantized", quantized_for="cuda")
     with pytest.raises(ModelLoadError, match="take bfloat16 or float16"):
         build_quantized_model(checkpoint, device=cuda, dtype=torch.float32)
-    with pytest.raises(ModelLoadError, match=r"Q4_K are not supported \(Q4_1, Q8_0 are\)"):
-        build_quantized_model(checkpoint)  # the CPU modules refuse K-quants
 
 
 @pytest.mark.gpu

@@ -132,7 +132,7 @@ def check_refusals(kernel: Any) -> None:
     with pytest.raises(RuntimeError, match="bytes per row"):
         kernel.matmul(torch.randn(2, 96), blocks, int(Q8_0))
     with pytest.raises(RuntimeError, match="unsupported quantisation type"):
-        kernel.matmul(torch.randn(2, 64), blocks, 2)
+        kernel.matmul(torch.randn(2, 64), blocks, int(GGMLQuantizationType.Q2_K))
     with pytest.raises(RuntimeError, match="float32"):
         kernel.matmul(torch.randn(2, 64, dtype=torch.float64), blocks, int(Q8_0))
 

@@ -19,7 +19,12 @@ from dflash.kernels.build import KernelUnavailable, load_quant_kernel
 from dflash.models.gguf_file import GGUFFile
 from dflash.models.gguf_loader import load_gguf
 from dflash.models.gguf_quantized import load_gguf_quantized
-from dflash.models.quantized_layers import QuantizedEmbedding, QuantizedLinear, uses_quantized_weights
+from dflash.models.quantized_layers import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedStack,
+    uses_quantized_weights,
+)
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.registry import build_model
 from dflash.models.resolve import load_checkpoint
@@ -101,10 +106,22 @@ def test_tiny_quantized_block_forward_matches_single_steps(tmp_path: Path) -> No
     torch.testing.assert_close(block, steps, rtol=0, atol=1e-5 * steps.abs().max().item())
 
 
-def test_fused_parts_of_different_types_are_refused(tmp_path: Path) -> None:
+def test_fused_parts_of_different_types_run_one_product_per_format(tmp_path: Path) -> None:
+    """q and v in Q4_1 with k in Q8_0: the fused projection keeps one matrix per run of a format, its outputs side
+    by side, and the model's logits are the dense model's up to summation order."""
     path = requantized_tiny_gguf(tmp_path, "llama", lambda name: Q8_0 if ".attn_k." in name else Q4_1)
-    with pytest.raises(ModelLoadError, match="cannot fuse"):
-        build_quantized_model(load_gguf_quantized(path))
+    model = build_quantized_model(load_gguf_quantized(path))
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedStack)
+    assert [(p.qtype, p.out_features) for p in qkv.parts] == [(int(Q4_1), 32), (int(Q8_0), 16), (int(Q4_1), 16)]
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantizedLinear)  # gate and up share Q4_1: one matrix
+    dense_ck = load_gguf(path)
+    dense = build_model(dense_ck.config, dense_ck.weights)
+    ids = torch.randint(0, dense_ck.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got, want = model(ids).logits, dense(ids).logits
+    assert got is not None and want is not None
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def test_unsupported_matrix_types(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -114,7 +131,7 @@ def test_unsupported_matrix_types(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.INFO, "dflash.models.weight_choice"):
         choice = choose_weights("auto", path, CPU, torch.float32)
     assert choice.kind == "dense" and "F32" in choice.reason
-    with pytest.raises(ModelLoadError, match=r"F32 .*Q4_1 and Q8_0"):
+    with pytest.raises(ModelLoadError, match=r"F32 .*CPU kernels read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K"):
         choose_weights("quantized", path, CPU, torch.float32)
     with pytest.raises(ModelLoadError, match="F32"):
         load_checkpoint(path, weights="quantized")

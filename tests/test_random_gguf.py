@@ -13,7 +13,7 @@ from dflash.models.gguf_loader import load_gguf
 from dflash.models.registry import build_model
 
 
-@pytest.mark.parametrize("mix", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("mix", ["q8_0", "q4_1", "q4_0", "q4_k_m"])
 def test_a_random_file_loads_with_its_shape_and_sane_weights(tmp_path: Path, mix: str) -> None:
     path = write_random_gguf(tmp_path / f"tiny_{mix}.gguf", "tiny", mix)
     checkpoint = load_gguf(path, use_cache=False)
@@ -53,3 +53,5 @@ def test_unknown_shapes_and_mixes_are_refused(tmp_path: Path) -> None:
         write_random_gguf(tmp_path / "x.gguf", "qwen9-1t", "q8_0")
     with pytest.raises(ValueError, match="unknown quant mix"):
         write_random_gguf(tmp_path / "x.gguf", "tiny", "q3_k_s")
+    with pytest.raises(ValueError, match="rows of 576 values are not whole 256-value super-blocks"):
+        write_random_gguf(tmp_path / "x.gguf", "smollm2-135m", "q4_k_m")

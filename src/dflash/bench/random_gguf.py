@@ -6,9 +6,11 @@ cannot quantize the K formats anyway), and a 32B file is written in a minute, on
 follows llama.cpp's conventions (tensor names, metadata keys, `qwen3` architecture), with a synthetic byte-level
 vocabulary of the shape's size, so llama.cpp and dflash both load it.
 
-Quant mixes: `q8_0` (every matrix Q8_0) and `q4_k_m` (llama.cpp's Q4_K_M rule: Q4_K, with Q6_K for the output
-matrix and for attn_v / ffn_down in the layers that get more bits: the first and last eighth, and every third in
-between). Norms stay float32.
+Quant mixes: `q8_0` (every matrix Q8_0), `q4_1` and `q4_0` (every matrix in that 32-value format) and `q4_k_m`
+(llama.cpp's Q4_K_M rule: Q4_K, with Q6_K for the output matrix and for attn_v / ffn_down in the layers that get
+more bits: the first and last eighth, and every third in between). Norms stay float32. The K formats need rows
+of whole 256-value super-blocks: `smollm2-135m` (rows of 576) is written in the 32-value mixes only (llama.cpp
+itself stores such rows in Q5_0 / Q8_0 in a Q4_K_M file).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 Q8_0, Q4_K, Q6_K, F32 = (
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
 )
-QUANT_MIXES = ("q8_0", "q4_k_m")
+Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
+QUANT_MIXES = ("q8_0", "q4_1", "q4_0", "q4_k_m")
+SINGLE_FORMAT_MIXES = {"q8_0": Q8_0, "q4_1": Q4_1, "q4_0": Q4_0}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
@@ -45,6 +49,7 @@ SHAPES = {
     "qwen3-8b": Shape(36, 4096, 12288, 32, 8, 128, 151936),
     "qwen3-32b": Shape(64, 5120, 25600, 64, 8, 128, 151936),
     "qwen3-0.6b": Shape(28, 1024, 3072, 16, 8, 128, 151936, tied=True),
+    "smollm2-135m": Shape(30, 576, 1536, 9, 3, 64, 49152, tied=True),  # the default model's sizes
     "tiny": Shape(2, 256, 512, 4, 2, 64, 1024),  # for tests
 }
 
@@ -57,8 +62,9 @@ def more_bits(layer: int, layers: int) -> bool:
 def layer_tensors(shape: Shape, layer: int, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
     """(GGUF name, (rows, columns), format) of one layer's matrices and norms."""
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    base = Q8_0 if mix == "q8_0" else Q4_K
-    rich = Q8_0 if mix == "q8_0" else (Q6_K if more_bits(layer, shape.layers) else Q4_K)
+    single = SINGLE_FORMAT_MIXES.get(mix)
+    base = single or Q4_K
+    rich = single or (Q6_K if more_bits(layer, shape.layers) else Q4_K)
     p = f"blk.{layer}."
     return [
         (p + "attn_norm.weight", (1, h), F32),
@@ -77,13 +83,13 @@ def layer_tensors(shape: Shape, layer: int, mix: str) -> list[tuple[str, tuple[i
 
 def all_tensors(shape: Shape, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
     """Every tensor of the file, in llama.cpp's order."""
-    embedding = Q8_0 if mix == "q8_0" else Q4_K
-    tensors = [("token_embd.weight", (shape.vocab, shape.hidden), embedding)]
+    single = SINGLE_FORMAT_MIXES.get(mix)
+    tensors = [("token_embd.weight", (shape.vocab, shape.hidden), single or Q4_K)]
     for layer in range(shape.layers):
         tensors += layer_tensors(shape, layer, mix)
     tensors.append(("output_norm.weight", (1, shape.hidden), F32))
     if not shape.tied:
-        tensors.append(("output.weight", (shape.vocab, shape.hidden), Q8_0 if mix == "q8_0" else Q6_K))
+        tensors.append(("output.weight", (shape.vocab, shape.hidden), single or Q6_K))
     return tensors
 
 
@@ -108,6 +114,18 @@ def _q8_0_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
     raw[:, 0:2] = _fp16_bytes(rng.uniform(2.0e-4, 3.4e-4, raw.shape[0]))
 
 
+def _q4_1_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
+    # d, m (fp16), 16 bytes of nibbles: w = d * q + m, q in 0..15 (spread ~4.6): d ~ 0.02 / 4.6, m = -7.5 d centres
+    d = rng.uniform(3.5e-3, 5.2e-3, raw.shape[0])
+    raw[:, 0:2] = _fp16_bytes(d)
+    raw[:, 2:4] = _fp16_bytes(-7.5 * d)
+
+
+def _q4_0_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
+    # d (fp16), 16 bytes of nibbles: w = d * (q - 8), centred already
+    raw[:, 0:2] = _fp16_bytes(rng.uniform(3.5e-3, 5.2e-3, raw.shape[0]))
+
+
 def _q4_k_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
     # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: w = d * sc * q - dmin * m, q in 0..15
     # with random 6-bit sc (~32) and q (spread ~4.6): d ~ 0.02 / (32 * 4.6); dmin * m ~ d * sc * 7.5 centres them
@@ -124,7 +142,7 @@ def _q6_k_scales(raw: np.ndarray, rng: np.random.Generator) -> None:
 
 
 _SCALES: dict[GGMLQuantizationType, Callable[[np.ndarray, np.random.Generator], None]] = {
-    Q8_0: _q8_0_scales, Q4_K: _q4_k_scales, Q6_K: _q6_k_scales,
+    Q8_0: _q8_0_scales, Q4_1: _q4_1_scales, Q4_0: _q4_0_scales, Q4_K: _q4_k_scales, Q6_K: _q6_k_scales,
 }
 
 
@@ -144,6 +162,9 @@ def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> P
     if mix not in QUANT_MIXES:
         raise ValueError(f"unknown quant mix {mix!r}; choose one of {', '.join(QUANT_MIXES)}")
     shape = SHAPES[shape_name]
+    if mix not in SINGLE_FORMAT_MIXES and shape.hidden % 256:
+        raise ValueError(f"{shape_name}'s rows of {shape.hidden} values are not whole 256-value super-blocks: "
+                         f"write it in {', '.join(SINGLE_FORMAT_MIXES)}")
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), "qwen3")
     writer.add_name(f"random {shape_name} {mix}")
@@ -157,7 +178,7 @@ def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> P
     writer.add_value_length(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1_000_000.0)
-    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if mix == "q8_0" else LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_file_type(FILE_TYPES[mix])
     _add_vocabulary(writer, shape.vocab)
     tensors = all_tensors(shape, mix)
     for name, dims, kind in tensors:
@@ -175,6 +196,12 @@ def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> P
         writer.write_tensor_data(_tensor_data(dims, kind, rng))
     writer.close()
     return path
+
+
+FILE_TYPES = {
+    "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_1": LlamaFileType.MOSTLY_Q4_1, "q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M,
+}
 
 
 def _add_vocabulary(writer: GGUFWriter, size: int) -> None:

@@ -36,9 +36,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16")
     group.add_argument(
         "--weights", default="auto", choices=["auto", "dense", "quantized"],
-        help="target weights: quantized GGUF blocks (through the CPU kernel on the CPU, Q4_1/Q8_0; through Triton "
-        "programs on a GPU in bf16/fp16, Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K), or dense; auto = quantized on CPU in float32 "
-        "when every matrix is Q4_1/Q8_0 and the kernel builds, dense otherwise (GPUs included)",
+        help="target weights: quantized GGUF blocks in Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K (through the CPU kernels on the "
+        "CPU, Q4_0 and the K formats on int8 products only; through Triton programs on a GPU in bf16/fp16), or dense; "
+        "auto = quantized on CPU in float32 when every matrix is in those formats and the kernels build, dense "
+        "otherwise (GPUs included)",
     )
     group.add_argument(
         "--draft-weights", default="auto", choices=["auto", "dense", "quantized"],
@@ -57,7 +58,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "tiles of Intel Xeon CPUs, float32 sums: a verification of up to 16 rows costs about one row), int8x2 "
         "(inputs rounded to two 8-bit parts, about 15 bits: integer dot products, closer to float32 than bf16), or "
         "int8 (one 8-bit part, as llama.cpp's activations: changes answers more); auto = amx where the CPU has it "
-        "and the engine speculates, else int8x2 where the CPU has AVX2, else float32",
+        "and the engine speculates, else int8x2 where the CPU has AVX2, else float32; models with Q4_0 or K-format "
+        "matrices run int8x2 (or int8): float32 and amx read Q4_1/Q8_0 only",
     )
     group.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill forward")
     group.add_argument("--max-ctx", type=int, default=None, help="context limit (default: the model's)")

@@ -101,7 +101,8 @@ def load_engine(
     speculative = draft not in (None, "", "none") and options.spec != "none"
     products = None
     if (choice.kind == "quantized" and torch_device.type == "cpu") or draft_format == "q8_0":
-        products = choose_cpu_matmul(loading.cpu_matmul, speculative=speculative)
+        formats = checkpoint.matrix_formats() if isinstance(checkpoint, QuantizedCheckpoint) else frozenset()
+        products = choose_cpu_matmul(loading.cpu_matmul, speculative=speculative, formats=formats)
     if isinstance(checkpoint, QuantizedCheckpoint):
         target = build_quantized_model(checkpoint, device=torch_device, dtype=torch_dtype)
         if products is not None:  # the CPU kernel's products (a GPU's blocks go through the Triton programs)

@@ -1,11 +1,22 @@
-// GGUF quantised blocks (Q4_1, Q8_0) shared by the CPU kernels: layouts, fp16 scales, dequantisation to float32
-// vectors per instruction set (AVX-512F, else AVX2 + FMA + F16C, else portable C++; chosen at compile time by
-// -march=native), and the checks on a [rows, bytes] block tensor.
+// GGUF quantised blocks shared by the CPU kernels: layouts, fp16 scales, dequantisation of Q4_1 and Q8_0 to
+// float32 vectors per instruction set (AVX-512F, else AVX2 + FMA + F16C, else portable C++; chosen at compile time
+// by -march=native), and the checks on a [rows, bytes] block tensor.
 //
-// Block layouts (32 weights each, little-endian):
-//   Q4_1, 20 bytes: fp16 d | fp16 m | 16 bytes; byte j holds weight j (low nibble) and j + 16 (high nibble);
-//                   weight = d * q + m
+// Block layouts (little-endian). 32 weights each:
+//   Q4_0, 18 bytes: fp16 d | 16 bytes; byte j holds weight j (low nibble) and j + 16 (high nibble);
+//                   weight = d * (q - 8)
+//   Q4_1, 20 bytes: fp16 d | fp16 m | 16 bytes of nibbles as Q4_0;       weight = d * q + m
 //   Q8_0, 34 bytes: fp16 d | 32 int8 q;                                   weight = d * q
+// Super-blocks of 256 weights (the K formats; read by int8_matmul.cpp only):
+//   Q4_K, 144 bytes: fp16 d | fp16 dmin | 12 bytes of 6-bit scales sc_i and mins m_i of 8 sub-blocks of 32
+//                    (their packing: int8_formats.h) | 128 bytes: bytes 32 p .. 32 p + 31 hold sub-block 2 p (low
+//                    nibbles) and 2 p + 1 (high nibbles);               weight = d * sc_i * q - dmin * m_i
+//   Q5_K, 176 bytes: as Q4_K with 32 bytes qh before the nibbles: bit i of qh[l] is the fifth bit (16) of value l
+//                    of sub-block i;                                    weight = d * sc_i * q - dmin * m_i
+//   Q6_K, 210 bytes: 128 bytes ql | 64 bytes qh | 16 int8 scales | fp16 d. The 32-value block c = 4 n + k
+//                    (n = 0, 1; k = 0..3) takes its low 4 bits from ql[64 n + 32 (k % 2) + l] (low nibbles for
+//                    k < 2, high ones after) and its top 2 bits from qh[32 n + l] >> 2 k; its two 16-value
+//                    sub-blocks use scales 2 c and 2 c + 1;              weight = d * sc * (q - 32)
 #pragma once
 
 #include <torch/extension.h>
@@ -21,8 +32,13 @@
 namespace {
 
 constexpr int64_t kBlockValues = 32;
-constexpr int64_t kTypeQ4_1 = 3;  // ggml type ids
+constexpr int64_t kTypeQ4_0 = 2;  // ggml type ids
+constexpr int64_t kTypeQ4_1 = 3;
 constexpr int64_t kTypeQ8_0 = 8;
+constexpr int64_t kTypeQ4_K = 12;
+constexpr int64_t kTypeQ5_K = 13;
+constexpr int64_t kTypeQ6_K = 14;
+constexpr int64_t kSuperBlockValues = 256;
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -281,30 +297,60 @@ struct Q8_0 {
   static Weights dequant(const uint8_t* block) { return dequant_q8_0(block); }
 };
 
+// Values and bytes of one stored block.
+struct BlockLayout {
+  int64_t values, bytes;
+};
+
+// The formats of the float32 and bf16 kernels (quant_matmul.cpp, amx_matmul.cpp): Q4_1 and Q8_0.
 int64_t block_bytes(int64_t qtype) {
   if (qtype == kTypeQ4_1) return Q4_1::kBytes;
   if (qtype == kTypeQ8_0) return Q8_0::kBytes;
   TORCH_CHECK(false, "unsupported quantisation type ", qtype, " (supported: Q4_1 = 3, Q8_0 = 8)");
 }
 
-void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
+// The formats of the int8 kernel (int8_matmul.cpp): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
+BlockLayout int8_layout(int64_t qtype) {
+  switch (qtype) {
+    case kTypeQ4_0: return {kBlockValues, 18};
+    case kTypeQ4_1: return {kBlockValues, Q4_1::kBytes};
+    case kTypeQ8_0: return {kBlockValues, Q8_0::kBytes};
+    case kTypeQ4_K: return {kSuperBlockValues, 144};
+    case kTypeQ5_K: return {kSuperBlockValues, 176};
+    case kTypeQ6_K: return {kSuperBlockValues, 210};
+    default:
+      TORCH_CHECK(false, "unsupported quantisation type ", qtype,
+                  " (supported: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+  }
+}
+
+void check_blocks(const torch::Tensor& blocks, BlockLayout layout, int64_t k) {
   TORCH_CHECK(blocks.device().is_cpu(), "quantised blocks must be on the CPU");
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, "quantised blocks must be uint8");
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), "quantised blocks must be a contiguous [rows, bytes] tensor");
-  TORCH_CHECK(k % kBlockValues == 0, "row length ", k, " is not a multiple of ", kBlockValues);
-  TORCH_CHECK(blocks.size(1) == k / kBlockValues * block_bytes(qtype), "blocks have ", blocks.size(1),
-              " bytes per row, expected ", k / kBlockValues * block_bytes(qtype), " for ", k, " values");
+  TORCH_CHECK(k % layout.values == 0, "row length ", k, " is not a multiple of ", layout.values);
+  TORCH_CHECK(blocks.size(1) == k / layout.values * layout.bytes, "blocks have ", blocks.size(1),
+              " bytes per row, expected ", k / layout.values * layout.bytes, " for ", k, " values");
 }
 
-// The checked, contiguous input x [M, K] of a product with `blocks` and its float32 output y [M, N].
+void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
+  check_blocks(blocks, BlockLayout{kBlockValues, block_bytes(qtype)}, k);
+}
+
+// The checked, contiguous input x [M, K] of a product with `blocks` of `layout` and its float32 output y [M, N].
 std::pair<torch::Tensor, torch::Tensor> product_operands(const torch::Tensor& x, const torch::Tensor& blocks,
-                                                         int64_t qtype) {
+                                                         BlockLayout layout) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   torch::Tensor input = x.contiguous();
-  check_blocks(blocks, qtype, input.size(1));
+  check_blocks(blocks, layout, input.size(1));
   torch::Tensor out = torch::empty({input.size(0), blocks.size(0)}, input.options());
   return {input, out};
+}
+
+std::pair<torch::Tensor, torch::Tensor> product_operands(const torch::Tensor& x, const torch::Tensor& blocks,
+                                                         int64_t qtype) {
+  return product_operands(x, blocks, BlockLayout{kBlockValues, block_bytes(qtype)});
 }
 
 }  // namespace

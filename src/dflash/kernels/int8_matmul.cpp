@@ -1,17 +1,25 @@
-// y[M, N] = x[M, K] @ W[N, K]^T with W stored as GGUF blocks (Q4_1 or Q8_0, see gguf_blocks.h), computed with
-// integer dot products: each input row is quantised once per call to blocks of 32 int8 values with a float32
-// scale (dx = max |x| / 127 over the block, q = round-to-nearest-even(x * 127 / max |x|)), and each weight block
-// meets each input block in one integer dot product of its raw values (exact, int32), scaled afterwards:
-//   Q8_0 block b:  dw dx sum_j qw_j qx_j
-//   Q4_1 block b:  sum_j (dw qw_j + mw) (dx qx_j) = dw dx sum_j qw_j qx_j + mw (dx sum_j qx_j)
-// The weights are never converted to floats; the nibbles are unpacked in registers.
+// y[M, N] = x[M, K] @ W[N, K]^T with W stored as GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K, see
+// gguf_blocks.h), computed with integer dot products: each input row is quantised once per call to blocks of 32
+// int8 values with a float32 scale (dx = max |x| / 127 over the block, q = round-to-nearest-even(x * 127 / max |x|)),
+// and the weights' raw integers meet each input block in integer dot products (exact, int32), scaled afterwards.
+// The weights are never converted to floats; their bits are unpacked in registers (int8_formats.h).
 //
-// The float side of output y[m, n] is one chain over the blocks in order, starting from 0:
-//   acc = fma(dw_b * dx_b, float(dot_b), acc);  acc = fma(mw_b, dx_b * sum_b(qx), acc)  (the second for Q4_1)
+// The float side of output y[m, n] is one chain over the input blocks b in order, starting from acc = 0, with
+// dot_b = sum_j qw_j qx_j over the block's 32 values (qw: the weights' stored integers), S_b = sum_j qx_j and, for
+// Q6_K, dot_b,h and S_b,h the same over the block's half h (values 16 h .. 16 h + 15):
+//   Q8_0:        acc = fma(d_b * dx_b, float(dot_b), acc)
+//   Q4_0:        acc = fma(d_b * dx_b, float(dot_b - 8 S_b), acc)                    (w = d (q - 8))
+//   Q4_1:        acc = fma(d_b * dx_b, float(dot_b), acc);  acc = fma(m_b, dx_b * S_b, acc)
+//   Q4_K, Q5_K:  as Q4_1 with d_b = d * sc_i and m_b = -(dmin * m_i), i = b mod 8 the block's sub-block (both
+//                products exact in float32)                                          (w = d sc_i q - dmin m_i)
+//   Q6_K:        for h = 0, 1: acc = fma(d_b,h * dx_b, float(dot_b,h - 32 S_b,h), acc)
+//                with d_b,h = d * sc_(2 (b mod 8) + h) (exact)                       (w = d sc (q - 32))
+// (dx_b * S_b is computed once per input block, when the row is quantised.)
 // Every path computes exactly this chain per output element: the vector paths (AVX-512 VNNI, AVX-VNNI, AVX2) run
-// it for 16 (or 8) weight rows at once, one lane per weight row, after summing each block's integer lanes per
-// row; the AMX path (6 or more input rows on CPUs with AMX-INT8 tiles) runs it for 16 input rows at once, one
-// lane per input row, on the integer sums of one tile product per block. Integer sums are exact in any order.
+// it for 16 (or 8) weight rows at once, one lane per weight row, after summing each block's (or half block's)
+// integer lanes per row; the AMX path (6 or more input rows on CPUs with AMX-INT8 tiles) runs it for 16 input rows
+// at once, one lane per input row, on the integer sums of one tile product per block. Integer sums are exact in any
+// order. Q6_K, whose scales change every 16 values, stays on the vector path whatever the rows.
 //
 // Batch invariance: so y[m, n] is bitwise the same whatever M is, which path or tile the row takes, where it sits
 // in its tile, or how many threads run. An input row's quantisation depends on that row only. Contraction of
@@ -20,14 +28,15 @@
 // ISA (chosen at compile time by -march=native): AVX-512 with VNNI (vpdpbusd on 512 bits, 16 weight rows x a
 // block pair per step), else AVX2 + FMA + F16C (8 weight rows x a block; vpdpbusd on 256 bits with AVX-VNNI,
 // else vpmaddubsw + vpmaddwd, which cannot overflow here: |products| <= 128 * 127 per pair). With AMX-INT8 as
-// well, products of two or more input rows run on the tiles where Linux grants the tile state (arch_prctl).
+// well, products of six or more input rows run on the tiles where Linux grants the tile state (arch_prctl).
 // `available()` is false without AVX2.
 //
 // Two parts (`parts` = 2): each input block is rounded twice, x ~ dx (q + low / 256) with low the first rounding's
 // residual rounded again to 8 bits (about 15 bits in all), and each product takes two integer dot products,
-// 256 (w . q) + (w . low), exact in int32; the chain then reads that sum with the scale dx / 256. The inputs'
-// rounding moves a product about 200 times less than with one part (and less than bf16 inputs do), for about the
-// cost of one part on one row. Batch invariant as above: every path forms the same integer sum per block.
+// 256 (w . q) + (w . low), exact in int32; the chain above then reads that sum (and S = 256 sum q + sum low) with
+// the scale dx / 256. The inputs' rounding moves a product about 200 times less than with one part (and less than
+// bf16 inputs do), for about the cost of one part on one row. Batch invariant as above: every path forms the same
+// integer sum per block.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -41,12 +50,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-#define DFLASH_INT8_512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define DFLASH_INT8_256 1
-#endif
+#include "int8_formats.h"
 
 #if defined(DFLASH_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define DFLASH_INT8_AMX 1
@@ -54,6 +58,10 @@
 #endif
 
 namespace {
+
+#if !defined(DFLASH_INT8_512) && !defined(DFLASH_INT8_256)
+constexpr const char* kInt8Isa = "none";
+#endif
 
 constexpr int64_t kPadValues = 64;  // input rows are padded with zeros to whole block pairs
 
@@ -65,12 +73,14 @@ struct QuantizedRows {
   std::vector<int8_t> q;                              // [rows, padded] int8 values (zeros past k)
   std::vector<float> scale;                           // [rows, blocks] dx
   std::vector<float> sum;                             // [rows, blocks] dx * (sum of the block's q)
+  std::vector<int32_t> half_total;                    // [rows, blocks * 2] integer sums of each 16-value half
   std::vector<int8_t> low;                            // [rows, padded] second parts (two parts only)
 
   const int8_t* values(int64_t row) const { return q.data() + row * padded; }
   const int8_t* lows(int64_t row) const { return low.data() + row * padded; }
   const float* scales(int64_t row) const { return scale.data() + row * blocks; }
   const float* sums(int64_t row) const { return sum.data() + row * blocks; }
+  const int32_t* half_totals(int64_t row) const { return half_total.data() + row * 2 * blocks; }
 };
 
 // One block of 32 floats -> 32 int8 values and their scale (scalar; the reference for `quantize_block`).
@@ -99,20 +109,23 @@ inline float quantize_block(const float* x, int8_t* q) {
 inline float quantize_block(const float* x, int8_t* q) { return quantize_block_scalar(x, q); }
 #endif
 
-// One input row -> its blocks' values, scales and scaled sums; with `low` (two parts) also the second parts, the
-// scale then being dx / 256 and the sum that of 256 q + low.
-void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* scale, float* sum, int8_t* low) {
+// One input row -> its blocks' values, scales, scaled sums and half-block integer sums; with `low` (two parts)
+// also the second parts, the scale then being dx / 256 and the sums those of 256 q + low.
+void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* scale, float* sum,
+                  int32_t* half_total, int8_t* low) {
+  const int64_t blocks = padded / kBlockValues;
   std::memset(q, 0, static_cast<size_t>(padded));
   if (low != nullptr) std::memset(low, 0, static_cast<size_t>(padded));
-  std::fill(scale, scale + padded / kBlockValues, 0.0f);
-  std::fill(sum, sum + padded / kBlockValues, 0.0f);
+  std::fill(scale, scale + blocks, 0.0f);
+  std::fill(sum, sum + blocks, 0.0f);
+  std::fill(half_total, half_total + 2 * blocks, 0);
   for (int64_t b = 0; b < k / kBlockValues; ++b) {
     int8_t* block = q + b * kBlockValues;
     const float* values = x + b * kBlockValues;
     const float d = quantize_block(values, block);
-    int total = 0;
+    int halves[2] = {0, 0};
     if (low == nullptr) {
-      for (int j = 0; j < kBlockValues; ++j) total += block[j];
+      for (int j = 0; j < kBlockValues; ++j) halves[j / 16] += block[j];
       scale[b] = d;
     } else {
       int8_t* block_low = low + b * kBlockValues;
@@ -120,11 +133,13 @@ void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* s
       for (int j = 0; j < kBlockValues; ++j) {
         const float residual = values[j] - d * static_cast<float>(block[j]);  // |residual| <= d / 2
         block_low[j] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * inverse), -127.0f, 127.0f));
-        total += 256 * block[j] + block_low[j];
+        halves[j / 16] += 256 * block[j] + block_low[j];
       }
       scale[b] = d / 256.0f;
     }
-    sum[b] = scale[b] * static_cast<float>(total);
+    half_total[2 * b] = halves[0];
+    half_total[2 * b + 1] = halves[1];
+    sum[b] = scale[b] * static_cast<float>(halves[0] + halves[1]);
   }
 }
 
@@ -137,11 +152,13 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int parts) {
   rows.q.resize(static_cast<size_t>(m * rows.padded));
   rows.scale.resize(static_cast<size_t>(m * rows.blocks));
   rows.sum.resize(static_cast<size_t>(m * rows.blocks));
+  rows.half_total.resize(static_cast<size_t>(m * 2 * rows.blocks));
   if (parts == 2) rows.low.resize(static_cast<size_t>(m * rows.padded));
   const auto work = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       quantize_row(x + i * k, k, rows.padded, rows.q.data() + i * rows.padded, rows.scale.data() + i * rows.blocks,
-                   rows.sum.data() + i * rows.blocks, parts == 2 ? rows.low.data() + i * rows.padded : nullptr);
+                   rows.sum.data() + i * rows.blocks, rows.half_total.data() + i * 2 * rows.blocks,
+                   parts == 2 ? rows.low.data() + i * rows.padded : nullptr);
     }
   };
   if (m >= 32) {
@@ -163,15 +180,17 @@ constexpr int64_t kPrefetchRows = 16;
 #if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
 // Output rows handed to one task at least (so small matrices are not split into tiny pieces).
 constexpr int64_t kMinRowsPerTask = 16;
+
+template <class Format>
+inline const uint8_t* prefetch_address(const uint8_t* row, int64_t b, int64_t row_bytes) {
+  return row + data_offset<Format::kBytes, Format::kValues>(b) + kPrefetchRows * row_bytes;  // past the end: a hint
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
 // AVX-512 VNNI: 16 weight rows (one per lane) x a block pair per step.
 // ---------------------------------------------------------------------------------------------------------
 #if defined(DFLASH_INT8_512)
-constexpr const char* kInt8Isa = "avx512-vnni";
-constexpr int kGroupRows = 16;
-
 // Integer sums of 16 rows' dot-product vectors (lanes 0..7: block b, 8..15: block b + 1) -> (block b's sums,
 // block b + 1's sums), lane r = row r. Any order of integer additions gives the same sums.
 inline __m512i pair_add(__m512i a, __m512i b) {  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
@@ -192,64 +211,27 @@ inline void block_sums(const __m512i (&dots)[kGroupRows], __m512i& first, __m512
   first = _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0));
   second = _mm512_shuffle_i32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1));
 }
-
-// The scales of block b of 16 rows (one gather of the block's first 4 bytes per row): d, and m for Q4_1.
-inline __m512i gather_scales(const uint8_t* weights, __m512i offsets, int64_t b, int64_t block_bytes) {
-  return _mm512_i32gather_epi32(offsets, weights + b * block_bytes, 1);
+// The same rows' sums per 16-value quarter of the pair (block b's halves, then block b + 1's), lane r = row r.
+inline void quarter_sums(const __m512i (&dots)[kGroupRows], __m512i (&quarters)[4]) {
+  // q_i: 128-bit lane L holds rows 4 i .. 4 i + 3's sums of quarter L
+  const __m512i q0 = quad_add(dots[0], dots[1], dots[2], dots[3]), q1 = quad_add(dots[4], dots[5], dots[6], dots[7]);
+  const __m512i q2 = quad_add(dots[8], dots[9], dots[10], dots[11]),
+                q3 = quad_add(dots[12], dots[13], dots[14], dots[15]);
+  const __m512i t0 = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(1, 0, 1, 0));  // [q0 L0, q0 L1, q1 L0, q1 L1]
+  const __m512i t1 = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(3, 2, 3, 2));  // [q0 L2, q0 L3, q1 L2, q1 L3]
+  const __m512i t2 = _mm512_shuffle_i32x4(q2, q3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i t3 = _mm512_shuffle_i32x4(q2, q3, _MM_SHUFFLE(3, 2, 3, 2));
+  quarters[0] = _mm512_shuffle_i32x4(t0, t2, _MM_SHUFFLE(2, 0, 2, 0));  // [q0 L0, q1 L0, q2 L0, q3 L0]
+  quarters[1] = _mm512_shuffle_i32x4(t0, t2, _MM_SHUFFLE(3, 1, 3, 1));
+  quarters[2] = _mm512_shuffle_i32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0));
+  quarters[3] = _mm512_shuffle_i32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1));
 }
-inline __m512 low_half(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
-inline __m512 high_half(__m512i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
 
-struct Q4_1Int8 {
-  static constexpr int64_t kBytes = Q4_1::kBytes;
-  static constexpr bool kHasMin = true;
-  // 64 nibbles as bytes (block b's 32 values, then block b + 1's; zeros for a missing second block)
-  static inline __m512i unpack(const uint8_t* block, bool two) {
-    const __m128i n0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i n1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kBytes + 4)) : _mm_setzero_si128();
-    const __m512i both = _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(n0), n1, 1));
-    // 128-bit lanes [n0, n0, n1, n1]; the second copy of each shifted down by a nibble
-    const __m512i spread = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), both);
-    const __m512i shifted = _mm512_srlv_epi64(spread, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
-    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
-  }
-  static inline __m512i input(__m512i q) { return q; }
-  // nibbles (unsigned) x q (signed)
-  static inline __m512i dot(__m512i w, __m512i x) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x); }
-  // 256 (w . high) + (w . low), per lane
-  static inline __m512i dot2(__m512i w, __m512i high, __m512i low) {
-    return _mm512_dpbusd_epi32(_mm512_slli_epi32(dot(w, high), 8), w, low);
-  }
-};
-
-struct Q8_0Int8 {
-  static constexpr int64_t kBytes = Q8_0::kBytes;
-  static constexpr bool kHasMin = false;
-  static inline __m512i unpack(const uint8_t* block, bool two) {
-    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    const __m256i q1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kBytes + 2))
-                           : _mm256_setzero_si256();
-    return _mm512_inserti64x4(_mm512_castsi256_si512(q0), q1, 1);
-  }
-  // q + 128 as unsigned bytes: vpdpbusd multiplies unsigned by signed, and both of Q8_0's sides are signed
-  static inline __m512i input(__m512i q) { return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80))); }
-  // sum (q + 128) w - 128 sum w = sum q w, per lane
-  static inline __m512i dot(__m512i w, __m512i x) {
-    const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
-    return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w), offset);
-  }
-  // 256 (high . w) + (low . w) from the offset inputs: 256 sum (h + 128) w + sum (l + 128) w - 257 * 128 sum w
-  static inline __m512i dot2(__m512i w, __m512i high, __m512i low) {
-    const __m512i offset = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
-    const __m512i both =
-        _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), high, w), 8), low, w);
-    return _mm512_sub_epi32(both, _mm512_add_epi32(_mm512_slli_epi32(offset, 8), offset));
-  }
-};
-
-// The chain's step for one block: acc = fma(d * dx, float(dot), acc) (+ fma(m, dx * sum q, acc) for Q4_1).
+// The chain's step for one block (or Q6_K half block), lanes = weight rows: the integer sums less the format's
+// offset times the input's integer sum, then acc = fma(d * dx, float(dots), acc) (+ fma(m, dx * S, acc)).
 template <class Format>
-inline __m512 chain_step(__m512 acc, __m512 d, __m512 m, __m512i dots, float dx, float dx_sum) {
+inline __m512 chain_step(__m512 acc, __m512 d, __m512 m, __m512i dots, float dx, float dx_sum, int32_t total) {
+  if constexpr (Format::kOffset != 0) dots = _mm512_sub_epi32(dots, _mm512_set1_epi32(Format::kOffset * total));
   acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(dots), acc);
   if constexpr (Format::kHasMin) acc = _mm512_fmadd_ps(m, _mm512_set1_ps(dx_sum), acc);
   return acc;
@@ -270,17 +252,16 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
   __m512 acc[INPUTS];
   for (int c = 0; c < INPUTS; ++c) acc[c] = _mm512_setzero_ps();
   alignas(64) __m512i unpacked[kGroupRows];
+  typename Format::Loaded loaded;
   for (int64_t b = 0; b < blocks; b += 2) {
     const bool two = b + 1 < blocks;
-    const __m512i scales0 = gather_scales(rows[0], offset_vector, b, Format::kBytes);
-    const __m512i scales1 = two ? gather_scales(rows[0], offset_vector, b + 1, Format::kBytes) : _mm512_setzero_si512();
-    const __m512 d0 = low_half(scales0), d1 = low_half(scales1);
-    const __m512 m0 = Format::kHasMin ? high_half(scales0) : d0, m1 = Format::kHasMin ? high_half(scales1) : d1;
+    const int pair = static_cast<int>(b / 2 % Format::kPairsPerLoad);
+    if (pair == 0) loaded = Format::load(rows[0], offset_vector, b, two);
+    const PairFactors f = Format::pair(loaded, pair);
 #pragma GCC unroll 16
     for (int r = 0; r < kGroupRows; ++r) {
-      const uint8_t* block = rows[r] + b * Format::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);  // past the end: a hint
-      unpacked[r] = Format::unpack(block, two);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch_address<Format>(rows[r], b, row_bytes)), _MM_HINT_T0);
+      unpacked[r] = Format::unpack(rows[r], b, two);
     }
 #pragma GCC unroll 4
     for (int c = 0; c < INPUTS; ++c) {
@@ -295,12 +276,21 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
 #pragma GCC unroll 16
         for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
       }
-      __m512i sums0, sums1;
-      block_sums(dots, sums0, sums1);
       const float* dx = x.scales(input) + b;
       const float* dx_sum = x.sums(input) + b;
-      acc[c] = chain_step<Format>(acc[c], d0, m0, sums0, dx[0], dx_sum[0]);
-      if (two) acc[c] = chain_step<Format>(acc[c], d1, m1, sums1, dx[1], dx_sum[1]);
+      const int32_t* halves = x.half_totals(input) + 2 * b;  // [4]: block b's halves, then block b + 1's
+      if constexpr (Format::kHalves) {  // a K format: both blocks are there
+        __m512i quarters[4];
+        quarter_sums(dots, quarters);
+        for (int h = 0; h < 4; ++h) {
+          acc[c] = chain_step<Format>(acc[c], f.d[h], f.d[h], quarters[h], dx[h / 2], 0.0f, halves[h]);
+        }
+      } else {
+        __m512i sums0, sums1;
+        block_sums(dots, sums0, sums1);
+        acc[c] = chain_step<Format>(acc[c], f.d[0], f.m[0], sums0, dx[0], dx_sum[0], halves[0] + halves[1]);
+        if (two) acc[c] = chain_step<Format>(acc[c], f.d[1], f.m[1], sums1, dx[1], dx_sum[1], halves[2] + halves[3]);
+      }
     }
   }
   const int valid = static_cast<int>(std::min<int64_t>(kGroupRows, n - first_row));
@@ -312,39 +302,14 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
 // AVX2 (+ AVX-VNNI): 8 weight rows (one per lane) x a block per step.
 // ---------------------------------------------------------------------------------------------------------
 #elif defined(DFLASH_INT8_256)
-#if defined(__AVXVNNI__)
-constexpr const char* kInt8Isa = "avx-vnni";
-inline __m256i dot_u8_s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
-#else
-constexpr const char* kInt8Isa = "avx2";
-// |u * s| <= 128 * 127 per byte pair here (nibbles, or |qw| <= 128 against |qx| <= 127): no int16 saturation
-inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-#endif
-constexpr int kGroupRows = 8;
-
-// 8 rows' dot-product vectors of one block -> the block's sums, lane r = row r.
-inline __m256i block_sums(const __m256i (&dots)[kGroupRows]) {
+// 8 rows' dot-product vectors of one block -> the block's sums per half (values 0..15, 16..31), lane r = row r.
+inline void half_sums(const __m256i (&dots)[kGroupRows], __m256i& first, __m256i& second) {
   const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
   const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[4], dots[5]), _mm256_hadd_epi32(dots[6], dots[7]));
   // low: [rows 0..3, lanes 0..3 | rows 0..3, lanes 4..7]; high: the same for rows 4..7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+  first = _mm256_permute2x128_si256(low, high, 0x20);
+  second = _mm256_permute2x128_si256(low, high, 0x31);
 }
-
-struct Q4_1Int8 {
-  static constexpr int64_t kBytes = Q4_1::kBytes;
-  static constexpr bool kHasMin = true;
-  struct Unpacked {
-    __m256i w;  // 32 nibbles as bytes
-  };
-  static inline Unpacked unpack(const uint8_t* block) {
-    const __m256i spread = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m256i shifted = _mm256_srlv_epi64(spread, _mm256_setr_epi64x(0, 0, 4, 4));
-    return {_mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))};
-  }
-  static inline __m256i dot(const Unpacked& w, __m256i x) { return dot_u8_s8(w.w, x); }
-};
 
 // 256 (w . high) + (w . low), per lane
 template <class Format>
@@ -352,48 +317,37 @@ inline __m256i dot2(const typename Format::Unpacked& w, __m256i high, __m256i lo
   return _mm256_add_epi32(_mm256_slli_epi32(Format::dot(w, high), 8), Format::dot(w, low));
 }
 
-struct Q8_0Int8 {
-  static constexpr int64_t kBytes = Q8_0::kBytes;
-  static constexpr bool kHasMin = false;
-  struct Unpacked {
-    __m256i q, magnitude;  // qw, |qw| (unsigned)
-  };
-  static inline Unpacked unpack(const uint8_t* block) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    return {q, _mm256_abs_epi8(q)};
-  }
-  // |qw| x (qx with qw's sign)
-  static inline __m256i dot(const Unpacked& w, __m256i x) { return dot_u8_s8(w.magnitude, _mm256_sign_epi8(x, w.q)); }
-};
-
+// The chain's step for one block (or Q6_K half block), lanes = weight rows (as the 512-bit path's).
 template <class Format>
-void group_tile_block_scales(const uint8_t* const (&rows)[kGroupRows], int64_t b, __m256& d, __m256& m) {
-  alignas(32) float ds[kGroupRows], ms[kGroupRows];
-  for (int r = 0; r < kGroupRows; ++r) {
-    const uint8_t* block = rows[r] + b * Format::kBytes;
-    ds[r] = half_to_float(load_u16(block));
-    ms[r] = Format::kHasMin ? half_to_float(load_u16(block + 2)) : 0.0f;
-  }
-  d = _mm256_load_ps(ds);
-  m = _mm256_load_ps(ms);
+inline __m256 chain_step(__m256 acc, __m256 d, __m256 m, __m256i dots, float dx, float dx_sum, int32_t total) {
+  if constexpr (Format::kOffset != 0) dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(Format::kOffset * total));
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(dots), acc);
+  if constexpr (Format::kHasMin) acc = _mm256_fmadd_ps(m, _mm256_set1_ps(dx_sum), acc);
+  return acc;
 }
 
 template <class Format, int INPUTS, int PARTS>
 void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_t n, int64_t first_row,
                 const QuantizedRows& x, int64_t first_input, float* y) {
   const uint8_t* rows[kGroupRows];
-  for (int r = 0; r < kGroupRows; ++r) rows[r] = weights + clamped_row(first_row, r, n) * row_bytes;
+  alignas(32) int32_t offsets[kGroupRows];
+  for (int r = 0; r < kGroupRows; ++r) {
+    rows[r] = weights + clamped_row(first_row, r, n) * row_bytes;
+    offsets[r] = static_cast<int32_t>(rows[r] - rows[0]);
+  }
+  const __m256i offset_vector = _mm256_load_si256(reinterpret_cast<const __m256i*>(offsets));
   __m256 acc[INPUTS];
   for (int c = 0; c < INPUTS; ++c) acc[c] = _mm256_setzero_ps();
   typename Format::Unpacked unpacked[kGroupRows];
+  typename Format::Loaded loaded;
   for (int64_t b = 0; b < blocks; ++b) {
-    __m256 d, m;
-    group_tile_block_scales<Format>(rows, b, d, m);
+    const int step = static_cast<int>(b % Format::kBlocksPerLoad);
+    if (step == 0) loaded = Format::load(rows, offset_vector, b);
+    const BlockFactors f = Format::block(loaded, step);
 #pragma GCC unroll 8
     for (int r = 0; r < kGroupRows; ++r) {
-      const uint8_t* block = rows[r] + b * Format::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
-      unpacked[r] = Format::unpack(block);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch_address<Format>(rows[r], b, row_bytes)), _MM_HINT_T0);
+      unpacked[r] = Format::unpack(rows[r], b);
     }
 #pragma GCC unroll 4
     for (int c = 0; c < INPUTS; ++c) {
@@ -408,9 +362,17 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
 #pragma GCC unroll 8
         for (int r = 0; r < kGroupRows; ++r) dots[r] = Format::dot(unpacked[r], q);
       }
-      const __m256i sums = block_sums(dots);
-      acc[c] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scales(input)[b])), _mm256_cvtepi32_ps(sums), acc[c]);
-      if constexpr (Format::kHasMin) acc[c] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sums(input)[b]), acc[c]);
+      __m256i first, second;
+      half_sums(dots, first, second);
+      const float dx = x.scales(input)[b], dx_sum = x.sums(input)[b];
+      const int32_t* halves = x.half_totals(input) + 2 * b;
+      if constexpr (Format::kHalves) {
+        acc[c] = chain_step<Format>(acc[c], f.d[0], f.m, first, dx, dx_sum, halves[0]);
+        acc[c] = chain_step<Format>(acc[c], f.d[1], f.m, second, dx, dx_sum, halves[1]);
+      } else {
+        acc[c] = chain_step<Format>(acc[c], f.d[0], f.m, _mm256_add_epi32(first, second), dx, dx_sum,
+                                    halves[0] + halves[1]);
+      }
     }
   }
   const int64_t valid = std::min<int64_t>(kGroupRows, n - first_row);
@@ -420,8 +382,6 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
     std::memcpy(y + c * n + first_row, out, static_cast<size_t>(valid) * sizeof(float));
   }
 }
-#else
-constexpr const char* kInt8Isa = "none";
 #endif
 
 #if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
@@ -487,12 +447,14 @@ void configure_tiles() {
 }
 
 // Input tiles of every group of 16 input rows and every block, and the rows' scales by block:
-// tiles[(g * blocks + b) * 512 ...] (B layout), scales[(g * blocks + b) * 16 + i] = dx of input 16 g + i.
-// With two parts `low_tiles` holds the second parts in the same layout.
+// tiles[(g * blocks + b) * 512 ...] (B layout), scales[(g * blocks + b) * 16 + i] = dx of input 16 g + i (sums:
+// dx * S, totals: S of the same input and block). With two parts `low_tiles` holds the second parts in the same
+// layout.
 struct InputTiles {
   int64_t groups = 0, blocks = 0;
   std::vector<int8_t> tiles, low_tiles;
   std::vector<float> scales, sums;
+  std::vector<int32_t> totals;
 };
 
 InputTiles input_tiles(const QuantizedRows& x, int64_t blocks) {
@@ -504,6 +466,7 @@ InputTiles input_tiles(const QuantizedRows& x, int64_t blocks) {
   if (two) t.low_tiles.assign(t.tiles.size(), 0);
   t.scales.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0.0f);
   t.sums.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0.0f);
+  t.totals.assign(static_cast<size_t>(t.groups * blocks * kTileRows), 0);
   for (int64_t input = 0; input < x.rows; ++input) {
     const int64_t g = input / kTileRows, i = input % kTileRows;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -516,6 +479,7 @@ InputTiles input_tiles(const QuantizedRows& x, int64_t blocks) {
       }
       t.scales[(g * blocks + b) * kTileRows + i] = x.scales(input)[b];
       t.sums[(g * blocks + b) * kTileRows + i] = x.sums(input)[b];
+      t.totals[(g * blocks + b) * kTileRows + i] = x.half_totals(input)[2 * b] + x.half_totals(input)[2 * b + 1];
     }
   }
   return t;
@@ -527,8 +491,8 @@ inline void tile_products(const int8_t* pair, const int8_t* inputs0, const int8_
   _tile_zero(0);
   _tile_loadd(2, pair, 2 * kBlockValues);
   _tile_loadd(4, inputs0, 64);
-  if constexpr (Format::kHasMin) {
-    _tile_dpbusd(0, 2, 4);  // nibbles (unsigned) x q (signed)
+  if constexpr (Format::kUnsigned) {
+    _tile_dpbusd(0, 2, 4);  // unsigned weights x q (signed)
   } else {
     _tile_dpbssd(0, 2, 4);  // signed x signed
   }
@@ -536,7 +500,7 @@ inline void tile_products(const int8_t* pair, const int8_t* inputs0, const int8_
     _tile_zero(1);
     _tile_loadd(3, pair + kBlockValues, 2 * kBlockValues);
     _tile_loadd(5, inputs1, 64);
-    if constexpr (Format::kHasMin) {
+    if constexpr (Format::kUnsigned) {
       _tile_dpbusd(1, 3, 5);
     } else {
       _tile_dpbssd(1, 3, 5);
@@ -553,7 +517,7 @@ inline void tile_products_two_parts(const int8_t* pair, const int8_t* inputs0, c
   _tile_loadd(2, pair, 2 * kBlockValues);
   _tile_loadd(4, inputs0, 64);
   _tile_loadd(5, lows0, 64);
-  if constexpr (Format::kHasMin) {
+  if constexpr (Format::kUnsigned) {
     _tile_dpbusd(0, 2, 4);
     _tile_dpbusd(1, 2, 5);
   } else {
@@ -566,7 +530,7 @@ inline void tile_products_two_parts(const int8_t* pair, const int8_t* inputs0, c
     _tile_loadd(3, pair + kBlockValues, 2 * kBlockValues);
     _tile_loadd(4, inputs1, 64);
     _tile_loadd(5, lows1, 64);
-    if constexpr (Format::kHasMin) {
+    if constexpr (Format::kUnsigned) {
       _tile_dpbusd(6, 3, 4);
       _tile_dpbusd(7, 3, 5);
     } else {
@@ -592,18 +556,20 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
   alignas(64) int8_t pair[2][kTileRows][2 * kBlockValues];  // row r: block b's 32 values, then block b + 1's
   alignas(64) int32_t sums[2][2][PARTS][kTileRows * kTileRows];  // [slot][block of the pair][part][r * 16 + input]
   alignas(64) float ds[2][2][kTileRows], ms[2][2][kTileRows];  // [slot][block of the pair][r]: d, m
+  typename Format::Loaded loaded;  // the scales of the super-block being issued (K formats), or of the pair
   const auto issue = [&](int64_t b, int slot) {
     const bool two = b + 1 < blocks;
-    for (int half = 0; half < (two ? 2 : 1); ++half) {
-      const __m512i scales = gather_scales(rows[0], offset_vector, b + half, Format::kBytes);
-      _mm512_store_ps(ds[slot][half], low_half(scales));
-      if constexpr (Format::kHasMin) _mm512_store_ps(ms[slot][half], high_half(scales));
+    const int pair_index = static_cast<int>(b / 2 % Format::kPairsPerLoad);
+    if (pair_index == 0) loaded = Format::load(rows[0], offset_vector, b, two);
+    const PairFactors factors = Format::pair(loaded, pair_index);
+    for (int half = 0; half < 2; ++half) {
+      _mm512_store_ps(ds[slot][half], factors.d[half]);
+      _mm512_store_ps(ms[slot][half], factors.m[half]);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < kTileRows; ++r) {
-      const uint8_t* block = rows[r] + b * Format::kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchRows * row_bytes), _MM_HINT_T0);
-      _mm512_store_si512(pair[slot][r], Format::unpack(block, two));
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch_address<Format>(rows[r], b, row_bytes)), _MM_HINT_T0);
+      _mm512_store_si512(pair[slot][r], Format::unpack(rows[r], b, two));
     }
     const int8_t* b_tiles = inputs.tiles.data() + (g * blocks + b) * 512;
     if constexpr (PARTS == 2) {
@@ -630,6 +596,9 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
       const int64_t block = b + half;
       const __m512 dx = _mm512_loadu_ps(inputs.scales.data() + (g * blocks + block) * kTileRows);
       const __m512 dx_sum = _mm512_loadu_ps(inputs.sums.data() + (g * blocks + block) * kTileRows);
+      const __m512i offsets_of_inputs =  // the format's offset times each input's S (Q4_0)
+          _mm512_mullo_epi32(_mm512_set1_epi32(Format::kOffset),
+                             _mm512_loadu_si512(inputs.totals.data() + (g * blocks + block) * kTileRows));
       const int32_t* block_sums = sums[slot][half][0];
       const int32_t* low_sums = sums[slot][half][PARTS - 1];
       const float* d = ds[slot][half];
@@ -640,6 +609,7 @@ void amx_group(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64_
         if constexpr (PARTS == 2) {  // 256 (w . q) + (w . low), as the vector path's dot2
           integers = _mm512_add_epi32(_mm512_slli_epi32(integers, 8), _mm512_load_si512(low_sums + r * kTileRows));
         }
+        if constexpr (Format::kOffset != 0) integers = _mm512_sub_epi32(integers, offsets_of_inputs);
         const __m512 dots = _mm512_cvtepi32_ps(integers);
         acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx), dots, acc[r]);
         if constexpr (Format::kHasMin) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(mins[r]), dx_sum, acc[r]);
@@ -695,6 +665,22 @@ bool available() {
 
 namespace {
 
+#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+// Calls body(Format{}) with the format trait of `qtype` (checked by `int8_layout` before).
+template <class Body>
+void with_format(int64_t qtype, Body&& body) {
+  switch (qtype) {
+    case kTypeQ4_0: body(Q4_0Int8{}); break;
+    case kTypeQ4_1: body(Q4_1Int8{}); break;
+    case kTypeQ8_0: body(Q8_0Int8{}); break;
+    case kTypeQ4_K: body(Q4_KInt8{}); break;
+    case kTypeQ5_K: body(Q5_KInt8{}); break;
+    case kTypeQ6_K: body(Q6_KInt8{}); break;
+    default: TORCH_CHECK(false, "unsupported quantisation type ", qtype);
+  }
+}
+#endif
+
 template <int PARTS>
 void products(const QuantizedRows& rows, const uint8_t* weights, int64_t row_bytes, int64_t n_blocks, int64_t n,
               int64_t qtype, bool tiles, float* ys) {
@@ -702,26 +688,23 @@ void products(const QuantizedRows& rows, const uint8_t* weights, int64_t row_byt
   const int64_t m = rows.rows;
   const int64_t groups = (n + kGroupRows - 1) / kGroupRows;
   const int64_t grain = std::max<int64_t>(1, kMinRowsPerTask / kGroupRows);
+  with_format(qtype, [&](auto format) {
+    using Format = decltype(format);
 #if defined(DFLASH_INT8_AMX)
-  if (tiles && m >= kAmxMinInputs && tiles_usable()) {
-    const InputTiles input_groups = input_tiles(rows, n_blocks);
-    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-      if (qtype == kTypeQ4_1) {
-        amx_groups<Q4_1Int8, PARTS>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
-      } else {
-        amx_groups<Q8_0Int8, PARTS>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
+    if constexpr (Format::kOnTiles) {
+      if (tiles && m >= kAmxMinInputs && tiles_usable()) {
+        const InputTiles input_groups = input_tiles(rows, n_blocks);
+        at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+          amx_groups<Format, PARTS>(weights, row_bytes, n_blocks, n, input_groups, m, ys, begin, end);
+        });
+        return;
       }
-    });
-    return;
-  }
-#endif
-  (void)tiles;
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    if (qtype == kTypeQ4_1) {
-      vector_groups<Q4_1Int8, PARTS>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
-    } else {
-      vector_groups<Q8_0Int8, PARTS>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
     }
+#endif
+    (void)tiles, (void)m;
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      vector_groups<Format, PARTS>(weights, row_bytes, n_blocks, n, rows, ys, begin, end);
+    });
   });
 #else
   (void)rows, (void)weights, (void)row_bytes, (void)n_blocks, (void)n, (void)qtype, (void)tiles, (void)ys;
@@ -732,10 +715,10 @@ void products(const QuantizedRows& rows, const uint8_t* weights, int64_t row_byt
 
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, bool tiles,
                           int64_t parts) {
-  // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
+  // x: [M, K] float32; blocks: [N, K / (block values) * block bytes] uint8 -> y: [M, N] float32
   TORCH_CHECK(available(), "int8 products need AVX2 (with FMA and F16C) or AVX-512 VNNI; this build has neither");
   TORCH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
-  const auto [input, out] = product_operands(x, blocks, qtype);
+  const auto [input, out] = product_operands(x, blocks, int8_layout(qtype));
   const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
   if (m == 0 || n == 0) return out;
   const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k, static_cast<int>(parts));
@@ -773,8 +756,8 @@ std::string isa() { return kInt8Isa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   namespace py = pybind11;
-  module.doc() = "Matrix products with GGUF Q4_1 / Q8_0 weights and int8-quantised inputs (integer dot products, "
-                 "batch invariant)";
+  module.doc() = "Matrix products with GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights and int8-quantised "
+                 "inputs (integer dot products, batch invariant)";
   module.def("matmul", &int8_matmul, "y[M, N] = int8(x)[M, K] @ dequant(blocks)[N, K]^T", py::arg("x"),
              py::arg("blocks"), py::arg("qtype"), py::arg("tiles") = true, py::arg("parts") = 1,
              py::call_guard<py::gil_scoped_release>());

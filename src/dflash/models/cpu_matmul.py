@@ -21,6 +21,12 @@
   cost about one); otherwise int8x2 where the CPU has AVX2 at least (faster than the float32 kernel at one row and
   at five, with the 512-bit and the 256-bit builds alike), float32 elsewhere.
 
+Formats: the int8 kernel reads every GGUF format a quantized matrix is kept in (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K);
+the float32 and amx kernels read Q4_1 and Q8_0 only. For a model with any matrix in another format (the common
+Q4_K_M, Q4_0, Q5_K_M and Q6_K downloads) `auto` picks int8x2 (the reason names the formats), and an explicit
+`float32` or `amx` is refused with `ModelLoadError` rather than switched silently: they would change the products'
+rounding the user asked for. (On a CPU without AVX2 such a model loads dense weights: `weight_choice`.)
+
 All kernels are batch invariant (a row's result does not depend on the other rows), so speculative decoding
 reproduces plain decoding exactly under any; the choices can differ from each other in the last bits of a logit
 and so, rarely, in a greedy token.
@@ -29,13 +35,16 @@ and so, rarely, in a greedy token.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from dflash.errors import ModelLoadError
 from dflash.kernels.build import KernelUnavailable, load_amx_kernel, load_int8_kernel
 from dflash.models.quantized_layers import QuantizedLinear
+from dflash.models.quantized_weights import float_kernels_read, is_supported_type
 
 __all__ = ["CPU_MATMUL_OPTIONS", "MatmulChoice", "choose_cpu_matmul", "tile_products", "use_cpu_matmul"]
 
@@ -72,11 +81,22 @@ def int8_obstacle() -> str | None:
     return None
 
 
-def choose_cpu_matmul(requested: str, *, speculative: bool = True) -> MatmulChoice:
+def int8_only_formats(formats: Iterable[GGMLQuantizationType]) -> list[str]:
+    """The names of `formats` that only the int8 kernel reads, sorted."""
+    return sorted({qtype.name for qtype in formats if is_supported_type(qtype) and not float_kernels_read(qtype)})
+
+
+def choose_cpu_matmul(
+    requested: str, *, speculative: bool = True, formats: Iterable[GGMLQuantizationType] = ()
+) -> MatmulChoice:
     """The products kernel for quantized matrices on the CPU (see the module docstring); `speculative`: whether the
-    engine verifies drafts (several rows per forward) or decodes one row per step."""
+    engine verifies drafts (several rows per forward) or decodes one row per step; `formats`: those of the model's
+    quantized matrices."""
     if requested not in CPU_MATMUL_OPTIONS:
         raise ModelLoadError(f"unknown --cpu-matmul {requested!r}; choose one of {', '.join(CPU_MATMUL_OPTIONS)}")
+    int8_only = int8_only_formats(formats)
+    if int8_only:
+        return _int8_only_choice(requested, int8_only)
     if requested == "float32":
         return MatmulChoice("float32", "float32 products requested")
     if requested == "amx":
@@ -98,6 +118,24 @@ def choose_cpu_matmul(requested: str, *, speculative: bool = True) -> MatmulChoi
         return MatmulChoice("int8x2", f"auto: {why}: inputs in two 8-bit parts, integer dot products")
     log.info("float32 products for quantized matrices: %s; %s", obstacle, int8)
     return MatmulChoice("float32", f"auto: {obstacle}; {int8}")
+
+
+def _int8_only_choice(requested: str, int8_only: list[str]) -> MatmulChoice:
+    """The choice for a model with matrices in formats only the int8 kernel reads (`int8_only`)."""
+    named = ", ".join(int8_only)
+    if requested in ("float32", "amx"):
+        raise ModelLoadError(
+            f"--cpu-matmul {requested} reads Q4_1 and Q8_0 matrices only; this model has {named} matrices: "
+            "use --cpu-matmul int8x2 (or int8, auto), or --weights dense"
+        )
+    int8 = int8_obstacle()
+    if int8 is not None:
+        raise ModelLoadError(f"the model's {named} matrices need the int8 kernel, which is not available: {int8}")
+    if requested == "auto":
+        return MatmulChoice(
+            "int8x2", f"auto: {named} matrices, which only the int8 kernel reads: inputs in two 8-bit parts"
+        )
+    return MatmulChoice(requested, f"{requested} products requested")
 
 
 def tile_products(kind: str) -> bool:

@@ -1,8 +1,9 @@
 """Loading a GGUF file with its matrices left quantized (a `QuantizedCheckpoint`), for the CPU kernel or the
 GPU programs.
 
-Every 2-D tensor (projections, embedding, LM head) must be in a format the device's code reads (the CPU kernel:
-Q4_1, Q8_0; the GPU programs: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); its blocks are copied out of the file as they are, with llama's Q/K rows put back in Hugging Face order (a row
+Every 2-D tensor (projections, embedding, LM head) must be in a format the device's code reads (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K: on the CPU the int8 kernel reads them all, the float32 and bf16 kernels Q4_1 and Q8_0); its
+blocks are copied out of the file as they are, with llama's Q/K rows put back in Hugging Face order (a row
 permutation). 1-D tensors (norms, biases) are dequantised and converted exactly as the dense loader does.
 """
 
@@ -39,7 +40,7 @@ _NON_PARAMETERS = {"rope_freqs.weight"}
 
 
 def reads_format(device_type: str, qtype: GGMLQuantizationType) -> bool:
-    """Whether the quantized code of `device_type` ("cpu": the CPU kernel, "cuda": the GPU programs) reads `qtype`."""
+    """Whether the quantized code of `device_type` ("cpu": the CPU kernels, "cuda": the GPU programs) reads `qtype`."""
     return is_gpu_supported_type(qtype) if device_type == "cuda" else is_supported_type(qtype)
 
 
@@ -74,10 +75,8 @@ def tensor_type_counts(gguf: GGUFFile) -> dict[str, int]:
 def describe_unsupported(unsupported: dict[str, str], device_type: str = "cpu") -> str:
     types = sorted(set(unsupported.values()))
     example = next(iter(unsupported))
-    reader = (
-        "the quantized GPU programs read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K" if device_type == "cuda"
-        else "the quantized CPU kernel reads Q4_1 and Q8_0"
-    )
+    reader = "the quantized GPU programs" if device_type == "cuda" else "the quantized CPU kernels"
+    reader += " read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K"
     return f"{len(unsupported)} matrices are in {', '.join(types)} (e.g. {example}); {reader}"
 
 

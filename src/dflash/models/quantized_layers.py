@@ -11,16 +11,24 @@ themselves are in the `blocks` buffer; neither buffer is part of the state dict.
 
 `QuantizedLinear.use_products("amx")` moves a matrix to the AMX kernel (bf16 products, float32 sums, batch
 invariant as well), `use_products("int8")` to the integer kernel (inputs quantised to int8 blocks, batch
-invariant as well); `dflash.models.cpu_matmul` chooses for a whole model.
+invariant as well); `dflash.models.cpu_matmul` chooses for a whole model. The float32 and AMX kernels read Q4_1
+and Q8_0 only: a matrix in Q4_0, Q4_K, Q5_K or Q6_K starts on int8x2 products and refuses the other two.
+`QuantizedStack` holds a fused projection whose parts are in different formats (Q4_K_M files store some layers'
+attn_v in Q6_K beside attn_q and attn_k in Q4_K): one product per format, outputs side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import nn
 
+from dflash.errors import ModelLoadError
 from dflash.kernels.build import (
     AmxKernel,
     Int8Kernel,
@@ -29,13 +37,18 @@ from dflash.kernels.build import (
     load_int8_kernel,
     load_quant_kernel,
 )
-from dflash.models.quantized_weights import QuantizedMatrix, require_cpu_readable
+from dflash.models.quantized_weights import (
+    QuantizedMatrix,
+    float_kernels_read,
+    join_formats,
+    require_cpu_readable,
+)
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear", "uses_quantized_weights"]
+__all__ = ["QuantizedEmbedding", "QuantizedLinear", "QuantizedStack", "linear_of_parts", "uses_quantized_weights"]
 
 
 class QuantizedLinear(nn.Module):
-    """y[..., out] = x[..., in] @ W[out, in]^T (+ bias), W held as Q4_1 / Q8_0 blocks."""
+    """y[..., out] = x[..., in] @ W[out, in]^T (+ bias), W held as GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
 
     blocks: torch.Tensor
     weight: torch.Tensor
@@ -47,14 +60,25 @@ class QuantizedLinear(nn.Module):
         self.out_features = matrix.rows
         self.qtype = int(matrix.qtype)
         self.products = "float32"
-        self._kernel: QuantKernel | AmxKernel | Int8Kernel = load_quant_kernel()
+        self._kernel: QuantKernel | AmxKernel | Int8Kernel
+        if float_kernels_read(matrix.qtype):
+            self._kernel = load_quant_kernel()
+        else:  # only the int8 kernel reads it
+            self.products, self._kernel = "int8x2", load_int8_kernel()
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
         self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
 
     def use_products(self, products: str) -> None:
         """float32 (the float32 kernel), amx (bf16 products on AMX tiles), int8 (int8 inputs, integer dot
-        products) or int8x2 (inputs in two 8-bit parts, two integer dot products); see `dflash.models.cpu_matmul`."""
+        products) or int8x2 (inputs in two 8-bit parts, two integer dot products); see `dflash.models.cpu_matmul`.
+        float32 and amx read Q4_1 and Q8_0 only: `ModelLoadError` for a matrix in another format."""
+        qtype = GGMLQuantizationType(self.qtype)
+        if products in ("amx", "float32") and not float_kernels_read(qtype):
+            raise ModelLoadError(
+                f"--cpu-matmul {products} reads Q4_1 and Q8_0 matrices only, not {qtype.name}; "
+                "use --cpu-matmul int8x2 (or int8, auto)"
+            )
         if products == "amx":
             self._kernel = load_amx_kernel()
         elif products in ("int8", "int8x2"):
@@ -81,8 +105,40 @@ class QuantizedLinear(nn.Module):
                 f"products={self.products}")
 
 
+class QuantizedStack(nn.Module):
+    """y[..., out] = x[..., in] @ [W_1; W_2; ...]^T (+ bias) for row blocks W_i in different formats: one
+    `QuantizedLinear` per block (so `cpu_matmul.use_cpu_matmul` reaches each), outputs side by side. Every output
+    element is the product of its own row, so the stack is batch invariant as its parts are."""
+
+    weight: torch.Tensor
+
+    def __init__(self, parts: Sequence[QuantizedMatrix], bias: bool = False) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(QuantizedLinear(part) for part in parts)
+        self.in_features = parts[0].columns
+        self.out_features = sum(part.rows for part in parts)
+        self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
+        self.bias = nn.Parameter(torch.zeros(self.out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)  # [..., out]
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        formats = "+".join(GGMLQuantizationType(cast(QuantizedLinear, p).qtype).name for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, formats={formats}"
+
+
+def linear_of_parts(parts: Sequence[QuantizedMatrix], bias: bool = False) -> QuantizedLinear | QuantizedStack:
+    """The rows of `parts` (a fused projection) as one module: one `QuantizedLinear` where consecutive parts share
+    a format, else a `QuantizedStack` of one matrix per run of a format."""
+    joined = join_formats(parts)
+    return QuantizedLinear(joined[0], bias=bias) if len(joined) == 1 else QuantizedStack(joined, bias=bias)
+
+
 class QuantizedEmbedding(nn.Module):
-    """ids[...] -> rows[..., dim] of a Q4_1 / Q8_0 table, dequantised on lookup."""
+    """ids[...] -> rows[..., dim] of a GGUF table, dequantised on lookup (Q4_1 / Q8_0 by the float32 kernel; the
+    formats it does not read by `gguf`'s dequantiser, the dense loader's own)."""
 
     blocks: torch.Tensor
     weight: torch.Tensor
@@ -93,13 +149,17 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings = matrix.rows
         self.embedding_dim = matrix.columns
         self.qtype = int(matrix.qtype)
-        self._kernel = load_quant_kernel()
+        self._kernel = load_quant_kernel() if float_kernels_read(matrix.qtype) else None
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, input_ids.reshape(-1))  # [n, bytes per row]
-        values = self._kernel.dequantize(rows, self.qtype, self.embedding_dim)  # [n, dim]
+        if self._kernel is not None:
+            values = self._kernel.dequantize(rows, self.qtype, self.embedding_dim)  # [n, dim]
+        else:
+            dequantized = dequantize(rows.numpy(), GGMLQuantizationType(self.qtype))  # [n, dim] float32
+            values = torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32))
         return values.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

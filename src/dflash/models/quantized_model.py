@@ -2,7 +2,8 @@
 the embedding and the LM head replaced by their quantized stand-ins.
 
 q/k/v rows are stacked into `qkv_proj` and gate/up rows into `gate_up_proj`, as the dense loader does with
-values. Everything else (norms, biases, RoPE tables) is dense, loaded by `CausalLM.load_weights`.
+values (on the CPU parts in different formats, as Q4_K_M's attn_v in Q6_K beside Q4_K, become a
+`QuantizedStack`: one product per format). Everything else (norms, biases, RoPE tables) is dense, loaded by `CausalLM.load_weights`.
 On the CPU the stand-ins are `quantized_layers.py`'s (the CPU kernel, float32); on a CUDA device
 `gpu_quantized_layers.py`'s (the Triton block programs, bfloat16 or float16), every matrix moved there as its blocks.
 """
@@ -14,7 +15,12 @@ from torch import nn
 
 from dflash.errors import ModelLoadError
 from dflash.models.model import CausalLM
-from dflash.models.quantized_layers import QuantizedEmbedding, QuantizedLinear
+from dflash.models.quantized_layers import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedStack,
+    linear_of_parts,
+)
 from dflash.models.quantized_weights import QuantizedCheckpoint, QuantizedMatrix
 from dflash.models.registry import MODEL_CLASSES
 from dflash.models.rope import Rotary
@@ -61,11 +67,11 @@ def build_quantized_model(
     def linear(weights: QuantizedMatrix, bias: bool = False) -> nn.Module:
         return GGUFLinear(weights, device, dtype, bias) if on_gpu else QuantizedLinear(weights, bias=bias)
 
-    def fused(parts: list[QuantizedMatrix], what: str, bias: bool = False) -> nn.Module:
-        """The parts' rows as one module: on the GPU in any mix of formats, on the CPU stacked (one format)."""
+    def fused(parts: list[QuantizedMatrix], bias: bool = False) -> nn.Module:
+        """The parts' rows as one module, in any mix of formats."""
         if on_gpu:
             return GGUFLinear(parts, device, dtype, bias)
-        return QuantizedLinear(QuantizedMatrix.stack_rows(parts, what), bias=bias)
+        return linear_of_parts(parts, bias=bias)
 
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config)
@@ -73,11 +79,11 @@ def build_quantized_model(
         hf, own = f"model.layers.{i}.", f"layers.{i}."
         qkv = [matrix(f"{hf}self_attn.{n}_proj.weight") for n in "qkv"]
         gate_up = [matrix(f"{hf}mlp.{n}_proj.weight") for n in ("gate", "up")]
-        model.set_submodule(f"{own}self_attn.qkv_proj", fused(qkv, f"{hf}qkv", bias=config.attention_bias))
+        model.set_submodule(f"{own}self_attn.qkv_proj", fused(qkv, bias=config.attention_bias))
         model.set_submodule(
             f"{own}self_attn.o_proj", linear(matrix(f"{hf}self_attn.o_proj.weight"), bias=config.attention_bias)
         )
-        model.set_submodule(f"{own}mlp.gate_up_proj", fused(gate_up, f"{hf}gate_up"))
+        model.set_submodule(f"{own}mlp.gate_up_proj", fused(gate_up))
         model.set_submodule(f"{own}mlp.down_proj", linear(matrix(f"{hf}mlp.down_proj.weight")))
     embedding = matrix("model.embed_tokens.weight")
     if on_gpu:  # moved once: a tied head then shares the table's device blocks
@@ -88,7 +94,7 @@ def build_quantized_model(
     head = embedding if config.tie_word_embeddings else matrix("lm_head.weight")
     model.set_submodule("lm_head", linear(head))
     # Materialise what is still on the meta device (norms, RoPE tables), leaving the quantized modules alone.
-    quantized = (QuantizedLinear, QuantizedEmbedding, *((GGUFLinear, GGUFEmbedding) if on_gpu else ()))
+    quantized = (QuantizedLinear, QuantizedStack, QuantizedEmbedding, *((GGUFLinear, GGUFEmbedding) if on_gpu else ()))
     for module in model.modules():
         if not isinstance(module, quantized):
             module.to_empty(device=device, recurse=False)

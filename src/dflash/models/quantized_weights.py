@@ -5,7 +5,8 @@ columns / `block values` blocks of `block bytes` (`STORED_BLOCKS`: 32-value bloc
 256-value super-blocks for Q4_K, Q5_K and Q6_K). Rows are independent in all of them, so permuting rows (llama's
 Q/K un-permutation) and stacking matrices row-wise (fused q/k/v, gate/up) work on the bytes.
 
-Who reads which formats: the CPU kernel Q4_1 and Q8_0 (`is_supported_type`, `BLOCK_BYTES`); the GPU programs
+Who reads which formats: on the CPU the int8 kernel every stored format (`is_supported_type`) and the float32 and
+bf16 (AMX) kernels Q4_1 and Q8_0 (`float_kernels_read`, `BLOCK_BYTES`); the GPU programs
 (`dflash.kernels.triton_gguf_matmul`) every stored format (`is_gpu_supported_type`).
 """
 
@@ -26,13 +27,15 @@ __all__ = [
     "STORED_BLOCKS",
     "QuantizedCheckpoint",
     "QuantizedMatrix",
+    "float_kernels_read",
     "is_gpu_supported_type",
     "is_supported_type",
+    "join_formats",
     "require_cpu_readable",
 ]
 
 BLOCK_VALUES = 32
-# Bytes per block of 32 weights, for the formats the CPU kernel reads.
+# Bytes per block of 32 weights, for the formats the float32 and bf16 CPU kernels read.
 BLOCK_BYTES: dict[GGMLQuantizationType, int] = {
     GGMLQuantizationType.Q4_1: 20,  # fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
     GGMLQuantizationType.Q8_0: 34,  # fp16 d, 32 int8: w = d * q
@@ -50,7 +53,12 @@ STORED_BLOCKS: dict[GGMLQuantizationType, tuple[int, int]] = {
 
 
 def is_supported_type(qtype: GGMLQuantizationType) -> bool:
-    """Whether the CPU kernel reads `qtype`."""
+    """Whether a CPU kernel reads `qtype` (the int8 kernel reads every stored format)."""
+    return qtype in STORED_BLOCKS
+
+
+def float_kernels_read(qtype: GGMLQuantizationType) -> bool:
+    """Whether the float32 and bf16 (AMX) CPU kernels read `qtype` (Q4_1, Q8_0); the others need the int8 kernel."""
     return qtype in BLOCK_BYTES
 
 
@@ -60,9 +68,10 @@ def is_gpu_supported_type(qtype: GGMLQuantizationType) -> bool:
 
 
 def require_cpu_readable(qtype: GGMLQuantizationType) -> None:
-    """Raise `ModelLoadError` unless the CPU kernel reads `qtype`."""
+    """Raise `ModelLoadError` unless a CPU kernel reads `qtype`."""
     if not is_supported_type(qtype):
-        raise ModelLoadError(f"quantized weights in {qtype.name} are not supported (Q4_1, Q8_0 are)")
+        kept = ", ".join(t.name for t in STORED_BLOCKS)
+        raise ModelLoadError(f"quantized weights in {qtype.name} are not supported ({kept} are)")
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,20 @@ class QuantizedMatrix:
         return QuantizedMatrix(torch.cat([p.blocks for p in parts], dim=0), first.qtype, first.columns)
 
 
+def join_formats(parts: Sequence[QuantizedMatrix]) -> list[QuantizedMatrix]:
+    """Consecutive parts of one format stacked into one matrix (a fused projection whose parts a file stores in
+    different formats keeps one matrix per run); the parts must share their row length."""
+    if any(part.columns != parts[0].columns for part in parts):
+        raise ModelLoadError(f"fused parts have rows of {sorted({p.columns for p in parts})} values")
+    joined: list[list[QuantizedMatrix]] = []
+    for part in parts:
+        if joined and joined[-1][0].qtype == part.qtype:
+            joined[-1].append(part)
+        else:
+            joined.append([part])
+    return [run[0] if len(run) == 1 else QuantizedMatrix.stack_rows(run, "a fused projection") for run in joined]
+
+
 @dataclass
 class QuantizedCheckpoint(Checkpoint):
     """A checkpoint whose matrices stay quantized: `matrices` holds every 2-D weight under its Hugging Face
@@ -124,6 +147,10 @@ class QuantizedCheckpoint(Checkpoint):
         for matrix in self.matrices.values():
             counts[matrix.qtype.name] = counts.get(matrix.qtype.name, 0) + 1
         return counts
+
+    def matrix_formats(self) -> frozenset[GGMLQuantizationType]:
+        """The formats of the matrices."""
+        return frozenset(matrix.qtype for matrix in self.matrices.values())
 
     def parameter_count(self) -> int:
         return sum(m.rows * m.columns for m in self.matrices.values()) + sum(t.numel() for t in self.weights.values())

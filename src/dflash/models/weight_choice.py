@@ -2,9 +2,11 @@
 
 `auto` picks quantized when all of these hold, dense otherwise:
   * the device is the CPU and the dtype float32 (GPUs, and other dtypes, stay dense);
-  * the model is a GGUF file whose every matrix is Q4_1 or Q8_0, and not a mixture of experts (its 3-D expert
-    tensors are dequantised to dense weights: the kernel has no grouped expert product yet);
-  * the CPU kernel builds (or was built before) and loads.
+  * the model is a GGUF file whose every matrix is in a format a CPU kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+    Q6_K), and not a mixture of experts (its 3-D expert tensors are dequantised to dense weights: the kernel has
+    no grouped expert product yet);
+  * the CPU kernel builds (or was built before) and loads; for matrices in Q4_0 or the K formats the int8 kernel
+    too, which needs AVX2 (`dflash.models.cpu_matmul`).
 A kernel that fails to build is logged as a warning naming the reason; the other cases are expected and
 logged at info level. `quantized` requested explicitly raises `ModelLoadError` with the reason instead.
 
@@ -58,6 +60,9 @@ def choose_weights(requested: str, path: Path, device: torch.device, dtype: torc
             load_quant_kernel()
         except KernelUnavailable as exc:
             obstacle, kernel_failed = str(exc), True
+    if obstacle is None:
+        obstacle = _int8_kernel_obstacle(path)
+        kernel_failed = obstacle is not None
     if requested == "quantized":
         if obstacle is not None:
             raise ModelLoadError(f"{path.name}: quantized weights are not available: {obstacle}")
@@ -69,6 +74,19 @@ def choose_weights(requested: str, path: Path, device: torch.device, dtype: torc
     else:
         log.info("using dense weights: %s", obstacle)
     return WeightChoice("dense", f"auto: {obstacle}")
+
+
+def _int8_kernel_obstacle(path: Path) -> str | None:
+    """Why the matrices of the GGUF at `path` that only the int8 kernel reads cannot run here, or None."""
+    from dflash.models.cpu_matmul import int8_obstacle, int8_only_formats
+    from dflash.models.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    needing = int8_only_formats(info.qtype for info in gguf.tensors.values() if len(info.shape) == 2)
+    if not needing:
+        return None
+    why = int8_obstacle()
+    return None if why is None else f"its {', '.join(needing)} matrices need the int8 kernel: {why}"
 
 
 def _gpu_choice(requested: str, path: Path, dtype: torch.dtype) -> WeightChoice:
