@@ -24,11 +24,18 @@ if TYPE_CHECKING:
     from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
 
 
+QUANTIZED_PREFILL_CHUNK = 1024
+
+
 class GraphForwards(Forwards):
     """Forwards of `runner.target` and `runner.drafter` through `runner`; other models stay eager."""
 
     def __init__(self, runner: GraphRunner) -> None:
+        from dflash.models.gpu_quantized_layers import uses_gpu_quantized_weights
+
         self.runner = runner
+        # every eager chunk past the graphs' rows dequantises each quantized matrix once: fewer, longer chunks
+        self._quantized = uses_gpu_quantized_weights(runner.target)
 
     def forward(
         self,
@@ -88,8 +95,9 @@ class GraphForwards(Forwards):
         return super().new_drafter_cache(drafter, capacity)
 
     def prefill_chunk(self, chunk: int) -> int:
-        """No larger than the runner's graphs: eager prefill chunks are launch-bound on a GPU."""
-        return min(chunk, self.runner.max_rows)
+        """No larger than the runner's graphs (eager prefill chunks are launch-bound on a GPU), except for a target
+        whose matrices stay quantized: its long chunks are bound by dequantising every matrix per chunk."""
+        return max(chunk, QUANTIZED_PREFILL_CHUNK) if self._quantized else min(chunk, self.runner.max_rows)
 
     def resident(
         self,

@@ -25,7 +25,7 @@ from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, NibbleMatrix, nibble_mat
 from dflash.kernels.gpu_quantized_products import QuantizedPart, dequantize_part, quantized_linear
 from dflash.kernels.triton_gguf_int8 import nibble_dequantize
 from dflash.kernels.triton_gguf_matmul import gguf_dequantize
-from dflash.models.quantized_weights import QuantizedMatrix, is_gpu_supported_type
+from dflash.models.quantized_weights import QuantizedMatrix, is_gpu_supported_type, join_formats
 
 __all__ = ["GGUFEmbedding", "GGUFLinear", "uses_gpu_quantized_weights"]
 
@@ -69,7 +69,7 @@ class GGUFLinear(nn.Module):
     ) -> None:
         super().__init__()
         device = torch.device(device)
-        segments = _join_formats([parts] if isinstance(parts, QuantizedMatrix) else list(parts))
+        segments = join_formats([parts] if isinstance(parts, QuantizedMatrix) else list(parts))
         self.in_features = segments[0].columns
         self.out_features = sum(segment.rows for segment in segments)
         self.formats = [GGMLQuantizationType(segment.qtype) for segment in segments]
@@ -139,19 +139,6 @@ class GGUFLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"formats={'+'.join(t.name for t in self.formats)}")
-
-
-def _join_formats(parts: list[QuantizedMatrix]) -> list[QuantizedMatrix]:
-    """Consecutive parts of one format stacked into one matrix; the parts must share their row length."""
-    if any(part.columns != parts[0].columns for part in parts):
-        raise ModelLoadError(f"fused parts have rows of {sorted({p.columns for p in parts})} values")
-    joined: list[list[QuantizedMatrix]] = []
-    for part in parts:
-        if joined and joined[-1][0].qtype == part.qtype:
-            joined[-1].append(part)
-        else:
-            joined.append([part])
-    return [run[0] if len(run) == 1 else QuantizedMatrix.stack_rows(run, "a fused projection") for run in joined]
 
 
 class GGUFEmbedding(nn.Module):
