@@ -150,6 +150,9 @@ class ServerTurns:
         self.engine = _SpecPerCall(engine)
         self.worker = GenerationWorker(concurrency=concurrency)
         self.runner = TurnRunner(self.engine, self.worker, Metrics(), StallSettings(), keepalive_s=30.0)
+        if hasattr(self.runner, "flush_events"):  # as `create_app` does: the step's events in one wake-up
+            self.runner.flushed_per_step = True
+            engine.step_observer = lambda size: self.runner.flush_events()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="bench-event-loop", daemon=True)
         self.thread.start()
