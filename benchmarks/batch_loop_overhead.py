@@ -71,8 +71,11 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     target, drafter = build_pair(args.vocab, args.layers, args.hidden)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, drafter = target.to(device, dtype), drafter.to(device, dtype)
-    options = EngineOptions(spec="ddtree", max_batch=args.max_batch, ddtree_budget=args.budget,
-                            max_ctx=PROMPT_TOKENS + args.max_tokens + 256)
+    max_ctx = args.prompt_tokens + args.max_tokens + 256
+    # a pool that holds every request of the largest level at once (its default holds four full contexts)
+    pool_tokens = args.max_batch * (args.prompt_tokens + args.max_tokens + max(args.budget, 16) + 32)
+    options = EngineOptions(spec="ddtree", max_batch=args.max_batch, ddtree_budget=args.budget, max_ctx=max_ctx,
+                            kv_pool_tokens=pool_tokens)
     engine = Engine(target, smollm2_tokenizer(args.tokenizer_json), drafter, options, model_name="tiny")
     if args.step == "padded" and device.type == "cpu":  # the CUDA path's fixed-shape passes, run eagerly
         new_core = engine._new_core
@@ -93,16 +96,23 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
 
 
 class StepClock:
-    """Counts the loop's steps that served requests and the time spent inside them (shadows `core.step`)."""
+    """Counts the loop's steps that served requests and the time spent inside them, and of those the steps that
+    prefilled prompt chunks (shadows `core.step` and `core._prefill_work`)."""
 
     def __init__(self, engine: Engine, profiler: cProfile.Profile | None = None) -> None:
         core = engine.loop.core
-        self.steps = 0
-        self.inside_s = 0.0
         self.profiling = False
-        step = core.step
+        self.reset()
+        step, prefill_work = core.step, core._prefill_work
+        prefilled = [False]
+
+        def noted_prefill_work() -> Any:
+            work = prefill_work()
+            prefilled[0] = bool(work)
+            return work
 
         def timed() -> int:
+            prefilled[0] = False
             started = time.perf_counter()
             if profiler is not None and self.profiling:
                 profiler.enable()
@@ -110,14 +120,19 @@ class StepClock:
             if profiler is not None and self.profiling:
                 profiler.disable()
             if served:
+                spent = time.perf_counter() - started
                 self.steps += 1
-                self.inside_s += time.perf_counter() - started
+                self.inside_s += spent
+                if prefilled[0]:
+                    self.prefill_steps += 1
+                    self.prefill_s += spent
             return served
 
         core.step = timed  # type: ignore[method-assign]
+        core._prefill_work = noted_prefill_work  # type: ignore[method-assign]
 
     def reset(self) -> None:
-        self.steps, self.inside_s = 0, 0.0
+        self.steps, self.inside_s, self.prefill_steps, self.prefill_s = 0, 0.0, 0, 0.0
 
 
 class _SpecPerCall:
@@ -188,23 +203,31 @@ def run_level(generator: Generator, clock: StepClock, prompts: list[list[int]], 
     run = closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=requests, max_tokens=max_tokens)
     tokens = sum(t.tokens for t in run.requests)
     steps = max(1, clock.steps)
+    # per request, the time between its first and last token over the tokens after the first: a decoding step's
+    # wall time as the request saw it (prefills and admission left out)
+    decoding = [(t.latency_s - t.ttft_s) / (t.tokens - 1) for t in run.requests if t.tokens > 1]
     return {
         "wall_s": run.wall_s, "steps": clock.steps, "tokens": tokens,
         "step_us": run.wall_s / steps * 1e6, "inside_us": clock.inside_s / steps * 1e6,
         "outside_us": (run.wall_s - clock.inside_s) / steps * 1e6, "tokens_per_s": tokens / run.wall_s,
+        "prefill_steps": clock.prefill_steps, "prefill_share": clock.prefill_s / run.wall_s,
+        "ttft_p50_ms": statistics.median(t.ttft_s for t in run.requests) * 1e3,
+        "decode_token_us": statistics.median(decoding) * 1e6 if decoding else 0.0,
     }
 
 
 def summary(runs: list[dict[str, Any]], clients: int, mode: str, path: str) -> dict[str, Any]:
-    def stat(key: str) -> dict[str, float]:
+    def stat(key: str, digits: int = 1) -> dict[str, float]:
         values = [r[key] for r in runs]
-        return {"min": round(min(values), 1), "median": round(statistics.median(values), 1)}
+        return {"min": round(min(values), digits), "median": round(statistics.median(values), digits)}
 
     return {
         "mode": mode, "path": path, "concurrency": clients, "repeats": len(runs), "steps": runs[0]["steps"],
         "step_us": stat("step_us"), "inside_step_us": stat("inside_us"), "outside_step_us": stat("outside_us"),
         "tokens_per_s": {"max": round(max(r["tokens_per_s"] for r in runs), 1),
                          "median": round(statistics.median(r["tokens_per_s"] for r in runs), 1)},
+        "prefill_steps": runs[0]["prefill_steps"], "prefill_share": stat("prefill_share", 3),
+        "ttft_p50_ms": stat("ttft_p50_ms", 2), "decode_token_us": stat("decode_token_us"),
     }
 
 
@@ -218,6 +241,7 @@ def main() -> None:
                         help="on the CPU: the decoding rows through the CUDA path's fixed-shape passes (run eagerly), "
                         "or the CPU's packed passes")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="each level this many times: min and median")
     parser.add_argument("--max-batch", type=int, default=16)
@@ -241,7 +265,7 @@ def main() -> None:
     server = ServerTurns(engine, max(levels)) if args.path == "server" else None
     generator: Generator = server if server is not None else engine
     generator_rng = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, args.vocab - 1, (PROMPT_TOKENS,), generator=generator_rng).tolist()
+    prompts = [torch.randint(0, args.vocab - 1, (args.prompt_tokens,), generator=generator_rng).tolist()
                for _ in range(8)]
     results = []
     try:
@@ -261,6 +285,9 @@ def main() -> None:
                       f"(median {row['step_us']['median']:8.1f})  inside step {row['inside_step_us']['min']:8.1f}  "
                       f"outside {row['outside_step_us']['min']:7.1f}  tokens/s {row['tokens_per_s']['max']:8.1f}",
                       flush=True)
+                print(f"        prefill steps {row['prefill_steps']} ({row['prefill_share']['median']:.1%} of the wall)"
+                      f"  TTFT p50 {row['ttft_p50_ms']['median']:.2f} ms  decoding: {row['decode_token_us']['median']:.1f}"
+                      " us per token of a request", flush=True)
     finally:
         if server is not None:
             server.close()
