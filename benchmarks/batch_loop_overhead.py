@@ -4,8 +4,10 @@
 `Engine.generate` with an `on_text` callback (`dflash.bench.concurrency.closed_loop`, the code path of
 `dflash bench concurrency`), the engine loop thread steps them together, and every step's output goes through each
 request's sink (detokenisation with the SmolLM2 tokenizer, stop checks, callbacks). Per level it reports the wall
-time per step, the time inside `BatchCore.step` per step, and the rest ("outside": admission, the loop's
-hand-offs, client threads holding the GIL). `--path server` runs the same requests through the server's turn
+time per step, the time inside `BatchCore.step` per step, the rest ("outside": admission, the loop's hand-offs,
+client threads holding the GIL), the CPU time of the whole process per step (less disturbed than wall time by
+other work on the machine), the prefill steps' share of the wall, TTFT, and the decoding time per token that
+the requests saw. `--path server` runs the same requests through the server's turn
 pipeline instead of a bare callback: `TurnRunner` on the generation worker's threads, events handed to an asyncio
 loop on its own thread (reasoning split, tool parsing and the event queue, as a streaming response has them; no
 HTTP).
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 from batch_host_overhead import build_pair  # benchmarks/ is the script's folder
+from streaming_clients import StreamingClients
 
 from dflash.batch.core import BatchCore
 from dflash.bench.concurrency import Generator, closed_loop
@@ -142,14 +145,58 @@ class _SpecPerCall:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.specs: dict[int, str | None] = {}
+        self.spec: str | None = None  # for requests without an entry in `specs` (those built by the HTTP app)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
+    @property
+    def step_observer(self) -> Callable[[int], None] | None:
+        return self.engine.step_observer
+
+    @step_observer.setter
+    def step_observer(self, observer: Callable[[int], None] | None) -> None:
+        self.engine.step_observer = observer
+
     def generate(self, request: GenerationRequest, *, on_text: TokenCallback | None = None,
                  should_stop: Callable[[], bool] | None = None, spec: str | None = None) -> GenerationResult:
-        spec = self.specs.pop(id(request), spec)
+        spec = self.specs.pop(id(request), spec or self.spec)
         return self.engine.generate(request, on_text=on_text, should_stop=should_stop, spec=spec)
+
+
+class HttpServer:
+    """The app `dflash serve` runs (`create_app`, uvicorn with its h11 protocol) on a loopback port, in a thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        import socket
+
+        import uvicorn
+
+        from dflash.server import create_app
+        from dflash.server.header_deadline import header_deadline_protocol
+        from dflash.server.settings import ServerSettings
+
+        self.engine = _SpecPerCall(engine)
+        settings = ServerSettings()
+        app = create_app(self.engine, settings)  # type: ignore[arg-type]
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=3,
+                                http=header_deadline_protocol(settings.body_timeout_s))
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
 
 
 class ServerTurns:
@@ -197,21 +244,48 @@ class ServerTurns:
         self.thread.join(5)
 
 
-def run_level(generator: Generator, clock: StepClock, prompts: list[list[int]], *, mode: str, clients: int,
-              requests: int, max_tokens: int) -> dict[str, Any]:
+Timings = tuple[float, list[tuple[float, float, int]]]  # wall seconds, [(ttft, latency, tokens)] per request
+
+
+def in_process(generator: Generator, prompts: list[list[int]], *, mode: str, clients: int, requests: int,
+               max_tokens: int) -> Callable[[], Timings]:
+    """One timed batch of requests from `clients` threads of this process (`dflash bench concurrency`'s loop)."""
+
+    def run() -> Timings:
+        loop_run = closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=requests,
+                               max_tokens=max_tokens)
+        return loop_run.wall_s, [(t.ttft_s, t.latency_s, t.tokens) for t in loop_run.requests]
+
+    return run
+
+
+def _every_request_full(run: Callable[[], Timings], max_tokens: int) -> Callable[[], Timings]:
+    """Streamed runs count text chunks; with EOS ignored every request produced exactly `max_tokens` tokens."""
+
+    def counted() -> Timings:
+        wall_s, requests = run()
+        return wall_s, [(ttft, latency, max_tokens) for ttft, latency, _ in requests]
+
+    return counted
+
+
+def run_level(run: Callable[[], Timings], clock: StepClock) -> dict[str, Any]:
     clock.reset()
-    run = closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=requests, max_tokens=max_tokens)
-    tokens = sum(t.tokens for t in run.requests)
+    cpu_started = time.process_time()
+    wall_s, requests = run()
+    cpu_s = time.process_time() - cpu_started  # every thread of this process: engine, clients, event loop
+    tokens = sum(count for _, _, count in requests)
     steps = max(1, clock.steps)
     # per request, the time between its first and last token over the tokens after the first: a decoding step's
     # wall time as the request saw it (prefills and admission left out)
-    decoding = [(t.latency_s - t.ttft_s) / (t.tokens - 1) for t in run.requests if t.tokens > 1]
+    decoding = [(latency - ttft) / (count - 1) for ttft, latency, count in requests if count > 1]
     return {
-        "wall_s": run.wall_s, "steps": clock.steps, "tokens": tokens,
-        "step_us": run.wall_s / steps * 1e6, "inside_us": clock.inside_s / steps * 1e6,
-        "outside_us": (run.wall_s - clock.inside_s) / steps * 1e6, "tokens_per_s": tokens / run.wall_s,
-        "prefill_steps": clock.prefill_steps, "prefill_share": clock.prefill_s / run.wall_s,
-        "ttft_p50_ms": statistics.median(t.ttft_s for t in run.requests) * 1e3,
+        "wall_s": wall_s, "steps": clock.steps, "tokens": tokens,
+        "step_us": wall_s / steps * 1e6, "inside_us": clock.inside_s / steps * 1e6,
+        "outside_us": (wall_s - clock.inside_s) / steps * 1e6, "tokens_per_s": tokens / wall_s,
+        "cpu_us": cpu_s / steps * 1e6,
+        "prefill_steps": clock.prefill_steps, "prefill_share": clock.prefill_s / wall_s,
+        "ttft_p50_ms": statistics.median(ttft for ttft, _, _ in requests) * 1e3,
         "decode_token_us": statistics.median(decoding) * 1e6 if decoding else 0.0,
     }
 
@@ -224,6 +298,7 @@ def summary(runs: list[dict[str, Any]], clients: int, mode: str, path: str) -> d
     return {
         "mode": mode, "path": path, "concurrency": clients, "repeats": len(runs), "steps": runs[0]["steps"],
         "step_us": stat("step_us"), "inside_step_us": stat("inside_us"), "outside_step_us": stat("outside_us"),
+        "cpu_step_us": stat("cpu_us"),
         "tokens_per_s": {"max": round(max(r["tokens_per_s"] for r in runs), 1),
                          "median": round(statistics.median(r["tokens_per_s"] for r in runs), 1)},
         "prefill_steps": runs[0]["prefill_steps"], "prefill_share": stat("prefill_share", 3),
@@ -235,7 +310,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--modes", default="plain,ddtree")
-    parser.add_argument("--path", choices=("engine", "server"), default="engine")
+    parser.add_argument("--path", choices=("engine", "server", "http"), default="engine")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--step", choices=("padded", "packed"), default="padded",
                         help="on the CPU: the decoding rows through the CUDA path's fixed-shape passes (run eagerly), "
@@ -262,35 +337,51 @@ def main() -> None:
     profiler = cProfile.Profile() if args.profile else None
     clock = StepClock(engine, profiler)
     levels = [int(n) for n in args.concurrency.split(",")]
-    server = ServerTurns(engine, max(levels)) if args.path == "server" else None
-    generator: Generator = server if server is not None else engine
     generator_rng = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, args.vocab - 1, (args.prompt_tokens,), generator=generator_rng).tolist()
                for _ in range(8)]
+    server = ServerTurns(engine, max(levels)) if args.path == "server" else None
+    http = HttpServer(engine) if args.path == "http" else None
+    generator: Generator = server if server is not None else engine
     results = []
     try:
         for mode in args.modes.split(","):
-            for clients in levels:  # warm-up: every level's shapes once (graphs, allocator), untimed
-                closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=clients, max_tokens=16)
+            if http is not None:
+                http.engine.spec = MODES[mode]
+            else:  # warm-up: every level's shapes once (graphs, allocator), untimed
+                for clients in levels:
+                    closed_loop(generator, prompts, spec=MODES[mode], clients=clients, requests=clients, max_tokens=16)
             for clients in levels:
+                requests = clients * args.requests_per_client
+                streams = None
+                if http is not None:  # the client process warms up with one request per client
+                    streams = StreamingClients(http.url, prompts, clients=clients, requests=requests,
+                                               max_tokens=args.max_tokens)
+                    run = _every_request_full(streams.run, args.max_tokens)
+                else:
+                    run = in_process(generator, prompts, mode=mode, clients=clients, requests=requests,
+                                     max_tokens=args.max_tokens)
                 runs = []
                 for _ in range(args.repeats):
                     clock.profiling = True
-                    runs.append(run_level(generator, clock, prompts, mode=mode, clients=clients,
-                                          requests=clients * args.requests_per_client, max_tokens=args.max_tokens))
+                    runs.append(run_level(run, clock))
                     clock.profiling = False
+                if streams is not None:
+                    streams.close()
                 row = summary(runs, clients, mode, args.path)
                 results.append(row)
                 print(f"{mode:6} {args.path:6} N={clients:2}  per step: wall {row['step_us']['min']:8.1f} us "
                       f"(median {row['step_us']['median']:8.1f})  inside step {row['inside_step_us']['min']:8.1f}  "
-                      f"outside {row['outside_step_us']['min']:7.1f}  tokens/s {row['tokens_per_s']['max']:8.1f}",
-                      flush=True)
+                      f"outside {row['outside_step_us']['min']:7.1f}  CPU {row['cpu_step_us']['min']:8.1f}  "
+                      f"tokens/s {row['tokens_per_s']['max']:8.1f}", flush=True)
                 print(f"        prefill steps {row['prefill_steps']} ({row['prefill_share']['median']:.1%} of the wall)"
                       f"  TTFT p50 {row['ttft_p50_ms']['median']:.2f} ms  decoding: {row['decode_token_us']['median']:.1f}"
                       " us per token of a request", flush=True)
     finally:
         if server is not None:
             server.close()
+        if http is not None:
+            http.close()
         engine.close()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
