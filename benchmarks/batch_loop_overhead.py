@@ -3,14 +3,16 @@
 `benchmarks/batch_host_overhead.py` times the batched step alone. This one times what a client sees: N threads call
 `Engine.generate` with an `on_text` callback (`dflash.bench.concurrency.closed_loop`, the code path of
 `dflash bench concurrency`), the engine loop thread steps them together, and every step's output goes through each
-request's sink (detokenisation with the SmolLM2 tokenizer, stop checks, callbacks). Per level it reports the wall
-time per step, the time inside `BatchCore.step` per step, the rest ("outside": admission, the loop's hand-offs,
-client threads holding the GIL), the CPU time of the whole process per step (less disturbed than wall time by
-other work on the machine), the prefill steps' share of the wall, TTFT, and the decoding time per token that
-the requests saw. `--path server` runs the same requests through the server's turn
-pipeline instead of a bare callback: `TurnRunner` on the generation worker's threads, events handed to an asyncio
-loop on its own thread (reasoning split, tool parsing and the event queue, as a streaming response has them; no
-HTTP).
+request's sink (detokenisation with the SmolLM2 tokenizer, stop checks, callbacks). `--path server` runs the same
+requests through the server's turn pipeline instead of a bare callback: `TurnRunner` on the generation worker's
+threads, events handed to an asyncio loop on its own thread (reasoning split, tool parsing, the event relay; no
+HTTP). `--path http` runs the app `dflash serve` runs, under uvicorn, with streaming clients in a process of their
+own (`streaming_clients.py`, `POST /v1/completions`).
+
+Per level: the wall time per step, the time inside `BatchCore.step` per step and the rest ("outside": admission,
+the loop's hand-offs, the event loop holding the GIL), the CPU time of this whole process per step (less disturbed
+than wall time by other work on the machine), the prefill steps' share of the wall, TTFT, and the decoding time per
+token that the requests saw (from their first token to their last).
 
 Every request is greedy with EOS ignored (the engine's EOS set is emptied), so each produces exactly
 `--max-tokens` tokens and every level does the same work per request. The target is a random float32 Qwen3-shaped
