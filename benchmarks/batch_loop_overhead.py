@@ -80,7 +80,7 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     # a pool that holds every request of the largest level at once (its default holds four full contexts)
     pool_tokens = args.max_batch * (args.prompt_tokens + args.max_tokens + max(args.budget, 16) + 32)
     options = EngineOptions(spec="ddtree", max_batch=args.max_batch, ddtree_budget=args.budget, max_ctx=max_ctx,
-                            kv_pool_tokens=pool_tokens)
+                            kv_pool_tokens=pool_tokens, max_step_rows=args.max_step_rows)
     engine = Engine(target, smollm2_tokenizer(args.tokenizer_json), drafter, options, model_name="tiny")
     if args.step == "padded" and device.type == "cpu":  # the CUDA path's fixed-shape passes, run eagerly
         new_core = engine._new_core
@@ -97,7 +97,16 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     core.policy.plan = lambda *a, **k: plan(*a, **k) or True  # type: ignore[method-assign]
     if device.type == "cuda":
         print(f"warm-up: {engine.warm_up()} graphs captured", flush=True)
+    else:  # the same shapes set up ahead, run eagerly: what a GPU would capture later shows in `new_shapes`
+        core.capture_graphs()
     return engine
+
+
+def padded_shapes(engine: Engine) -> int:
+    """Padded shapes the core has met (each a CUDA graph on a GPU, captured when first met unless warm-up did)."""
+    core = engine.loop.core
+    target = core.graphs.captured if core.graphs is not None else 0
+    return target + (core.drafter_graphs.graphs.captured if core.drafter_graphs is not None else 0)
 
 
 class StepClock:
@@ -271,8 +280,9 @@ def _every_request_full(run: Callable[[], Timings], max_tokens: int) -> Callable
     return counted
 
 
-def run_level(run: Callable[[], Timings], clock: StepClock) -> dict[str, Any]:
+def run_level(run: Callable[[], Timings], clock: StepClock, engine: Engine) -> dict[str, Any]:
     clock.reset()
+    shapes = padded_shapes(engine)
     cpu_started = time.process_time()
     wall_s, requests = run()
     cpu_s = time.process_time() - cpu_started  # every thread of this process: engine, clients, event loop
@@ -289,6 +299,7 @@ def run_level(run: Callable[[], Timings], clock: StepClock) -> dict[str, Any]:
         "prefill_steps": clock.prefill_steps, "prefill_share": clock.prefill_s / wall_s,
         "ttft_p50_ms": statistics.median(ttft for ttft, _, _ in requests) * 1e3,
         "decode_token_us": statistics.median(decoding) * 1e6 if decoding else 0.0,
+        "new_shapes": padded_shapes(engine) - shapes,
     }
 
 
@@ -305,6 +316,7 @@ def summary(runs: list[dict[str, Any]], clients: int, mode: str, path: str) -> d
                          "median": round(statistics.median(r["tokens_per_s"] for r in runs), 1)},
         "prefill_steps": runs[0]["prefill_steps"], "prefill_share": stat("prefill_share", 3),
         "ttft_p50_ms": stat("ttft_p50_ms", 2), "decode_token_us": stat("decode_token_us"),
+        "new_shapes": sum(r["new_shapes"] for r in runs),  # first met in the timed runs: captured mid-run on a GPU
     }
 
 
@@ -325,7 +337,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--budget", type=int, default=8, help="DDTree budget")
+    parser.add_argument("--budget", type=int, default=32, help="DDTree budget (the CUDA default)")
+    parser.add_argument("--max-step-rows", type=int, default=256, help="verified rows per step (the CUDA default)")
     parser.add_argument("--tokenizer-json", type=Path, default=None,
                         help="the SmolLM2 tokenizer saved as tokenizer.json (where its GGUF package is missing)")
     parser.add_argument("--profile", action="store_true",
@@ -366,7 +379,7 @@ def main() -> None:
                 runs = []
                 for _ in range(args.repeats):
                     clock.profiling = True
-                    runs.append(run_level(run, clock))
+                    runs.append(run_level(run, clock, engine))
                     clock.profiling = False
                 if streams is not None:
                     streams.close()
@@ -378,7 +391,7 @@ def main() -> None:
                       f"tokens/s {row['tokens_per_s']['max']:8.1f}", flush=True)
                 print(f"        prefill steps {row['prefill_steps']} ({row['prefill_share']['median']:.1%} of the wall)"
                       f"  TTFT p50 {row['ttft_p50_ms']['median']:.2f} ms  decoding: {row['decode_token_us']['median']:.1f}"
-                      " us per token of a request", flush=True)
+                      f" us per token of a request  new padded shapes {row['new_shapes']}", flush=True)
     finally:
         if server is not None:
             server.close()
