@@ -206,3 +206,28 @@ def test_the_fused_padded_pass_equals_the_module_pass() -> None:
             torch.testing.assert_close(pool.keys[:, :, slots], written[:, :, slots], atol=1e-4, rtol=1e-4)
     finally:
         target.to("cpu")
+
+
+def test_graphs_captured_ahead_cover_every_shape_the_steps_meet() -> None:
+    """`capture_graphs` (the GPU's warm-up) sets up every request bucket with every row bucket its steps can have:
+    a mixed load of plain, linear and DDTree requests, with a row cap that shrinks the rounds as requests join and
+    a batch limit that is not a power of two, meets no shape later (on a GPU each would be a capture mid-traffic,
+    holding up every request of that step)."""
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=6, prefill_chunk=32, ddtree_budget=8, linear_drafts=7,
+                     max_step_rows=24, eager_padded=True)
+    assert core.graphs is not None and core.drafter_graphs is not None
+    captured = core.capture_graphs(max_keys=256)
+    target_shapes, drafter_shapes = core.graphs.captured, core.drafter_graphs.graphs.captured
+    assert captured == target_shapes + drafter_shapes
+    prompts = random_prompts(9, target.config.vocab_size, seed=5, lengths=(5, 30, 12))
+    seqs = [make_sequence(target, p, 40, ("ddtree", "linear", "none")[i % 3]) for i, p in enumerate(prompts)]
+    for seq in seqs[:2]:  # a few first, the rest joining while they decode
+        core.add(seq)
+    for _ in range(6):
+        core.step()
+    for seq in seqs[2:]:
+        core.add(seq)
+    drain(core)
+    assert all(seq.error is None for seq in seqs)
+    assert (core.graphs.captured, core.drafter_graphs.graphs.captured) == (target_shapes, drafter_shapes)

@@ -86,3 +86,26 @@ def test_complete_requests_and_keep_alive_reuse_are_untouched(server: ServerThre
     time.sleep(DEADLINE_S / 3)
     sock.sendall(b"connection: close\r\n\r\n")  # headers complete in two parts, within the deadline
     assert read_all(sock).startswith(b"HTTP/1.1 200 ")
+
+
+def test_connections_on_a_handed_over_socket_send_without_nagle() -> None:
+    """asyncio leaves Nagle's algorithm on for a listening socket made without proto=IPPROTO_TCP (the tests' and
+    any socket handed to uvicorn): the protocol turns it off itself, so streamed tokens are not held back."""
+    from dflash.server.header_deadline import _send_without_delay
+
+    class Transport:
+        def __init__(self, sock: socket.socket) -> None:
+            self.sock = sock
+
+        def get_extra_info(self, name: str) -> object:
+            return self.sock if name == "socket" else None
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()):
+            accepted, _ = listener.accept()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+                _send_without_delay(Transport(accepted))  # type: ignore[arg-type]
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

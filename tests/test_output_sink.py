@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 
 import pytest
 
-from dflash.generation.output import OutputSink
+from dflash.generation.output import REPLACEMENT, OutputSink
 from dflash.models.gguf_file import GGUFFile
-from dflash.tokenizer import Tokenizer
+from dflash.tokenizer import StreamDecoder, Tokenizer
 from tests.loading_helpers import smollm2_path
 
 VOCAB = {1: "a", 2: "b", 3: "c", 4: " STOP", 5: "é"}
@@ -109,3 +110,140 @@ def test_single_id_decodes_are_remembered_and_equal_the_backend_s() -> None:
         assert tokenizer.decode([token]) == expected == tokenizer.decode([token])
     assert tokenizer.decode([2], skip_special_tokens=True) == tokenizer.backend.decode([2], skip_special_tokens=True)
     assert tokenizer.decode([2]) != tokenizer.decode([2], skip_special_tokens=True)  # <|im_end|> is special
+
+
+class WholeTextSink:
+    """The sink as first written, kept as the reference: every push re-examines the whole text streamed so far
+    (stop strings searched from len(stop) characters before the released text's end, the hold-back computed over
+    the whole text). `OutputSink` looks at the new text and a short tail only; it must behave exactly the same."""
+
+    def __init__(self, decode: Callable[[list[int]], str], *, eos_ids: Sequence[int], max_new_tokens: int,
+                 stop: Sequence[str] = (), on_text: Callable[[str, list[int]], None] | None = None) -> None:
+        self.decode, self.eos_ids, self.max_new_tokens = decode, frozenset(eos_ids), max_new_tokens
+        self.stop = tuple(s for s in stop if s)
+        self.on_text = on_text
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+        self._unreleased_ids: list[int] = []
+        self._text_ids: list[int] = []
+        self._stream = StreamDecoder(decode)
+        self._streamed = ""
+
+    def push(self, token: int) -> bool:
+        if self.finish_reason is not None:
+            return True
+        self.token_ids.append(token)
+        self._unreleased_ids.append(token)
+        if token in self.eos_ids:
+            self._finish("stop", "eos", self.decode(self._text_ids))
+            return True
+        self._text_ids.append(token)
+        self._streamed += self._stream.push(token)
+        full = self._streamed
+        for stop in self.stop:
+            index = full.find(stop, max(0, len(self.text) - len(stop)))
+            if index >= 0:
+                self._finish("stop", stop, full[:index])
+                return True
+        if len(self.token_ids) >= self.max_new_tokens:
+            self._finish("length", None, full + self._stream.flush())
+            return True
+        safe = full.rstrip(REPLACEMENT)
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(safe)), 0, -1):
+                if safe.endswith(stop[:k]):
+                    safe = safe[: len(safe) - k]
+                    break
+        if len(safe) > len(self.text) and safe.startswith(self.text):
+            delta, self.text = safe[len(self.text) :], safe
+            ids, self._unreleased_ids = self._unreleased_ids, []
+            if self.on_text is not None:
+                self.on_text(delta, ids)
+        return False
+
+    def finish_cancelled(self) -> None:
+        if self.finish_reason is None:
+            self._finish("cancelled", None, self.decode(self._text_ids))
+
+    def _finish(self, reason: str, stop_reason: str | None, final_text: str) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        final_text = final_text.rstrip(REPLACEMENT) if reason != "length" else final_text
+        delta = ""
+        if final_text.startswith(self.text):
+            delta, self.text = final_text[len(self.text) :], final_text
+        ids, self._unreleased_ids = self._unreleased_ids, []
+        if self.on_text is not None and (delta or ids):
+            self.on_text(delta, ids)
+
+
+# letters that make periodic and overlapping stop strings, a multi-byte character, a newline, a replacement
+# character (as a decoder writes for invalid bytes) and EOS (0)
+TRICKY = {1: "a", 2: "b", 3: "!", 4: "é", 5: "\n", 6: "\ufffd", 7: "ab", 8: "ba", 9: "a!"}
+
+
+def tricky_decode(ids: list[int]) -> str:
+    return "".join(TRICKY.get(i, "") for i in ids)
+
+
+def run_both(decode: Callable[[list[int]], str], stream: list[int], *, stop: Sequence[str], eos: Sequence[int],
+             max_new: int, cancel_at: int | None) -> None:
+    """Push `stream` into both sinks one token at a time (cancelling after `cancel_at` tokens): every callback,
+    return value and the final state must agree."""
+    calls: tuple[list[tuple[str, list[int]]], list[tuple[str, list[int]]]] = ([], [])
+    sinks = (
+        OutputSink(decode, eos_ids=eos, max_new_tokens=max_new, stop=stop,
+                   on_text=lambda text, ids: calls[0].append((text, list(ids)))),
+        WholeTextSink(decode, eos_ids=eos, max_new_tokens=max_new, stop=stop,
+                      on_text=lambda text, ids: calls[1].append((text, list(ids)))),
+    )
+    for index, token in enumerate(stream):
+        if cancel_at is not None and index == cancel_at:
+            for sink in sinks:
+                sink.finish_cancelled()
+            break
+        finished = [sink.push(token) for sink in sinks]
+        assert finished[0] == finished[1]
+        assert calls[0] == calls[1] and sinks[0].text == sinks[1].text, (stop, stream[: index + 1])
+    new, reference = sinks
+    assert calls[0] == calls[1]
+    assert (new.text, new.token_ids, new.finish_reason, new.stop_reason) == (
+        reference.text, reference.token_ids, reference.finish_reason, reference.stop_reason)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_sink_releases_exactly_what_rereading_the_whole_text_would(seed: int) -> None:
+    """Periodic and overlapping stop strings ("aba", "abab", "aa", "a!" beside "!"), held-back prefixes that end in
+    an earlier prefix, replacement characters, EOS, length and cancellation: the same callbacks, in the same
+    pieces with the same ids, and the same final text and reasons as the whole-text reference."""
+    generator = random.Random(seed)
+    stop_pool = ["aba", "abab", "aa", "a!", "!", "ba\n", "éé", "b\ufffd", "\ufffda", "ab!ab", "\n\n"]
+    for _ in range(150):
+        stop = generator.sample(stop_pool, generator.randint(0, 3))
+        stream = [generator.choice([1, 1, 2, 2, 3, 4, 5, 6, 7, 8, 9]) for _ in range(generator.randint(1, 60))]
+        if generator.random() < 0.2:
+            stream.insert(generator.randrange(len(stream)), 0)  # EOS
+        cancel_at = generator.randrange(len(stream)) if generator.random() < 0.2 else None
+        run_both(tricky_decode, stream, stop=stop, eos=[0], max_new=generator.randint(1, 70), cancel_at=cancel_at)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_sink_matches_the_reference_on_real_tokens(seed: int) -> None:
+    """SmolLM2's tokenizer: multi-byte characters split over byte tokens, special tokens, random ids, and stop
+    strings made of the text's own pieces (so they are found, and their prefixes held back, mid-token)."""
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path()).metadata, source="smollm2")
+    text = "def f(x):\n    return x**2  # 平方 ✓ café 😀 naïve\n" * 3 + "Ünïcödé 漢字テスト 🚀🚀 end"
+    base = tokenizer.encode(text)
+    generator = random.Random(seed)
+    for _ in range(20):
+        stream: list[int] = []
+        while len(stream) < 200:
+            if generator.random() < 0.8:
+                start = generator.randrange(len(base))
+                stream.extend(base[start : start + generator.randint(1, 12)])
+            else:
+                stream.append(generator.randrange(tokenizer.vocab_size))
+        start = generator.randrange(len(text) - 8)
+        stop = [text[start : start + generator.randint(1, 6)], generator.choice(["😀", "\n", "x**", "é n"])]
+        run_both(tokenizer.decode, stream, stop=stop, eos=tokenizer.eos_token_ids, max_new=len(stream), cancel_at=None)

@@ -183,27 +183,27 @@ class BatchCore:
             self.active.append(seq)
 
     def capture_graphs(self, max_keys: int = 4096) -> int:
-        """Capture the decoding pass's graphs ahead of traffic: every request bucket, plain rows and the rows of a
-        full round, keys up to `max_keys`. Returns the graphs held."""
+        """Capture the decoding pass's graphs ahead of traffic: every request bucket with every row bucket its steps
+        can have (plain rows, and the rounds the policy's shares allow that many requests), keys up to `max_keys`.
+        A shape met later is captured then, holding up every request of that step. Returns the graphs held."""
         if self.graphs is None:
             return 0
         from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedShape, bucket_up
 
         block = self.drafter.config.block_size if self.drafter is not None else 1
-        round_rows = max(self.settings.ddtree_budget, min(self.settings.linear_drafts, block - 1)) + 1
-        rows = sorted({1, bucket_up(round_rows, ROW_BUCKETS)} if self.drafter is not None else {1})
-        requests = 1
-        while True:
+        rows_of: dict[int, set[int]] = {}  # request bucket -> row buckets
+        for decoding in range(1, self.settings.max_batch + 1):
+            requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
+            rows = self.policy.round_rows(decoding) if self.drafter is not None else {1}
+            rows_of.setdefault(requests, set()).update(bucket_up(count, ROW_BUCKETS) for count in rows)
+        for requests, rows in sorted(rows_of.items()):
             keys = MIN_KEY_BUCKET
             while keys <= max_keys:
-                for count in rows:
+                for count in sorted(rows):
                     self.graphs.ensure(PaddedShape(requests, count, keys))
                 if self.drafter_graphs is not None:
                     self.drafter_graphs.graphs.ensure(PaddedShape(requests, bucket_up(block, ROW_BUCKETS), keys))
                 keys *= 2
-            if requests >= self.settings.max_batch:
-                break
-            requests *= 2
         drafter = self.drafter_graphs.graphs.captured if self.drafter_graphs is not None else 0
         return self.graphs.captured + drafter
 

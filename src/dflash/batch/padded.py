@@ -42,10 +42,14 @@ class PaddedShape:
 
     @classmethod
     def of(cls, items: Sequence[TargetRows], max_requests: int) -> PaddedShape:
-        requests = 1 << max(0, (len(items) - 1).bit_length())
         rows = bucket_up(max(int(i.tokens.numel()) for i in items), ROW_BUCKETS)
         keys = max(i.table.length + int(i.tokens.numel()) for i in items)
-        return cls(min(requests, max(max_requests, len(items))), rows, max(MIN_KEY_BUCKET, 1 << (keys - 1).bit_length()))
+        return cls(cls.bucket_requests(len(items), max_requests), rows, max(MIN_KEY_BUCKET, 1 << (keys - 1).bit_length()))
+
+    @staticmethod
+    def bucket_requests(count: int, max_requests: int) -> int:
+        """The request bucket of `count` requests: the next power of two, or `max_requests` below it."""
+        return min(1 << max(0, (count - 1).bit_length()), max(max_requests, count))
 
 
 class PaddedBatch:

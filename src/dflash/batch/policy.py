@@ -108,6 +108,15 @@ class SpeculationPolicy:
         share = max(0, self.max_step_rows - plain_rows) // speculating - 1  # drafted rows each, beside its root
         return RoundPlan(max(0, min(self.ddtree_budget, share)), max(0, min(self.linear_drafts, share)))
 
+    def round_rows(self, decoding: int) -> set[int]:
+        """The rows the largest round of a step may have when `decoding` requests decode in it, over every split
+        into speculating and plain requests (a fixed-shape pass pads every request to the largest)."""
+        rows = {1}
+        for speculating in range(1, decoding + 1):
+            plan = self.share(speculating, plain_rows=decoding - speculating)
+            rows.update((plan.ddtree_budget + 1, plan.linear_drafts + 1))
+        return rows
+
     def plan(self, acceptance: list[float], drafted_rows: list[int], plain_rows: int) -> bool:
         """Whether to speculate this step: `acceptance` and `drafted_rows` per speculating request (expected
         tokens per round, drafted rows it would verify), `plain_rows` rows of requests decoding plainly."""

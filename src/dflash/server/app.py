@@ -42,8 +42,6 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
     metrics = Metrics()
     worker = GenerationWorker(concurrency=settings.concurrency_for(engine.options), max_queue=settings.max_queue)
     metrics.bind_worker(lambda: worker.queue_depth, lambda: worker.running)
-    if hasattr(engine, "step_observer"):  # only the batching engine reports its steps
-        setattr(engine, "step_observer", metrics.observe_batch)  # noqa: B010 (not part of EnginePort)
     prefix_cache = getattr(engine, "prefix_cache", None)  # only the real engine has one
     if prefix_cache is not None:
         metrics.bind_prefix_cache(prefix_cache.stats)
@@ -58,6 +56,16 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
         model_name=settings.served_model_name or engine.model_name,
         created=int(time.time()),
     )
+    if hasattr(engine, "step_observer"):  # only the batching engine reports its steps
+        runner = ctx.runner
+        # its steps stream every request's text from the engine loop thread: delivered once per step
+        runner.flushed_per_step = bool(getattr(engine, "batched", False))
+
+        def after_step(size: int) -> None:  # on the engine loop thread
+            metrics.observe_batch(size)
+            runner.flush_events()  # the step's streamed text, every request's, in one wake-up of the event loop
+
+        setattr(engine, "step_observer", after_step)  # noqa: B010 (not part of EnginePort)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

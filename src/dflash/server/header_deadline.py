@@ -6,12 +6,20 @@ the request's headers: a client that sends `POST /v1/messages HTTP/1.1\\r\\n` an
 connection open for good. This protocol, uvicorn's own h11 protocol plus one timer, answers such a client with a
 408 and closes the connection once `timeout_s` has passed without complete headers. Its connections close
 lingering (`dflash.server.lingering_close`), so an answer sent before the whole request was read reaches the client.
+
+Its connections also send without Nagle's algorithm (TCP_NODELAY). asyncio sets that option itself only where the
+listening socket was made with `proto=IPPROTO_TCP`: it is when uvicorn binds a host and port (`dflash serve`), not
+for a socket bound beforehand and handed over (`sockets=`, a file descriptor). There a stream's small writes
+waited for the client's delayed ACK of the previous one, up to about 40 ms on Linux: a stream's first tokens
+arrived together that late and later ones in bursts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -35,6 +43,7 @@ def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            _send_without_delay(transport)
             self._lingering = LingeringTransport(transport, asyncio.get_running_loop())
             super().connection_made(self._lingering)  # type: ignore[arg-type]
             self._arm()
@@ -73,3 +82,12 @@ def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
                 self.transport.close()
 
     return HeaderDeadlineProtocol
+
+
+def _send_without_delay(transport: asyncio.BaseTransport) -> None:
+    """TCP_NODELAY on a TCP connection's socket (streamed tokens leave at once, not behind an unacknowledged write)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

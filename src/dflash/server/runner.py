@@ -1,8 +1,9 @@
 """Bridges the event loop and the generation worker: submit a `Turn`, then read its events (streaming) or
 wait for its `Outcome`, cancelling the generation when the client goes away.
 
-Events cross from the worker thread to the loop through `call_soon_threadsafe`, in order; the last event
-of every turn is `DoneEvent` or `ErrorEvent`. Metrics and the "last used" time are recorded here, once
+Events cross from the worker thread (or the engine loop thread, whose steps stream every request's text) to
+the loop through an `EventRelay`, in order, waking the loop once per batch of them; the last event of every
+turn is `DoneEvent` or `ErrorEvent`. Metrics and the "last used" time are recorded here, once
 per turn, whatever way it ended.
 
 A full worker queue is refused before anything is streamed: 429 (OpenAI APIs) or 529 (Anthropic) with a
@@ -15,9 +16,9 @@ engine and ends the same way, empty.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -27,26 +28,43 @@ from dflash.errors import GenerationError
 from dflash.generation.request import GenerationStats
 from dflash.server.engine_port import EnginePort
 from dflash.server.errors import APIError, internal_error, overloaded
+from dflash.server.event_relay import EventRelay
 from dflash.server.metrics import Metrics
 from dflash.server.stall import StallSettings
-from dflash.server.turn import DoneEvent, ErrorEvent, Outcome, Turn, TurnEvent, execute_turn
+from dflash.server.turn import (
+    DoneEvent,
+    ErrorEvent,
+    Outcome,
+    TextEvent,
+    ToolCallEvent,
+    Turn,
+    TurnEvent,
+    execute_turn,
+)
 from dflash.server.worker import GenerationWorker, Job, JobResult, WorkerOverloaded
 
 log = logging.getLogger("dflash.server")
 
 
 class TurnHandle:
-    def __init__(self, loop: asyncio.AbstractEventLoop, keepalive_s: float) -> None:
-        self.loop = loop
+    def __init__(self, relay: EventRelay[TurnEvent], keepalive_s: float, *, flushed_per_step: bool = False) -> None:
+        self.relay = relay
         self.keepalive_s = keepalive_s
-        self.queue: asyncio.Queue[TurnEvent] = asyncio.Queue()
+        self.flushed_per_step = flushed_per_step  # streamed events wait for the engine's step to end (`flush_events`)
+        self._events: deque[TurnEvent] = deque()  # delivered, not yet read
+        self._waiter: asyncio.Future[bool] | None = None  # the reader waiting for events (True: some arrived)
         self.job: Job[Outcome] | None = None
         self.worker: GenerationWorker | None = None
 
     def push(self, event: TurnEvent) -> None:
-        """Called on the worker thread."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        """Called on the worker thread, or on the engine loop thread from a step's output callbacks."""
+        streamed = isinstance(event, TextEvent | ToolCallEvent)
+        self.relay.push(self._receive, event, wait_for_flush=streamed and self.flushed_per_step)
+
+    def _receive(self, events: list[TurnEvent]) -> None:
+        """On the event loop: events the relay delivers, in order."""
+        self._events.extend(events)
+        _settle(self._waiter, True)
 
     def cancel(self) -> None:
         if self.job is not None and self.worker is not None and not self.job.done:
@@ -54,12 +72,21 @@ class TurnHandle:
 
     async def events(self) -> AsyncIterator[TurnEvent | None]:
         """Events up to and including the final one; None every `keepalive_s` without one."""
+        loop = self.relay.loop
         while True:
-            try:
-                event = await asyncio.wait_for(self.queue.get(), timeout=self.keepalive_s)
-            except asyncio.TimeoutError:
-                yield None
-                continue
+            if not self._events:
+                # a bare future and a timer rather than `asyncio.wait_for` (a task per wait): one wait per token
+                self._waiter = waiter = loop.create_future()
+                timer = loop.call_later(self.keepalive_s, _settle, waiter, False)
+                try:
+                    arrived = await waiter
+                finally:
+                    timer.cancel()
+                    self._waiter = None
+                if not arrived:
+                    yield None
+                    continue
+            event = self._events.popleft()
             yield event
             if isinstance(event, DoneEvent | ErrorEvent):
                 return
@@ -89,6 +116,11 @@ class TurnHandle:
             return await self.outcome()
         finally:
             watcher.cancel()
+
+
+def _settle(waiter: asyncio.Future[bool] | None, arrived: bool) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(arrived)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -124,10 +156,27 @@ class TurnRunner:
         self.keepalive_s = keepalive_s
         self.request_timeout_s = request_timeout_s
         self.last_used_ms: int | None = None
+        self._relay: EventRelay[TurnEvent] | None = None
+        # set where every batched step of the engine ends with `flush_events` (`create_app` installs it as the
+        # step observer of an engine that batches): streamed text then reaches the loop once per step
+        self.flushed_per_step = False
+
+    def _relay_for(self, loop: asyncio.AbstractEventLoop) -> EventRelay[TurnEvent]:
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = EventRelay(loop)
+        return self._relay
+
+    def flush_events(self) -> None:
+        """Deliver the queued events (the engine's step observer calls it after every batched step: the streamed
+        text of all requests reaches the event loop in one wake-up)."""
+        relay = self._relay
+        if relay is not None:
+            relay.flush()
 
     def start(self, turn: Turn, api: str) -> TurnHandle:
         """Submit `turn`; raises `APIError` when the server is shutting down or its queue is full."""
-        handle = TurnHandle(asyncio.get_running_loop(), self.keepalive_s)
+        handle = TurnHandle(self._relay_for(asyncio.get_running_loop()), self.keepalive_s,
+                            flushed_per_step=self.flushed_per_step)
 
         def run(should_stop: Callable[[], bool]) -> Outcome:
             return self._run(turn, handle, should_stop)
