@@ -22,7 +22,8 @@ results/gpu_gguf_matmul_h200.json): the programs
 are instruction-bound, not memory-bound. One row reads 0.56 to 1.17 TB/s of blocks for the 4-bit formats and Q6_K,
 1.0 to 1.7 TB/s for Q8_0 (a device copy moved 2.7 TB/s read plus written), so a product takes 1.0 to 2.6 times as
 long as cuBLAS on the same matrix in bf16 (1.0-1.4 for Q4_K and Q4_0, 1.4-2.6 for Q6_K); 4 to 64 rows take 1.2 to
-5.2 times as long. What they buy today is memory: a Q4_K_M model's matrices in about a third of bf16's bytes.
+5.2 times as long. The Q4_0, Q4_1, Q4_K and Q6_K matrices now go through the word programs instead
+(`triton_gguf_int8`: 1.4-1.9x faster than these at one row); these serve Q8_0 and Q5_K.
 A layout that loads 16/32-bit words and widens nibbles by OR-ing them into the float 2^23 was tried on the same
 machine: slower for Q4_K at one row (0.7x on an 8B model's LM head) and for every format through tensor cores (each
 step's nibble tiles had to be joined for `tl.dot`), faster only for Q6_K and Q8_0 at one row on the LM head
