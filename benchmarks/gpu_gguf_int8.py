@@ -14,16 +14,13 @@ Usage: python benchmarks/gpu_gguf_int8.py --out FILE [--shapes qwen3-8b] [--form
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gpu_gguf_matmul import CHAIN_BYTES, MAX_COPIES, SHAPES, copy_bandwidth, random_blocks, timed_ms
+from gpu_gguf_matmul import CHAIN_BYTES, MAX_COPIES, random_blocks, run_shapes, timed_ms
 
 from dflash.kernels.gguf_nibbles import nibble_matrix
 from dflash.kernels.triton_gguf_int8 import (
@@ -122,37 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (with TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        args.shapes, args.iters = "tiny", 1
-        device, dtype, graphs = torch.device("cpu"), torch.float32, False
-    else:
-        device, dtype, graphs = torch.device("cuda"), torch.bfloat16, True
-    torch.manual_seed(0)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    copy_gbps = copy_bandwidth(device, args.iters, graphs)
-    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + written)", flush=True)
-    results: dict[str, object] = {}
-    for shape in args.shapes.split(","):
-        for name in args.formats.split(","):
-            qtype = GGMLQuantizationType[name]
-            for kind, (n, k) in SHAPES[shape].items():
-                if kind in args.kinds.split(","):
-                    results[f"{shape}/{name}/{kind}"] = measure(n, k, qtype, rows_list, args, device, dtype, graphs)
-                    if graphs:
-                        torch.cuda.empty_cache()
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if graphs else "cpu (dry run, Triton interpreter)",
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                     "python": platform.python_version()},
-        "command": " ".join(["python", "benchmarks/gpu_gguf_int8.py", *(sys.argv[1:] if argv is None else argv)]),
-        "copy_GBps_read_plus_written": round(copy_gbps, 1),
-        "notes": "ms per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of --iters "
-                 "replays); word_GBps = the word layout's bytes / time; inputs rounded outside the chain "
-                 "(input_rounding_ms: that rounding for one call); block_program: gguf_matmul's configuration in use; "
-                 "dense: F.linear on a bf16 matrix of the same shape",
-        "results": results,
-    }
+    report = run_shapes(args, measure, "benchmarks/gpu_gguf_int8.py", argv)
+    report["notes"] = ("ms per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of --iters "
+                       "replays); word_GBps = the word layout's bytes / time; inputs rounded outside the chain "
+                       "(input_rounding_ms: that rounding for one call); block_program: gguf_matmul's configuration "
+                       "in use; dense: F.linear on a bf16 matrix of the same shape")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)

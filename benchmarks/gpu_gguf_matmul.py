@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,6 +140,41 @@ def measure_kind(
     return entry
 
 
+Measure = Callable[..., dict[str, object]]
+
+
+def run_shapes(args: argparse.Namespace, measure: Measure, script: str, argv: list[str] | None) -> dict[str, Any]:
+    """`measure(n, k, qtype, rows, args, device, dtype, graphs)` for every (shape, format, kind) asked for -> the
+    report: date, device, versions, command, the copy bandwidth and the results by "shape/format/kind"."""
+    if args.dry_run:
+        args.shapes, args.iters = "tiny", 1
+        device, dtype, graphs = torch.device("cpu"), torch.float32, False
+    else:
+        device, dtype, graphs = torch.device("cuda"), torch.bfloat16, True
+    torch.manual_seed(0)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    copy_gbps = copy_bandwidth(device, args.iters, graphs)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + written)", flush=True)
+    results: dict[str, object] = {}
+    for shape in args.shapes.split(","):
+        for name in args.formats.split(","):
+            qtype = GGMLQuantizationType[name]
+            for kind, (n, k) in SHAPES[shape].items():
+                if kind in args.kinds.split(","):
+                    results[f"{shape}/{name}/{kind}"] = measure(n, k, qtype, rows_list, args, device, dtype, graphs)
+                    if graphs:
+                        torch.cuda.empty_cache()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if graphs else "cpu (dry run, Triton interpreter)",
+        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
+                     "python": platform.python_version()},
+        "command": " ".join(["python", script, *(sys.argv[1:] if argv is None else argv)]),
+        "copy_GBps_read_plus_written": round(copy_gbps, 1),
+        "results": results,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="qwen3-8b,qwen3-32b")
@@ -150,35 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (with TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        args.shapes, args.iters = "tiny", 1
-        device, dtype, graphs = torch.device("cpu"), torch.float32, False
-    else:
-        device, dtype, graphs = torch.device("cuda"), torch.bfloat16, True
-    torch.manual_seed(0)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    copy_GBps = copy_bandwidth(device, args.iters, graphs)
-    print(f"device-to-device copy: {copy_GBps:.0f} GB/s (read + written)", flush=True)
-    results: dict[str, object] = {}
-    for shape in args.shapes.split(","):
-        for name in args.formats.split(","):
-            qtype = GGMLQuantizationType[name]
-            for kind, (n, k) in SHAPES[shape].items():
-                if kind in args.kinds.split(","):
-                    results[f"{shape}/{name}/{kind}"] = measure_kind(n, k, qtype, rows_list, args, device, dtype, graphs)
-                    if graphs:
-                        torch.cuda.empty_cache()
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if graphs else "cpu (dry run, Triton interpreter)",
-        "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__,
-                     "python": platform.python_version()},
-        "command": " ".join(["python", "benchmarks/gpu_gguf_matmul.py", *(sys.argv[1:] if argv is None else argv)]),
-        "copy_GBps_read_plus_written": round(copy_GBps, 1),
-        "notes": "ms and GBps per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of "
-                 "--iters replays); GBps = quantized bytes / time; dense: F.linear on a bf16 matrix of the same shape",
-        "results": results,
-    }
+    report = run_shapes(args, measure_kind, "benchmarks/gpu_gguf_matmul.py", argv)
+    report["notes"] = ("ms and GBps per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of "
+                       "--iters replays); GBps = quantized bytes / time; dense: F.linear on a bf16 matrix of the same "
+                       "shape")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)

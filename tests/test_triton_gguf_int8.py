@@ -21,14 +21,9 @@ from dflash.kernels.triton_gguf_int8 import (
     nibble_product,
     quantize_input,
 )
-from dflash.kernels.triton_gguf_matmul import gguf_programs_usable
-from tests.test_triton_gguf_matmul import format_blocks
+from tests.test_triton_gguf_matmul import DEVICE, format_blocks, needs_triton
 
 T = GGMLQuantizationType
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_triton = pytest.mark.skipif(
-    not gguf_programs_usable(DEVICE), reason="needs Triton (a GPU, or TRITON_INTERPRET=1)"
-)
 
 
 def reduction(qtype: GGMLQuantizationType) -> int:
