@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from dflash.batch.core import BatchCore, CoreSettings
@@ -64,3 +65,27 @@ def drain(core: BatchCore, limit: int = 10_000) -> int:
         steps += 1
         assert steps < limit, "the core did not finish"
     return steps
+
+
+def sampled_counts(
+    target: CausalLM, drafter: DFlashDrafter, mode: str, samples: int, new: int, *, budget: int, block: int,
+    prepare: Callable[[BatchCore], None] | None = None,
+) -> list[Counter[int]]:
+    """Token counts per output position of `samples` requests on prompt [1, 2, 3] (seeds 0..), sampled at
+    temperature 1, 64 in a batch; `prepare` adjusts each batch's core first (e.g. its speculation policy)."""
+    per_position: list[Counter[int]] = [Counter() for _ in range(new)]
+    for first in range(0, samples, 64):
+        core = make_core(target, drafter, max_batch=64, ddtree_budget=budget, linear_drafts=block - 1)
+        if prepare is not None:
+            prepare(core)
+        seqs = [
+            make_sequence(target, [1, 2, 3], new, mode, sampling=SamplingParams(temperature=1.0, seed=seed))
+            for seed in range(first, min(samples, first + 64))
+        ]
+        for seq in seqs:
+            core.add(seq)
+        drain(core)
+        for seq in seqs:
+            for position, token in enumerate(seq.sink.token_ids):
+                per_position[position][token] += 1
+    return per_position

@@ -15,9 +15,8 @@ from dflash.batch.draft_pass import DraftRows
 from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
-from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
 from tests.spec_helpers import (
     golden_pair,
     one_torch_thread,
@@ -208,21 +207,7 @@ VOCAB, BLOCK, NEW = 8, 4, 4
 
 def _batched_samples(mode: str, samples: int, budget: int = 6) -> list[Counter[int]]:
     """`samples` requests with seeds 0.. sampled at temperature 1, 64 in a batch: token counts per position."""
-    target, drafter = tiny_random_pair(VOCAB, 2.0, BLOCK)
-    per_position: list[Counter[int]] = [Counter() for _ in range(NEW)]
-    for first in range(0, samples, 64):
-        core = make_core(target, drafter, max_batch=64, ddtree_budget=budget, linear_drafts=BLOCK - 1)
-        seqs = [
-            make_sequence(target, [1, 2, 3], NEW, mode, sampling=SamplingParams(temperature=1.0, seed=seed))
-            for seed in range(first, min(samples, first + 64))
-        ]
-        for seq in seqs:
-            core.add(seq)
-        drain(core)
-        for seq in seqs:
-            for i, token in enumerate(seq.sink.token_ids):
-                per_position[i][token] += 1
-    return per_position
+    return sampled_counts(*tiny_random_pair(VOCAB, 2.0, BLOCK), mode, samples, NEW, budget=budget, block=BLOCK)
 
 
 

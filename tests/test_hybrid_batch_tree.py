@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from dflash.batch import core as core_module
+from dflash.batch.core import BatchCore
 from dflash.batch.draft_pass import DraftRows
 from dflash.batch.pool import SlotTable
 from dflash.batch.target_pass import TargetRows, run_target
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.vocab import DraftScores
-from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.kv.recurrent import RecurrentStates
 from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
 from tests.family_checks import check_batched_core_equals_plain
 from tests.hybrid_models import hf_tiny_hybrid, ours_from_hf_hybrid
 from tests.spec_helpers import one_torch_thread, random_prompts, run, total_variation
@@ -276,24 +276,12 @@ def _sampling_pair() -> tuple[CausalLM, DFlashDrafter]:
 def _sampled_counts(
     pair: tuple[CausalLM, DFlashDrafter], mode: str, samples: int, monkeypatch: pytest.MonkeyPatch
 ) -> list[Counter[int]]:
-    """Token counts per output position of `samples` requests (seeds 0..) sampled at temperature 1, 64 per batch,
-    every step speculating."""
-    target, drafter = pair
-    per_position: list[Counter[int]] = [Counter() for _ in range(SAMPLED_NEW)]
-    for first in range(0, samples, 64):
-        core = make_core(target, drafter, max_batch=64, ddtree_budget=6, linear_drafts=SAMPLED_BLOCK - 1)
+    """Token counts per output position of `samples` sampled requests, 64 per batch, every step speculating."""
+
+    def speculate(core: BatchCore) -> None:
         monkeypatch.setattr(core.policy, "plan", lambda *args, **kwargs: True)
-        seqs = [
-            make_sequence(target, [1, 2, 3], SAMPLED_NEW, mode, sampling=SamplingParams(temperature=1.0, seed=seed))
-            for seed in range(first, min(samples, first + 64))
-        ]
-        for seq in seqs:
-            core.add(seq)
-        drain(core)
-        for seq in seqs:
-            for position, token in enumerate(seq.sink.token_ids):
-                per_position[position][token] += 1
-    return per_position
+
+    return sampled_counts(*pair, mode, samples, SAMPLED_NEW, budget=6, block=SAMPLED_BLOCK, prepare=speculate)
 
 
 @pytest.mark.slow
