@@ -15,6 +15,7 @@ from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.engine.engine import Engine, EngineOptions
 from dflash.errors import GenerationError
 from dflash.generation.request import GenerationRequest
+from dflash.kv.recurrent import ROLLBACK_MAX_ROWS
 from dflash.models.hf_loader import load_hf_dir
 from dflash.models.model import CausalLM
 from tests.hybrid_models import hf_tiny_hybrid, ours_from_hf_hybrid
@@ -111,6 +112,21 @@ def test_engine_verifies_trees_one_request_at_a_time(
         batched = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=4))
     assert batched.batched and batched.options.spec == "ddtree" and "eager forwards" in caplog.text
     batched.close()
+
+
+def test_a_hybrid_tree_stays_within_what_its_state_can_replay(
+    target: CausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DDTree budget whose tree (root included) would exceed the rows the recurrent state keeps for a rollback is
+    capped at start-up (logged), so no request fails mid-generation; the capped tree still gives the plain tokens."""
+    with caplog.at_level(logging.INFO, logger="dflash.engine"):
+        engine = _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1, ddtree_budget=100))
+    assert engine.options.ddtree_budget == ROLLBACK_MAX_ROWS - 1 and "DDTree budget 63" in caplog.text
+    prompt = random_prompts(1, VOCAB, seed=3, lengths=(9,))[0]
+    request = GenerationRequest(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True)
+    tree = engine.generate(request, spec="ddtree")
+    assert tree.token_ids == engine.generate(request, spec="none").token_ids and tree.stats.rounds > 0
+    assert _engine(target, tmp_path, EngineOptions(spec="ddtree", max_batch=1, ddtree_budget=8)).options.ddtree_budget == 8
 
 
 def _tree_inputs(parents: list[int], start: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

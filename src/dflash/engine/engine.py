@@ -36,6 +36,7 @@ from dflash.generation.request import GenerationRequest, GenerationResult, Gener
 from dflash.generation.selection import TokenAgreement, TokenChooser
 from dflash.kernels.openmp import release_thread_workers
 from dflash.kv.prefix_cache import PrefixCache
+from dflash.kv.recurrent import ROLLBACK_MAX_ROWS
 from dflash.models.model import CausalLM
 from dflash.special_text import SpecialTextGuard
 from dflash.tokenizer import Tokenizer
@@ -107,10 +108,19 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
     return resolved
 
 
+# a verification of more rows keeps no per-row inputs in the linear-attention state, so a tree's accepted path could
+# not be replayed: the tree (its root and `budget` nodes) must fit
+HYBRID_MAX_BUDGET = ROLLBACK_MAX_ROWS - 1
+
+
 def _for_hybrid(options: EngineOptions) -> EngineOptions:
     """The options a hybrid (linear-attention) target can run, each change logged once at start-up."""
-    hybrid = replace(options, cuda_graphs=False)
-    reasons = {"cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards"}
+    budget = options.ddtree_budget if options.ddtree_budget is None else min(options.ddtree_budget, HYBRID_MAX_BUDGET)
+    hybrid = replace(options, cuda_graphs=False, ddtree_budget=budget)
+    reasons = {
+        "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
+        "ddtree_budget": f"a tree's rows must be replayable from the recurrent state: DDTree budget {budget}",
+    }
     for field, reason in reasons.items():
         if getattr(options, field) != getattr(hybrid, field):
             log.info("hybrid model (linear-attention layers): %s", reason)
