@@ -14,13 +14,20 @@ Usage: python benchmarks/gpu_gguf_int8.py --out FILE [--shapes qwen3-8b] [--form
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
-from gpu_gguf_matmul import CHAIN_BYTES, MAX_COPIES, random_blocks, run_shapes, timed_ms
+from gpu_gguf_matmul import (
+    CHAIN_BYTES,
+    MAX_COPIES,
+    random_blocks,
+    run_shapes,
+    shape_arguments,
+    timed_ms,
+    write_report,
+)
 
 from dflash.kernels.gguf_nibbles import nibble_matrix
 from dflash.kernels.triton_gguf_int8 import (
@@ -109,25 +116,15 @@ def measure(n: int, k: int, qtype: GGMLQuantizationType, rows_list: list[int], a
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="qwen3-8b")
-    parser.add_argument("--kinds", default="qkv,o,gate_up,down,head")
-    parser.add_argument("--formats", default="Q4_K,Q4_0")
-    parser.add_argument("--rows", default="1,2,4,8")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--grid", action="store_true")
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (with TRITON_INTERPRET=1)")
-    parser.add_argument("--out", default="")
+    parser = shape_arguments(__doc__.splitlines()[0], shapes="qwen3-8b", formats="Q4_K,Q4_0", rows="1,2,4,8",
+                             iters=30)
     args = parser.parse_args(argv)
     report = run_shapes(args, measure, "benchmarks/gpu_gguf_int8.py", argv)
     report["notes"] = ("ms per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of --iters "
                        "replays); word_GBps = the word layout's bytes / time; inputs rounded outside the chain "
                        "(input_rounding_ms: that rounding for one call); block_program: gguf_matmul's configuration "
                        "in use; dense: F.linear on a bf16 matrix of the same shape")
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
-
+    write_report(report, args.out)
 
 if __name__ == "__main__":
     main()

@@ -175,24 +175,35 @@ def run_shapes(args: argparse.Namespace, measure: Measure, script: str, argv: li
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="qwen3-8b,qwen3-32b")
+def shape_arguments(description: str, *, shapes: str, formats: str, rows: str, iters: int) -> argparse.ArgumentParser:
+    """The options `run_shapes` reads, with the script's defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--shapes", default=shapes)
     parser.add_argument("--kinds", default="qkv,o,gate_up,down,head")
-    parser.add_argument("--formats", default="Q4_K,Q6_K,Q8_0,Q4_0")
-    parser.add_argument("--rows", default="1,4,16,64")
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--grid", action="store_true", help="also time the configurations in GRID")
+    parser.add_argument("--formats", default=formats)
+    parser.add_argument("--rows", default=rows)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--grid", action="store_true", help="also time the configurations of the script's grid")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (with TRITON_INTERPRET=1)")
     parser.add_argument("--out", default="")
+    return parser
+
+
+def write_report(report: dict[str, Any], out: str) -> None:
+    if out:
+        with open(out, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = shape_arguments(__doc__.splitlines()[0], shapes="qwen3-8b,qwen3-32b", formats="Q4_K,Q6_K,Q8_0,Q4_0",
+                             rows="1,4,16,64", iters=50)
     args = parser.parse_args(argv)
     report = run_shapes(args, measure_kind, "benchmarks/gpu_gguf_matmul.py", argv)
     report["notes"] = ("ms and GBps per matrix (a chain over `copies` distinct random matrices, CUDA graph, median of "
                        "--iters replays); GBps = quantized bytes / time; dense: F.linear on a bf16 matrix of the same "
                        "shape")
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

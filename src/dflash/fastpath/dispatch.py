@@ -7,6 +7,7 @@ its shapes on one of its caches (the runner answers None otherwise) and through 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,11 +32,11 @@ class GraphForwards(Forwards):
     """Forwards of `runner.target` and `runner.drafter` through `runner`; other models stay eager."""
 
     def __init__(self, runner: GraphRunner) -> None:
-        from dflash.models.gpu_quantized_layers import uses_gpu_quantized_weights
-
         self.runner = runner
         # every eager chunk past the graphs' rows dequantises each quantized matrix once: fewer, longer chunks
-        self._quantized = uses_gpu_quantized_weights(runner.target)
+        # (quantized GPU modules exist only where their module was loaded)
+        quantized = sys.modules.get("dflash.models.gpu_quantized_layers")
+        self._quantized = quantized is not None and quantized.uses_gpu_quantized_weights(runner.target)
 
     def forward(
         self,

@@ -49,6 +49,21 @@ def _device_words(matrix: QuantizedMatrix, device: torch.device) -> NibbleMatrix
     return words
 
 
+def _register_words(module: nn.Module, suffix: str, words: NibbleMatrix) -> None:
+    """The words' tensors as `module`'s buffers (the fp16 scales as their bits: a dtype cast leaves them alone)."""
+    module.register_buffer("words" + suffix, words.words, persistent=False)
+    module.register_buffer("pairs" + suffix, words.pairs.view(torch.int16), persistent=False)
+    module.register_buffer("sub_scales" + suffix, words.sub_scales, persistent=False)
+    module.register_buffer("high_bits" + suffix, words.high_bits, persistent=False)
+
+
+def _words_of(module: nn.Module, suffix: str, qtype: GGMLQuantizationType, k: int) -> NibbleMatrix:
+    """The `NibbleMatrix` that `_register_words` stored."""
+    words: torch.Tensor = getattr(module, "words" + suffix)
+    return NibbleMatrix(qtype, words.shape[0], k, words, getattr(module, "pairs" + suffix).view(torch.float16),
+                        getattr(module, "sub_scales" + suffix), getattr(module, "high_bits" + suffix))
+
+
 class GGUFLinear(nn.Module):
     """y[..., out] = x[..., in] @ dequant(W[out, in])^T (+ bias), W held quantized on the device: one matrix, or
     the rows of several (a fused q/k/v or gate/up) whose formats may differ. Consecutive parts of one format are
@@ -62,31 +77,31 @@ class GGUFLinear(nn.Module):
 
     def __init__(
         self,
-        parts: QuantizedMatrix | Sequence[QuantizedMatrix],
+        parts: QuantizedMatrix | NibbleMatrix | Sequence[QuantizedMatrix],
         device: torch.device | str,
         dtype: torch.dtype,
         bias: bool = False,
     ) -> None:
+        """`parts`: the matrix, or a fused projection's matrices (as loaded), or a matrix already as words."""
         super().__init__()
         device = torch.device(device)
-        segments = join_formats([parts] if isinstance(parts, QuantizedMatrix) else list(parts))
-        self.in_features = segments[0].columns
-        self.out_features = sum(segment.rows for segment in segments)
+        segments: list[QuantizedMatrix | NibbleMatrix] = (
+            [parts] if isinstance(parts, NibbleMatrix)
+            else list(join_formats([parts] if isinstance(parts, QuantizedMatrix) else list(parts)))
+        )
+        self.in_features = segments[0].k if isinstance(segments[0], NibbleMatrix) else segments[0].columns
+        self.out_features = sum(s.n if isinstance(s, NibbleMatrix) else s.rows for s in segments)
         self.formats = [GGMLQuantizationType(segment.qtype) for segment in segments]
         self._suffixes = [f"_{i}" if i else "" for i in range(len(segments))]
         for suffix, segment in zip(self._suffixes, segments, strict=True):
-            if segment.qtype in NIBBLE_FORMATS:
-                self._register_words(suffix, _device_words(segment, device))
+            if isinstance(segment, NibbleMatrix):
+                _register_words(self, suffix, segment)
+            elif segment.qtype in NIBBLE_FORMATS:
+                _register_words(self, suffix, _device_words(segment, device))
             else:
                 self.register_buffer("blocks" + suffix, _device_blocks(segment, device), persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype, device=device)) if bias else None
-
-    def _register_words(self, suffix: str, words: NibbleMatrix) -> None:
-        self.register_buffer("words" + suffix, words.words, persistent=False)
-        self.register_buffer("pairs" + suffix, words.pairs.view(torch.int16), persistent=False)
-        self.register_buffer("sub_scales" + suffix, words.sub_scales, persistent=False)
-        self.register_buffer("high_bits" + suffix, words.high_bits, persistent=False)
 
     @property
     def parts(self) -> list[QuantizedPart]:
@@ -94,11 +109,7 @@ class GGUFLinear(nn.Module):
         found: list[QuantizedPart] = []
         for suffix, qtype in zip(self._suffixes, self.formats, strict=True):
             if qtype in NIBBLE_FORMATS:
-                words: torch.Tensor = getattr(self, "words" + suffix)
-                found.append(NibbleMatrix(
-                    qtype, words.shape[0], self.in_features, words, getattr(self, "pairs" + suffix).view(torch.float16),
-                    getattr(self, "sub_scales" + suffix), getattr(self, "high_bits" + suffix),
-                ))
+                found.append(_words_of(self, suffix, qtype, self.in_features))
             else:
                 found.append((getattr(self, "blocks" + suffix), qtype))
         return found
@@ -124,15 +135,7 @@ class GGUFLinear(nn.Module):
         part = self.parts[0]
         ids = ids.to(self.weight.device)
         if isinstance(part, NibbleMatrix):
-            head = GGUFLinear.__new__(GGUFLinear)
-            nn.Module.__init__(head)
-            head.in_features, head.out_features, head.formats, head._suffixes = (
-                self.in_features, int(ids.numel()), [part.qtype], [""]
-            )
-            head._register_words("", select_rows(part, ids))
-            head.register_buffer("weight", torch.empty(0, dtype=self.weight.dtype, device=ids.device), persistent=False)
-            head.bias = None
-            return head
+            return GGUFLinear(select_rows(part, ids), ids.device, self.weight.dtype)
         blocks = part[0].index_select(0, ids)
         return GGUFLinear(QuantizedMatrix(blocks, self.qtype, self.in_features), blocks.device, self.weight.dtype)
 
@@ -146,10 +149,6 @@ class GGUFEmbedding(nn.Module):
     Q4_0 / Q4_1 / Q4_K / Q6_K table kept as words (shared with a tied head), any other as its blocks."""
 
     weight: torch.Tensor
-    words: torch.Tensor
-    pairs: torch.Tensor
-    sub_scales: torch.Tensor | None
-    high_bits: torch.Tensor | None
     blocks: torch.Tensor
 
     def __init__(self, matrix: QuantizedMatrix, device: torch.device | str, dtype: torch.dtype) -> None:
@@ -159,11 +158,7 @@ class GGUFEmbedding(nn.Module):
         self.embedding_dim = matrix.columns
         self.qtype = GGMLQuantizationType(matrix.qtype)
         if self.qtype in NIBBLE_FORMATS:
-            words = _device_words(matrix, device)
-            self.register_buffer("words", words.words, persistent=False)
-            self.register_buffer("pairs", words.pairs.view(torch.int16), persistent=False)
-            self.register_buffer("sub_scales", words.sub_scales, persistent=False)
-            self.register_buffer("high_bits", words.high_bits, persistent=False)
+            _register_words(self, "", _device_words(matrix, device))
         else:
             self.register_buffer("blocks", _device_blocks(matrix, device), persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
@@ -171,8 +166,7 @@ class GGUFEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         if self.qtype in NIBBLE_FORMATS:
-            table = NibbleMatrix(self.qtype, self.num_embeddings, self.embedding_dim, self.words,
-                                 self.pairs.view(torch.float16), self.sub_scales, self.high_bits)
+            table = _words_of(self, "", self.qtype, self.embedding_dim)
             values = nibble_dequantize(select_rows(table, ids), self.weight.dtype)  # [ids, dim]
         else:
             rows = self.blocks.index_select(0, ids)  # [ids, bytes per row]
