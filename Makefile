@@ -27,6 +27,7 @@ chat: $(STAMP)
 # Only the fused end-to-end generations (test_fastpath.py::test_generation_with_fused_layers_equals_eager, marked
 # gpu, about 5 minutes each when interpreted) are left to GPU runs.
 TRITON_TESTS := tests/test_triton_argmax.py tests/test_triton_attention.py tests/test_triton_skinny.py \
+	tests/test_triton_paged_attention.py tests/test_padded_paged_attention.py \
 	tests/test_triton_rank_sums.py tests/test_triton_gguf_int8.py \
 	tests/test_triton_gguf_matmul.py tests/test_gpu_quantized_model.py \
 	tests/test_kv_move.py tests/test_device_tree.py \

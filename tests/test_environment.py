@@ -17,6 +17,7 @@ def test_defaults_where_nothing_is_set() -> None:
     assert environment.gguf_cache_enabled({})
     assert environment.cpu_layer_ops_enabled({})
     assert environment.attention({}) == "split"
+    assert environment.padded_attention({}) == "paged"
     assert environment.products({}) == "skinny"
     assert environment.api_key({}) is None
     assert environment.llama_bench({}) is None
@@ -29,6 +30,7 @@ def test_values_are_read_by_meaning() -> None:
     assert environment.gguf_cache_enabled({environment.NO_CACHE: "0"})
     assert not environment.cpu_layer_ops_enabled({environment.CPU_LAYER_OPS: "OFF"})
     assert environment.attention({environment.ATTENTION: "sdpa"}) == "sdpa"
+    assert environment.padded_attention({environment.PADDED_ATTENTION: "gather"}) == "gather"
     assert environment.products({environment.PRODUCTS: "cublas"}) == "cublas"
     assert environment.api_key({environment.API_KEY: "   "}) is None
     assert environment.api_key({environment.API_KEY: " k "}) == " k "  # checked and stripped by its caller
@@ -38,6 +40,7 @@ def test_values_are_read_by_meaning() -> None:
 
 
 @pytest.mark.parametrize(("read", "name"), [(environment.attention, environment.ATTENTION),
+                                            (environment.padded_attention, environment.PADDED_ATTENTION),
                                             (environment.products, environment.PRODUCTS)])
 def test_an_unknown_kernel_choice_is_refused(read: Callable[[Mapping[str, str]], str], name: str) -> None:
     with pytest.raises(ValueError, match=f"{name} must be"):

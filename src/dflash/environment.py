@@ -7,6 +7,8 @@
 | `DFLASH_NO_CACHE`              | off      | 1/true/yes/on: keep no converted GGUF on disk (`dflash.models.gguf_cache`) |
 | `DFLASH_CPU_LAYER_OPS`         | on       | 0/false/no/off: torch operations instead of the fused CPU kernel        |
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
+| `DFLASH_PADDED_ATTENTION`      | paged    | the batched padded step's attention: paged reads the K/V pool in place; |
+|                                |          | gather copies each request's keys first, then SDPA                      |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
 | `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric, fused, oneway            |
 | `DFLASH_TP_VOCAB_SPLIT`        | on       | 0: embeddings and LM head whole on every rank, not split by vocab rows  |
@@ -34,6 +36,7 @@ CACHE_DIR = "DFLASH_CACHE_DIR"
 NO_CACHE = "DFLASH_NO_CACHE"
 CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
+PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
 PRODUCTS = "DFLASH_PRODUCTS"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
 TP_VOCAB_SPLIT = "DFLASH_TP_VOCAB_SPLIT"
@@ -45,6 +48,7 @@ LLAMA_BENCH = "DFLASH_LLAMA_BENCH"
 
 PREFIX = "DFLASH_"
 ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
+PADDED_ATTENTION_CHOICES = ("paged", "gather")
 PRODUCTS_CHOICES = ("skinny", "cublas")
 TP_ALLREDUCE_CHOICES = ("auto", "nccl", "symmetric", "fused", "oneway")
 
@@ -75,6 +79,11 @@ def cpu_layer_ops_enabled(env: Mapping[str, str] | None = None) -> bool:
 def attention(env: Mapping[str, str] | None = None) -> str:
     """`DFLASH_ATTENTION`: "split" (the default) or "sdpa"; raises `ValueError` for anything else."""
     return _choice(_environ(env), ATTENTION, ATTENTION_CHOICES)
+
+
+def padded_attention(env: Mapping[str, str] | None = None) -> str:
+    """`DFLASH_PADDED_ATTENTION`: "paged" (the default) or "gather"; raises `ValueError` for anything else."""
+    return _choice(_environ(env), PADDED_ATTENTION, PADDED_ATTENTION_CHOICES)
 
 
 def products(env: Mapping[str, str] | None = None) -> str:

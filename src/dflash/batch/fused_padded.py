@@ -2,8 +2,9 @@
 
 A replayed CUDA graph still pays a few microseconds per kernel, so for small models the step is bound by the kernel
 count. Per layer this pass runs add+RMSNorm, the QKV product, one program that normalises q/k, rotates them and
-stores k/v straight into the pool's slots (a padding row's slot is -1: nothing stored), the key gather, one SDPA,
-the output product, add+RMSNorm, the gate/up product, SiLU*up and the down product (`dflash.kernels.triton_decode`,
+stores k/v straight into the pool's slots (a padding row's slot is -1: nothing stored), attention over the pool
+read in place (`dflash.kernels.triton_paged_attention`; DFLASH_PADDED_ATTENTION=gather: the key gather and one
+SDPA), the output product, add+RMSNorm, the gate/up product, SiLU*up and the down product (`dflash.kernels.triton_decode`,
 `dflash.fastpath.fused_layers.apply_linear`). The same families as the single-request fused path.
 """
 
@@ -28,6 +29,7 @@ from dflash.fastpath.fused_layers import (
     project_and_store,
     supports_fused_layers,
 )
+from dflash.kernels.triton_paged_attention import paged_attention, paged_attention_usable
 from dflash.models.model import CausalLM
 
 __all__ = ["fused_padded_forward", "supports_fused_layers"]
@@ -45,7 +47,8 @@ def fused_padded_forward(
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     dtype = model.embed_tokens.weight.dtype
     cos, sin = model.rotary.rows_cos_sin(batch.positions.view(-1), dtype)  # [count, head_dim]
-    additive = batch.additive_mask(dtype)  # [requests, 1, rows, keys]
+    in_place = paged_attention_usable(pool.device, head_dim) and pool.keys.is_contiguous()
+    additive = None if in_place else batch.additive_mask(dtype)  # [requests, 1, rows, keys]
     read = batch.read_slots  # [requests, keys]
     wanted = set(capture)
     captured: dict[int, torch.Tensor] = {}
@@ -60,10 +63,13 @@ def fused_padded_forward(
         keys, values = pool.keys[index], pool.values[index]  # [kv_heads, slots, head_dim]
         qkv = project_and_store(layer, h, cos, sin, keys, values, batch.store_slots, config)
         q = qkv[:, : heads * head_dim].view(requests, rows, heads, head_dim).transpose(1, 2)  # [b, heads, rows, hd]
-        out = F.scaled_dot_product_attention(
-            q, keys[:, read].transpose(0, 1), values[:, read].transpose(0, 1), attn_mask=additive,
-            scale=attention.scale, enable_gqa=heads != kv_heads,
-        )  # [requests, heads, rows, head_dim]
+        if additive is None:
+            out = paged_attention(q, keys, values, read, batch.past, batch.counts, batch.visibility, attention.scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys[:, read].transpose(0, 1), values[:, read].transpose(0, 1), attn_mask=additive,
+                scale=attention.scale, enable_gqa=heads != kv_heads,
+            )  # [requests, heads, rows, head_dim]
         attended = last_product(out.transpose(1, 2).reshape(count, heads * head_dim), attention.o_proj)
         x, pending = attention_residual_and_mlp(layer, x, attended)
     hidden, x = add_norm(x, pending, model.norm, MLP_REGION)

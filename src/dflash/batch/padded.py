@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import TargetRows
 from dflash.errors import GenerationError
+from dflash.kernels.triton_paged_attention import paged_attention, paged_attention_usable
 from dflash.models.model import CausalLM
 
 ROW_BUCKETS = (1, 4, 8, 16, 24, 40, 64, 128)  # few shapes, few graphs: a 32-node tree takes 40
@@ -155,10 +156,13 @@ class PaddedBatch:
 
 
 class PaddedAttention:
-    """`AttentionBackend` of a padded batch: scatter the new K/V, gather each request's keys, one masked SDPA."""
+    """`AttentionBackend` of a padded batch: scatter the new K/V, then attend over the pool read in place
+    (`dflash.kernels.triton_paged_attention`, on CUDA) or gather each request's keys for one masked SDPA (on the
+    CPU, in sliding-window layers, or with DFLASH_PADDED_ATTENTION=gather)."""
 
     def __init__(self, pool: BlockPool, batch: PaddedBatch, sliding: Sequence[bool]) -> None:
         self.pool, self.batch, self.sliding = pool, batch, list(sliding)
+        self.in_place = pool.keys.is_contiguous() and paged_attention_usable(pool.device, pool.keys.shape[-1])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [requests, heads, rows, head_dim]; k, v: [requests, kv_heads, rows, head_dim] -> [requests, rows,
@@ -168,9 +172,13 @@ class PaddedAttention:
         keys.index_copy_(1, self.batch.write_slots, k.transpose(0, 1).reshape(kv_heads, b * rows, dim))
         values.index_copy_(1, self.batch.write_slots, v.transpose(0, 1).reshape(kv_heads, b * rows, dim))
         read = self.batch.read_slots  # [requests, keys]
+        sliding = layer < len(self.sliding) and self.sliding[layer]
+        if self.in_place and not sliding:
+            batch = self.batch
+            out = paged_attention(q, keys, values, read, batch.past, batch.counts, batch.visibility, scale)
+            return out.transpose(1, 2).reshape(b, rows, -1)  # a view: the program writes [requests, rows, heads, hd]
         gathered_k = keys[:, read].transpose(0, 1)  # [requests, kv_heads, keys, head_dim]
         gathered_v = values[:, read].transpose(0, 1)
-        sliding = layer < len(self.sliding) and self.sliding[layer]
         mask = self.batch.sliding_mask if sliding and self.batch.sliding_mask is not None else self.batch.full_mask
         out = F.scaled_dot_product_attention(
             q, gathered_k, gathered_v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kv_heads

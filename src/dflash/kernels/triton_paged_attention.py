@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from dflash.kernels.triton_decode import next_power_of_two
+from dflash import environment
+from dflash.kernels.triton_attention import attention_kernel_usable
+from dflash.kernels.triton_decode import interpreting, next_power_of_two, triton_available
 
 BLOCK_N = 64  # keys per step inside a slice
 TARGET_PROGRAMS = 132  # about one program per SM on an H100 (as `few_row_attention`)
@@ -143,6 +145,18 @@ def _kernels() -> tuple[Any, Any]:
     return paged_slice_kernel, paged_combine_kernel
 
 
+def paged_attention_usable(device: torch.device, head_dim: int) -> bool:
+    """Whether the padded passes attend through `paged_attention` instead of gathering each request's keys for
+    SDPA: on a CUDA device (or under Triton's interpreter), for a head_dim that is a power of two of at least 16,
+    unless DFLASH_PADDED_ATTENTION=gather (read when a graph is captured)."""
+    return (
+        environment.padded_attention() == "paged"
+        and triton_available()
+        and (device.type == "cuda" or interpreting())
+        and attention_kernel_usable(head_dim)
+    )
+
+
 def paged_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read_slots: torch.Tensor, past: torch.Tensor,
     counts: torch.Tensor, visibility: torch.Tensor, scale: float, min_slice: int = MIN_SLICE,
@@ -159,6 +173,8 @@ def paged_attention(
     `min_slice`: keys per program at least (a power of two, at least `BLOCK_N`)."""
     requests, heads, rows, head_dim = q.shape
     kv_heads = keys.shape[0]
+    if q.stride(3) != 1:
+        raise ValueError("paged_attention needs q with unit stride along head_dim")
     for pool in (keys, values):  # the programs address a slot's row as slot * head_dim within a kv head
         if pool.stride(1) != head_dim or pool.stride(2) != 1 or pool.stride(0) != keys.stride(0):
             raise ValueError("paged_attention needs keys and values laid out [kv_heads, slots, head_dim] alike")

@@ -1,0 +1,109 @@
+"""The padded passes (`dflash.batch.padded`, `dflash.batch.fused_padded`) attending over the K/V pool in place
+(`dflash.kernels.triton_paged_attention`) give what they give when each request's keys are gathered for SDPA
+(DFLASH_PADDED_ATTENTION=gather); on the CPU without Triton's interpreter the gather stays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from dflash import environment
+from dflash.batch import fused_padded, padded
+from dflash.batch.padded import PaddedBatch, PaddedShape
+from dflash.batch.target_pass import TargetRows
+from dflash.kernels.triton_decode import interpreting, triton_available
+from dflash.kernels.triton_paged_attention import paged_attention_usable
+from dflash.speculative.tree import build_tree, tree_verify_inputs
+from tests.batch_helpers import make_core, make_sequence
+from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
+
+_one_thread = one_torch_thread  # autouse, module scope
+
+runnable = pytest.mark.skipif(
+    not (triton_available() and (torch.cuda.is_available() or interpreting())),
+    reason="needs Triton (a GPU, or TRITON_INTERPRET=1)",
+)
+
+
+def test_the_in_place_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default where the program runs and head_dim is a power of two of at least 16; the switch opts out; the
+    CPU without the interpreter keeps the gather."""
+    monkeypatch.delenv(environment.PADDED_ATTENTION, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert paged_attention_usable(torch.device("cpu"), 64) == triton_available()
+    assert not paged_attention_usable(torch.device("cpu"), 48)
+    assert not paged_attention_usable(torch.device("cpu"), 8)
+    monkeypatch.setenv(environment.PADDED_ATTENTION, "gather")
+    assert not paged_attention_usable(torch.device("cpu"), 64)
+    monkeypatch.setenv(environment.PADDED_ATTENTION, "paged")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert not paged_attention_usable(torch.device("cpu"), 64)
+    assert paged_attention_usable(torch.device("cuda"), 128) == triton_available()
+
+
+def _decoding_items(device: torch.device) -> tuple[Any, Any, list[TargetRows]]:
+    """The tiny target on `device` with three decoding requests (one past 256 keys: two key slices) and their
+    step's rows: a 7-node tree, a plain step and a 3-row chain."""
+    target, _ = golden_pair()
+    target = target.to(device)
+    core = make_core(target, None, max_batch=4)
+    prompts = random_prompts(3, target.config.vocab_size, seed=41, lengths=(9, 300, 20))
+    seqs = [make_sequence(target, prompt, 10, "none") for prompt in prompts]
+    for seq in seqs:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in seqs):
+        core.step()
+    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(3)), 7)
+    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
+    items = [
+        TargetRows(seqs[0].target, tokens, positions, visibility),
+        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending]), torch.tensor([seqs[1].start])),
+        TargetRows(seqs[2].target, torch.tensor([seqs[2].pending, 3, 4]), torch.arange(seqs[2].start, seqs[2].start + 3)),
+    ]
+    return target, core, items
+
+
+@runnable
+@pytest.mark.parametrize("fused", [False, True], ids=["module", "fused"])
+def test_the_padded_pass_in_place_equals_the_gather(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree, a plain step and a chain in one padded batch with a padding request: the pass through the paged
+    program (which it does take) gives the gather's logits and features on every real row (fp32), and every row,
+    padding included, stays finite."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, core, items = _decoding_items(device)
+    module = fused_padded if fused else padded
+    calls = []
+    program = module.paged_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return program(*args, **kwargs)
+
+    monkeypatch.setattr(module, "paged_attention", counted)
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = (
+        fused_padded.fused_padded_forward if fused else padded.padded_forward
+    )
+    pool = core.target_pool
+    capture = (1, len(target.layers) - 1)
+    try:
+        with torch.inference_mode():
+            batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)
+            assert batch.shape.requests == 4 and batch.shape.keys == 512
+            batch.load(items)
+            monkeypatch.setenv(environment.PADDED_ATTENTION, "gather")
+            gathered_logits, gathered_features = forward(target, pool, batch, capture)
+            assert not calls
+            monkeypatch.setenv(environment.PADDED_ATTENTION, "paged")
+            logits, features = forward(target, pool, batch, capture)
+        assert len(calls) == len(target.layers)
+        assert torch.isfinite(logits).all()
+        for index, item in enumerate(items):
+            n = int(item.tokens.numel())
+            torch.testing.assert_close(logits[index, :n], gathered_logits[index, :n], atol=1e-4, rtol=1e-4)
+            assert features is not None and gathered_features is not None
+            torch.testing.assert_close(features[index, :n], gathered_features[index, :n], atol=1e-4, rtol=1e-4)
+    finally:
+        target.to("cpu")
