@@ -17,8 +17,8 @@ from dflash.batch.target_pass import TargetRows
 from dflash.kernels.triton_decode import interpreting, triton_available
 from dflash.kernels.triton_paged_attention import paged_attention_usable
 from dflash.speculative.tree import build_tree, tree_verify_inputs
-from tests.batch_helpers import make_core, make_sequence
-from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
+from tests.batch_helpers import drain, make_core, make_sequence
+from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
 
 _one_thread = one_torch_thread  # autouse, module scope
 
@@ -42,6 +42,19 @@ def test_the_in_place_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     assert not paged_attention_usable(torch.device("cpu"), 64)
     assert paged_attention_usable(torch.device("cuda"), 128) == triton_available()
+
+
+def _counting(module: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of `module.paged_attention` (one entry per call)."""
+    calls: list[int] = []
+    program = module.paged_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return program(*args, **kwargs)
+
+    monkeypatch.setattr(module, "paged_attention", counted)
+    return calls
 
 
 def _decoding_items(device: torch.device) -> tuple[Any, Any, list[TargetRows]]:
@@ -74,15 +87,7 @@ def test_the_padded_pass_in_place_equals_the_gather(fused: bool, monkeypatch: py
     padding included, stays finite."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, core, items = _decoding_items(device)
-    module = fused_padded if fused else padded
-    calls = []
-    program = module.paged_attention
-
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(1)
-        return program(*args, **kwargs)
-
-    monkeypatch.setattr(module, "paged_attention", counted)
+    calls = _counting(fused_padded if fused else padded, monkeypatch)
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = (
         fused_padded.fused_padded_forward if fused else padded.padded_forward
     )
@@ -107,3 +112,26 @@ def test_the_padded_pass_in_place_equals_the_gather(fused: bool, monkeypatch: py
             torch.testing.assert_close(features[index, :n], gathered_features[index, :n], atol=1e-4, rtol=1e-4)
     finally:
         target.to("cpu")
+
+
+@runnable
+def test_the_eager_padded_core_in_place_gives_each_request_its_tokens_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's core run eagerly, its target and drafter passes attending through the paged program: plain,
+    linear and DDTree requests of different lengths, joining while others decode, each get their tokens alone."""
+    monkeypatch.delenv(environment.PADDED_ATTENTION, raising=False)
+    calls = _counting(padded, monkeypatch)
+    target, drafter = golden_pair()
+    prompts = random_prompts(4, target.config.vocab_size, seed=29, lengths=(7, 70, 30))
+    references = [run(target, None, prompt, 16)[0] for prompt in prompts]
+    core = make_core(target, drafter, max_batch=4, prefill_chunk=32, eager_padded=True)
+    seqs = [make_sequence(target, prompt, 16, ("none", "linear", "ddtree")[i % 3]) for i, prompt in enumerate(prompts)]
+    for seq in seqs[:2]:
+        core.add(seq)
+    core.step()
+    for seq in seqs[2:]:
+        core.add(seq)
+    drain(core)
+    assert calls
+    for seq, reference in zip(seqs, references, strict=True):
+        assert seq.error is None
+        assert seq.sink.token_ids == reference, seq.mode
