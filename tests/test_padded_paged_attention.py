@@ -74,7 +74,8 @@ def _decoding_items(device: torch.device) -> tuple[Any, Any, list[TargetRows]]:
     items = [
         TargetRows(seqs[0].target, tokens, positions, visibility),
         TargetRows(seqs[1].target, torch.tensor([seqs[1].pending]), torch.tensor([seqs[1].start])),
-        TargetRows(seqs[2].target, torch.tensor([seqs[2].pending, 3, 4]), torch.arange(seqs[2].start, seqs[2].start + 3)),
+        TargetRows(seqs[2].target, torch.tensor([seqs[2].pending, 3, 4]),
+                   torch.arange(seqs[2].start, seqs[2].start + 3)),
     ]
     return target, core, items
 

@@ -4,8 +4,9 @@ A replayed CUDA graph still pays a few microseconds per kernel, so for small mod
 count. Per layer this pass runs add+RMSNorm, the QKV product, one program that normalises q/k, rotates them and
 stores k/v straight into the pool's slots (a padding row's slot is -1: nothing stored), attention over the pool
 read in place (`dflash.kernels.triton_paged_attention`; DFLASH_PADDED_ATTENTION=gather: the key gather and one
-SDPA), the output product, add+RMSNorm, the gate/up product, SiLU*up and the down product (`dflash.kernels.triton_decode`,
-`dflash.fastpath.fused_layers.apply_linear`). The same families as the single-request fused path.
+SDPA), the output product, add+RMSNorm, the gate/up product, SiLU*up and the down product
+(`dflash.kernels.triton_decode`, `dflash.fastpath.fused_layers.apply_linear`). The same families as the
+single-request fused path.
 """
 
 from __future__ import annotations
