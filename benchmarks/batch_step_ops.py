@@ -57,7 +57,8 @@ DEVICE_FORWARD = "device forward"
 # innermost-first: the phase of a call is the innermost of these running
 CORE_PHASES = {
     "_admit": "admission", "_plan_rounds": "planning", "_draft": "drafting", "_decoding_rows": "round rows",
-    "_target_pass": "target pass (host)", "_after_round": "after round", "_after_prefill": "after prefill",
+    "_target_pass": "target pass (host)", "_choices": "choosing", "_after_round": "after round",
+    "_after_prefill": "after prefill",
 }
 
 
@@ -143,7 +144,8 @@ def _caller() -> str:
 def instrument(core: BatchCore, ops: StepOps) -> Callable[[], None]:
     """Phases on the core's methods, the padded forwards and the sinks; returns the undo."""
     for name, label in CORE_PHASES.items():
-        setattr(core, name, ops.wrap(label, getattr(core, name)))
+        if hasattr(core, name):  # (`_choices`: cores that choose every round before committing any)
+            setattr(core, name, ops.wrap(label, getattr(core, name)))
     target_forward, drafter_forward = graphs_module.padded_forward, graphs_module.padded_drafter_forward
     load, push = PaddedBatch.load, OutputSink.push
     init = PaddedBatch.__init__
