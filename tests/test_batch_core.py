@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dflash.batch import core as core_module
 from dflash.batch.draft_pass import DraftRows
 from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
 from dflash.errors import GenerationError
+from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
 from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
 from tests.spec_helpers import (
@@ -79,6 +81,88 @@ def test_a_greedy_request_gives_the_same_tokens_alone_and_in_a_mixed_batch() -> 
         assert seq.error is None and seq.sink.finish_reason == "length"
         assert seq.sink.token_ids == _reference(prompt, 30), seq.mode
     assert core.target_pool.free_blocks == core.target_pool.num_blocks  # every block came back
+
+
+def _always_speculate(core: Any) -> Any:
+    core.policy.plan = lambda *args, **kwargs: True  # its timing of real steps must not change the rounds' rows
+    return core
+
+
+@pytest.mark.parametrize("eager_padded", [False, True], ids=["packed", "padded"])
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_in_a_batch(eager_padded: bool) -> None:
+    """Sampled requests choose on the device and the step reads every request's choices back at once: each seeded
+    request (plain, linear, DDTree; temperature 0.8, top-p 0.9) gives the tokens it gives alone, beside greedy
+    requests of every mode."""
+    target, drafter = golden_pair()
+    prompts = random_prompts(6, target.config.vocab_size, seed=41, lengths=(8, 30, 19))
+    modes = ("none", "linear", "ddtree", "ddtree", "none", "linear")
+
+    def sequence(index: int) -> Sequence:
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=100 + index) if index % 2 == 0 else None
+        return make_sequence(target, prompts[index], 20, modes[index], sampling=sampled)
+
+    alone = []
+    for index in range(len(prompts)):
+        core = _always_speculate(make_core(target, drafter, max_batch=1, eager_padded=eager_padded))
+        seq = sequence(index)
+        core.add(seq)
+        drain(core)
+        alone.append(seq.sink.token_ids)
+    core = _always_speculate(make_core(target, drafter, max_batch=6, eager_padded=eager_padded))
+    seqs = [sequence(index) for index in range(len(prompts))]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    for index, seq in enumerate(seqs):
+        assert seq.error is None and len(seq.sink.token_ids) == 20
+        assert seq.sink.token_ids == alone[index], (index, seq.mode)
+    assert alone[0] != _reference(prompts[0], 20)  # (it did sample)
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the tensor reads to Python (each a synchronisation with a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__float__", "__bool__", "cpu"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("eager_padded", [False, True], ids=["packed", "padded"])
+def test_a_step_reads_every_sampled_choice_back_at_once(eager_padded: bool) -> None:
+    """A decoding step of 2 or 6 sampled plain requests reads tensors to the host as often (the choices of all of
+    them in one transfer), and its tokens are each request's own."""
+    target, _ = golden_pair()
+    reads = []
+    for count in (2, 6):
+        core = make_core(target, None, max_batch=count, eager_padded=eager_padded)
+        sampling = [SamplingParams(temperature=1.0, seed=index) for index in range(count)]
+        seqs = [make_sequence(target, [1, 2, 3], 8, "none", sampling=s) for s in sampling]
+        for seq in seqs:
+            core.add(seq)
+        while any(seq.phase != "decode" for seq in seqs):
+            core.step()
+        counter = _HostReads()
+        with counter:
+            assert core.step() == count
+        reads.append(counter.reads)
+        drain(core)
+        assert [seq.sink.token_ids for seq in seqs[:2]] == [
+            _sampled_alone(target, s, eager_padded) for s in sampling[:2]
+        ]
+    assert reads[0] == reads[1] == 1, reads
+
+
+def _sampled_alone(target: Any, sampling: SamplingParams, eager_padded: bool) -> list[int]:
+    core = make_core(target, None, max_batch=1, eager_padded=eager_padded)
+    seq = make_sequence(target, [1, 2, 3], 8, "none", sampling=sampling)
+    core.add(seq)
+    drain(core)
+    return seq.sink.token_ids
 
 
 def test_accepted_drafts_and_tree_paths_commit_exactly_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:

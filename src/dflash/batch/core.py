@@ -36,7 +36,6 @@ from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache, restorable
 from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
-from dflash.speculative.acceptance import accepted_prefix_length
 from dflash.speculative.ddtree import tree_choices
 from dflash.speculative.selector_tree import selector_tree
 from dflash.speculative.tree import (
@@ -70,6 +69,7 @@ class _Round:
     drafts: list[int] | None = None  # linear
     tree: DraftTree | None = None  # tree (plain rounds use a root-only tree)
     rows: TargetRows | None = None
+    greedy: bool = False  # its choice is the plain argmax of each row (`_plain_greedy`, set once per step)
 
 
 @dataclass(frozen=True)
@@ -231,8 +231,9 @@ class BatchCore:
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
             items += self._decoding_rows(rounds)
-            greedy = any(_plain_greedy(r.seq.chooser, r.seq.produced) for r in rounds)
-            out = self._target_pass(items, len(prefills), greedy)
+            for r in rounds:
+                r.greedy = _plain_greedy(r.seq.chooser, r.seq.produced)
+            out = self._target_pass(items, len(prefills), any(r.greedy for r in rounds))
         except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
             log.exception("batched step failed")
             for seq in served:
@@ -242,9 +243,11 @@ class BatchCore:
         for index, (seq, lo, hi) in enumerate(prefills):
             self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index],
                           features[index] if features is not None else None)
-        for offset, r in enumerate(rounds, start=len(prefills)):
-            self._guarded(r.seq, self._after_round, r, out, offset)
-        rows = sum(int(item.tokens.numel()) for item in items)
+        choices = self._choices(rounds, out, len(prefills))
+        for offset, (r, chosen) in enumerate(zip(rounds, choices, strict=True), start=len(prefills)):
+            if chosen is not None:
+                self._guarded(r.seq, self._after_round, r, out, offset, chosen)
+        rows = sum(item.count for item in items)
         self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
         return len(served)
@@ -254,7 +257,7 @@ class BatchCore:
         `greedy`: some round chooses by the plain argmax (the pass gives every row's on the host)."""
         if self.graphs is None or len(items) == prefills:
             return run_target(self.target, self.target_pool, items, self.capture, argmax=greedy)
-        decoded = self.graphs.run(items[prefills:])
+        decoded = self.graphs.run(items[prefills:], argmax=greedy)
         if not prefills:
             return decoded
         prefilled = run_target(self.target, self.target_pool, items[:prefills], self.capture)
@@ -481,43 +484,73 @@ class BatchCore:
                             logit_rows=slice(0, tree.num_nodes + 1))
         return r.rows
 
-    def _after_round(self, r: _Round, out: TargetOutput, index: int) -> None:
-        """Choose, accept and commit (or roll back) a round from its rows of the target pass `out` (request
-        `index`); a plain greedy request reads its choices from the pass's host argmax, touching no tensor."""
+    def _choices(self, rounds: list[_Round], out: TargetOutput, first: int) -> list[list[int] | None]:
+        """Every round's choices at its logit rows, on the host (None: its sequence failed choosing and ended).
+
+        A plain greedy round takes the pass's host argmax; every other round is chosen by its chooser on the
+        logits' device (sampling, constraints, penalties, EOS suppression: the same operations as alone, its own
+        random stream) and all of them are read back in one transfer, so that a request choosing on the device
+        costs the step no synchronisation of its own. Rounds are numbered from `first` in the pass's outputs."""
+        choices: list[list[int] | None] = [None] * len(rounds)
+        chosen: list[tuple[int, torch.Tensor]] = []  # (round number, its choices [rows] on the logits' device)
+        for number, r in enumerate(rounds):
+            if r.greedy and out.argmax is not None:
+                choices[number] = out.argmax[first + number]
+                continue
+            try:
+                chosen.append((number, self._choose(r, out.logits[first + number])))
+            except Exception as exc:  # one chooser's failure ends its own sequence alone
+                log.exception("sequence failed")
+                self._end(r.seq, exc)
+        if not chosen:
+            return choices
+        try:
+            flat: list[int] = torch.cat([tokens for _, tokens in chosen]).tolist()  # [sum of rows]
+        except Exception as exc:
+            log.exception("choosing failed")
+            for number, _ in chosen:
+                self._end(rounds[number].seq, exc)
+            return choices
+        row = 0
+        for number, tokens in chosen:
+            count = int(tokens.shape[0])
+            choices[number] = flat[row : row + count]
+            row += count
+        return choices
+
+    def _choose(self, r: _Round, logits: torch.Tensor) -> torch.Tensor:
+        """A round's choices by its chooser: logits [rows, vocab] -> tokens [rows], left on their device."""
+        seq = r.seq
+        if r.kind == "plain":
+            return seq.chooser.choose(logits, seq.produced)  # [1]
+        if r.kind == "linear":
+            assert r.drafts is not None
+            allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
+            return seq.chooser.choose(logits, seq.produced, allowed)  # [k+1]
+        assert r.tree is not None
+        return tree_choices(seq.chooser, logits, r.tree, seq.produced)  # [n+1]
+
+    def _after_round(self, r: _Round, out: TargetOutput, index: int, choices: list[int]) -> None:
+        """Accept and commit (or roll back) a round from the target's `choices` at its rows (`_choices`) and its
+        rows of the target pass `out` (request `index`): plain Python on the host, but for a tree path's rows."""
         seq = r.seq
         assert seq.target is not None
-        produced = seq.produced
-        best = out.argmax[index] if out.argmax is not None else None
-        greedy = best if best is not None and _plain_greedy(seq.chooser, produced) else None
         rows: torch.Tensor | None = None  # the kept tree rows, where they are not the first `kept`
         if r.kind == "plain":
-            choice = greedy[0] if greedy is not None else int(seq.chooser.choose(out.logits[index], produced)[0])
-            committed, kept = [choice], 1
+            committed, kept = [choices[0]], 1
             if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             seq.target.crop(seq.start + 1)
         elif r.kind == "linear":
             assert r.drafts is not None
-            if greedy is not None:
-                accepted = _matching_prefix(r.drafts, greedy)
-                bonus = greedy[accepted]
-            else:
-                allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
-                choices = seq.chooser.choose(out.logits[index], produced, allowed)  # [k+1]
-                drafts = torch.tensor(r.drafts, dtype=torch.long, device=choices.device)
-                accepted = accepted_prefix_length(drafts, choices)
-                bonus = int(choices[accepted])
-            committed = [*r.drafts[:accepted], bonus]
+            accepted = _matching_prefix(r.drafts, choices)
+            committed = [*r.drafts[:accepted], choices[accepted]]
             seq.record_drafted_round(len(r.drafts), accepted)
             seq.target.crop(seq.start + accepted + 1)
             kept = accepted + 1
         else:
             assert r.tree is not None
-            if greedy is not None:
-                choices_of_nodes: list[int] | torch.Tensor = greedy
-            else:
-                choices_of_nodes = tree_choices(seq.chooser, out.logits[index], r.tree, produced)  # [n+1]
-            visited, bonus = follow_tree(r.tree, choices_of_nodes)
+            visited, bonus = follow_tree(r.tree, choices)
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
                 seq.record_drafted_round(r.tree.num_nodes, len(visited) - 1)
@@ -567,12 +600,13 @@ def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
     """Whether the chooser's choice for output tokens from `produced` on is the plain argmax of each row."""
     return (
         chooser.params.greedy and chooser.constraint is None and chooser.counts is None
-        and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.eos.numel())
+        and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.has_eos)
     )
 
 
 def _matching_prefix(drafts: list[int], choices: list[int]) -> int:
-    """How many leading drafts equal the target's choices at their rows (`accepted_prefix_length` on lists)."""
+    """How many leading drafts equal the target's choices at their rows
+    (`dflash.speculative.acceptance.accepted_prefix_length` on lists)."""
     accepted = 0
     for draft, choice in zip(drafts, choices, strict=False):  # one choice more than drafts: the bonus row
         if draft != choice:

@@ -110,19 +110,21 @@ class GraphedTargetPasses:
     def ensure(self, shape: PaddedShape) -> None:
         self.graphs.ensure(shape)
 
-    def run(self, items: Sequence[TargetRows]) -> TargetOutput:
+    def run(self, items: Sequence[TargetRows], *, argmax: bool = True) -> TargetOutput:
+        """`argmax`: also give every logits row's argmax on the host (some request of the step chooses greedily)."""
         entry = self.graphs.replay(items)
         count = len(items)
-        # [requests, rows]: one operation and one transfer for every greedy row of the step
-        best: list[list[int]] = entry.logits[:count].argmax(dim=-1).tolist()
+        wanted = [item.logit_rows for item in items]
+        best: list[list[int]] | None = None
+        if argmax:  # [requests, rows]: one operation and one transfer for every greedy row of the step
+            rows_best: list[list[int]] = entry.logits[:count].argmax(dim=-1).tolist()
+            best = [row[rows] for row, rows in zip(rows_best, wanted, strict=True)]
         # copied once: kept rows outlive the next replay (they become drafter context)
         copied = entry.features[:count].clone() if entry.features is not None else None
-        wanted = [item.logit_rows for item in items]
-        argmax = [row[rows] for row, rows in zip(best, wanted, strict=True)]
         features = None
         if copied is not None:
-            features = RowViews(copied, [slice(0, int(item.tokens.numel())) for item in items])
-        return TargetOutput(RowViews(entry.logits, wanted), features, argmax)
+            features = RowViews(copied, [slice(0, item.count) for item in items])
+        return TargetOutput(RowViews(entry.logits, wanted), features, best)
 
 
 def padded_drafter_forward(

@@ -43,8 +43,8 @@ class PaddedShape:
 
     @classmethod
     def of(cls, items: Sequence[TargetRows], max_requests: int) -> PaddedShape:
-        rows = bucket_up(max(int(i.tokens.numel()) for i in items), ROW_BUCKETS)
-        keys = max(i.table.length + int(i.tokens.numel()) for i in items)
+        rows = bucket_up(max(i.count for i in items), ROW_BUCKETS)
+        keys = max(i.table.length + i.count for i in items)
         return cls(cls.bucket_requests(len(items), max_requests), rows, max(MIN_KEY_BUCKET, 1 << (keys - 1).bit_length()))
 
     @staticmethod
@@ -95,7 +95,7 @@ class PaddedBatch:
         self._host_ints.zero_()
         visibility.fill(False)
         tokens, positions, past, counts, tables = self._host_parts
-        rows = np.fromiter((int(item.tokens.numel()) for item in items), dtype=np.int64, count=count)  # [count]
+        rows = np.fromiter((item.count for item in items), dtype=np.int64, count=count)  # [count]
         live = np.arange(r)[None, :] < rows[:, None]  # [count, r]
         tokens[:count][live] = torch.cat([item.tokens for item in items]).numpy()
         positions[:count][live] = torch.cat([item.positions for item in items]).numpy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -30,6 +31,11 @@ class TargetRows:
     positions: torch.Tensor  # int64 [n]
     visibility: torch.Tensor | None = None  # bool [n, n] among the rows (a tree); None: causal
     logit_rows: slice = field(default_factory=lambda: slice(0, 0))  # its rows (relative) whose logits are wanted
+
+    @cached_property
+    def count(self) -> int:
+        """The number of rows n (read once: a step asks for it in several places, per request)."""
+        return int(self.tokens.numel())
 
 
 class RowViews:
@@ -73,7 +79,7 @@ def run_target(
     bounds: list[slice] = []
     row = 0
     for item in items:
-        n = int(item.tokens.numel())
+        n = item.count
         item.table.reserve(item.table.length + n)
         bounds.append(slice(row, row + n))
         row += n

@@ -41,6 +41,7 @@ class TokenChooser:
         self.agreement = agreement
         self.generator = params.make_generator(device)
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+        self.has_eos = bool(eos_ids)  # read per request and step by the batched core: no tensor call
         self.min_tokens = min_tokens
         self.vocab_size = vocab_size
         self.counts = torch.zeros(vocab_size, device=device) if params.penalised else None

@@ -69,7 +69,7 @@ def tree_choices(chooser: TokenChooser, logits: torch.Tensor, tree: DraftTree, o
     allowed = None
     if chooser.constrained:
         allowed = chooser.allowed(tree.token_ids.tolist(), tree.parents.tolist())  # [n+1, vocab]
-    if chooser.min_tokens <= output_index or not chooser.eos.numel() or tree.num_nodes == 0:
+    if chooser.min_tokens <= output_index or not chooser.has_eos or tree.num_nodes == 0:
         return chooser.choose(logits, output_index, allowed)  # [n+1]
     depths = [0, *tree.depths.tolist()]
     rows = [
