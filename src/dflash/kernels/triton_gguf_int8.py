@@ -48,6 +48,7 @@ __all__ = [
 MAX_ROWS = 8
 INTEGER_ROWS = 4  # past 4 rows the tensor-core word program is as fast or faster (H100)
 DOT_ROWS = 64
+ROUNDING_GROUPS = 32  # groups of 32 values per rounding program
 FORMAT_CODES = {
     GGMLQuantizationType.Q4_0: 0, GGMLQuantizationType.Q4_1: 1, GGMLQuantizationType.Q4_K: 2, GGMLQuantizationType.Q6_K: 3,
 }
@@ -87,8 +88,9 @@ def _programs() -> ModuleType:
     return triton_gguf_int8_programs
 
 
-def quantize_input(x: torch.Tensor) -> QuantizedInput:
-    """x: [rows, k] contiguous, k a multiple of 32 -> its two 8-bit parts per group of 32 (`QuantizedInput`)."""
+def quantize_input(x: torch.Tensor, groups_per_program: int = ROUNDING_GROUPS) -> QuantizedInput:
+    """x: [rows, k] contiguous, k a multiple of 32 -> its two 8-bit parts per group of 32 (`QuantizedInput`);
+    `groups_per_program` (a power of two): groups each program rounds."""
     rows, k = x.shape
     if k % GROUP:
         raise ValueError(f"rows of {k} values are not whole groups of {GROUP}")
@@ -98,7 +100,7 @@ def quantize_input(x: torch.Tensor) -> QuantizedInput:
     scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     total = torch.empty_like(scale)
     half_total = torch.empty((rows, 2 * groups), dtype=torch.float32, device=x.device)
-    per_program = min(32, next_power_of_two(groups))
+    per_program = min(groups_per_program, next_power_of_two(groups))
     _programs().quantize_kernel[(rows, -(-groups // per_program))](
         x.contiguous(), high, low, scale, total, half_total, k, GROUPS=per_program
     )
