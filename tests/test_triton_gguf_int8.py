@@ -10,11 +10,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from dflash import environment
+from dflash.kernels import triton_gguf_int8
 from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, nibble_matrix
 from dflash.kernels.triton_gguf_int8 import (
     INTEGER_ROWS,
     MAX_ROWS,
     NibbleConfig,
+    input_parts,
     nibble_dequantize,
     nibble_dot,
     nibble_matmul,
@@ -83,6 +86,68 @@ def test_a_rows_result_does_not_depend_on_its_neighbours(qtype: GGMLQuantization
     for row in range(5):
         alone = nibble_matmul(x[row : row + 1].contiguous(), matrix, config)
         assert torch.equal(alone[0], together[row]), row
+
+
+@needs_triton
+def test_one_part_input_is_the_rounding_to_eight_bits() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 96, generator=generator) * torch.tensor([0.01, 1.0, 30.0])[:, None]).to(DEVICE)
+    x[2, :32] = 0.0
+    parts = quantize_input(x, parts=1)
+    assert parts.parts == 1 and bool((parts.high.abs() <= 127).all())
+    rebuilt = parts.high.float().view(3, 3, 32) * parts.scale[..., None]
+    group_max = x.view(3, 3, 32).abs().amax(-1, keepdim=True)
+    assert bool(((rebuilt - x.view(3, 3, 32)).abs() <= group_max / 254 * (1 + 1e-5)).all())  # half a step of 127
+    torch.testing.assert_close(parts.total, parts.high.float().view(3, 3, 32).sum(-1) * parts.scale, rtol=1e-6, atol=0.0)
+    halves = parts.high.float().view(3, 6, 16).sum(-1) * parts.scale.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(parts.half_total, halves, rtol=1e-6, atol=0.0)
+    assert float(parts.scale[2, 0]) == 0.0
+    with pytest.raises(ValueError, match="one or two"):
+        quantize_input(x, parts=3)
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+def test_one_part_products_are_exact_for_the_rounded_input(qtype: GGMLQuantizationType) -> None:
+    """Integer sums are exact, so with one part the product is the float product of the rounded input (dx high)
+    and the weights, up to float32 sums; and a row's result still does not depend on the rows beside it."""
+    k, n = reduction(qtype), 19
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, qtype, seed=6)), qtype, k).to(DEVICE)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    parts = quantize_input(x, parts=1)
+    rounded = (parts.high.float().view(3, k // 32, 32) * parts.scale[..., None]).view(3, k)
+    weights = matrix.dequantized()
+    want = rounded.double() @ weights.double().T
+    config = NibbleConfig(block_n=4, group_step=8)
+    got = nibble_matmul(parts, matrix, config, dtype=torch.float32)
+    scale = (rounded.abs() @ weights.abs().T).max()
+    assert float((got.double() - want).abs().max()) <= float(scale) * 1e-6
+    assert float((got - x @ weights.T).abs().max()) > float(scale) * 1e-4  # coarser than two parts: really one
+    for row in range(3):
+        alone = nibble_matmul(quantize_input(x[row : row + 1].contiguous(), parts=1), matrix, config, dtype=torch.float32)
+        assert torch.equal(alone[0], got[row]), row
+
+
+@needs_triton
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_64_bit_offsets_give_the_same_products(qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The programs take 32-bit offsets below `WIDE_WORDS` words; the 64-bit variant (huge matrices) agrees."""
+    k, n = reduction(qtype), 13
+    matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, qtype, seed=8)), qtype, k).to(DEVICE)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    narrow = nibble_matmul(x, matrix, NibbleConfig(block_n=4, group_step=8))
+    monkeypatch.setattr(triton_gguf_int8, "WIDE_WORDS", 0)
+    assert torch.equal(nibble_matmul(x, matrix, NibbleConfig(block_n=4, group_step=8)), narrow)
+
+
+def test_input_parts_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(environment.GGUF_INPUT, raising=False)
+    assert input_parts() == 2
+    monkeypatch.setenv(environment.GGUF_INPUT, "int8")
+    assert input_parts() == 1
+    monkeypatch.setenv(environment.GGUF_INPUT, "int4")
+    with pytest.raises(ValueError):
+        input_parts()
 
 
 @needs_triton

@@ -9,6 +9,8 @@
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PADDED_ATTENTION`      | paged    | the batched padded step's attention: paged reads the K/V pool in place; |
 |                                |          | gather copies each request's keys first, then SDPA                      |
+| `DFLASH_GGUF_INPUT`            | int8x2   | GPU products with GGUF 4/6-bit words: the inputs rounded to two 8-bit   |
+|                                |          | parts (about 15 bits), or to one (int8: llama.cpp's precision, faster)  |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
 | `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric, fused, oneway            |
 | `DFLASH_TP_VOCAB_SPLIT`        | on       | 0: embeddings and LM head whole on every rank, not split by vocab rows  |
@@ -38,6 +40,7 @@ CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
 PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
 PRODUCTS = "DFLASH_PRODUCTS"
+GGUF_INPUT = "DFLASH_GGUF_INPUT"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
 TP_VOCAB_SPLIT = "DFLASH_TP_VOCAB_SPLIT"
 API_KEY = "DFLASH_API_KEY"
@@ -50,6 +53,7 @@ PREFIX = "DFLASH_"
 ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
 PADDED_ATTENTION_CHOICES = ("paged", "gather")
 PRODUCTS_CHOICES = ("skinny", "cublas")
+GGUF_INPUT_CHOICES = ("int8x2", "int8")
 TP_ALLREDUCE_CHOICES = ("auto", "nccl", "symmetric", "fused", "oneway")
 
 _OFF = frozenset({"", "0", "false", "no", "off", "none"})
@@ -84,6 +88,11 @@ def attention(env: Mapping[str, str] | None = None) -> str:
 def padded_attention(env: Mapping[str, str] | None = None) -> str:
     """`DFLASH_PADDED_ATTENTION`: "paged" (the default) or "gather"; raises `ValueError` for anything else."""
     return _choice(_environ(env), PADDED_ATTENTION, PADDED_ATTENTION_CHOICES)
+
+
+def gguf_input(env: Mapping[str, str] | None = None) -> str:
+    """`DFLASH_GGUF_INPUT`: "int8x2" (the default) or "int8"; raises `ValueError` for anything else."""
+    return _choice(_environ(env), GGUF_INPUT, GGUF_INPUT_CHOICES)
 
 
 def products(env: Mapping[str, str] | None = None) -> str:

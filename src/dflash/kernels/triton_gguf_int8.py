@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 from gguf import GGMLQuantizationType
 
+from dflash import environment
 from dflash.kernels.gguf_nibbles import GROUP, NibbleMatrix
 from dflash.kernels.triton_decode import interpreting, next_power_of_two
 
@@ -49,6 +50,7 @@ MAX_ROWS = 8
 INTEGER_ROWS = 4  # past 4 rows the tensor-core word program is as fast or faster (H100)
 DOT_ROWS = 64
 ROUNDING_GROUPS = 32  # groups of 32 values per rounding program
+WIDE_WORDS = 2**31  # a matrix of this many words or more needs 64-bit offsets in the programs
 FORMAT_CODES = {
     GGMLQuantizationType.Q4_0: 0, GGMLQuantizationType.Q4_1: 1, GGMLQuantizationType.Q4_K: 2, GGMLQuantizationType.Q6_K: 3,
 }
@@ -56,22 +58,28 @@ FORMAT_CODES = {
 
 @dataclass(frozen=True)
 class QuantizedInput:
-    """x [rows, k] as two 8-bit parts per group of 32: high, low int8 [rows, k]; scale float32 [rows, k / 32]
-    (dx: x ~ dx (256 high + low)); total float32 [rows, k / 32] (dx times the group's sum of 256 high + low);
-    half_total float32 [rows, k / 16] (the same over each 16 values, for Q6_K's scales of 16)."""
+    """x [rows, k] as one or two 8-bit parts per group of 32: high, low int8 [rows, k] (`low` unused with one part);
+    scale float32 [rows, k / 32] (dx: x ~ dx (256 high + low), or dx high with one part); total float32
+    [rows, k / 32] (dx times the group's sum of 256 high + low, or of high); half_total float32 [rows, k / 16] (the
+    same over each 16 values, for Q6_K's scales of 16)."""
 
     high: torch.Tensor
     low: torch.Tensor
     scale: torch.Tensor
     total: torch.Tensor
     half_total: torch.Tensor
+    parts: int = 2
 
 
 @dataclass(frozen=True)
 class NibbleConfig:
-    block_n: int = 4  # weight rows (outputs) per program
-    group_step: int = 32  # groups of 32 values per loop step, per weight row
-    warps: int = 4
+    """Measured on an H100 at one row over Qwen3-8B's shapes (`results/gpu_gguf_int8_h100.json`, runs
+    `one_row_configuration_sweep` and `input_parts`): 2 outputs a program, 64 groups a step, 2 warps was the best or
+    near it on every matrix, 1.1x-1.3x faster than 4 outputs / 32 groups / 4 warps with one input part."""
+
+    block_n: int = 2  # weight rows (outputs) per program
+    group_step: int = 64  # groups of 32 values per loop step, per weight row
+    warps: int = 2
     stages: int = 2
 
 
@@ -88,23 +96,34 @@ def _programs() -> ModuleType:
     return triton_gguf_int8_programs
 
 
-def quantize_input(x: torch.Tensor, groups_per_program: int = ROUNDING_GROUPS) -> QuantizedInput:
-    """x: [rows, k] contiguous, k a multiple of 32 -> its two 8-bit parts per group of 32 (`QuantizedInput`);
-    `groups_per_program` (a power of two): groups each program rounds."""
+def input_parts() -> int:
+    """8-bit parts per input value (`DFLASH_GGUF_INPUT`): two keep about 15 bits; one is llama.cpp's precision
+    (its q8_1 blocks), half the integer products and input reads."""
+    return 1 if environment.gguf_input() == "int8" else 2
+
+
+def quantize_input(
+    x: torch.Tensor, groups_per_program: int = ROUNDING_GROUPS, parts: int | None = None
+) -> QuantizedInput:
+    """x: [rows, k] contiguous, k a multiple of 32 -> its `parts` (1 or 2; default `input_parts()`) 8-bit parts per
+    group of 32 (`QuantizedInput`); `groups_per_program` (a power of two): groups each program rounds."""
+    parts = input_parts() if parts is None else parts
+    if parts not in (1, 2):
+        raise ValueError(f"inputs are rounded to one or two 8-bit parts, not {parts}")
     rows, k = x.shape
     if k % GROUP:
         raise ValueError(f"rows of {k} values are not whole groups of {GROUP}")
     groups = k // GROUP
     high = torch.empty((rows, k), dtype=torch.int8, device=x.device)
-    low = torch.empty_like(high)
+    low = torch.empty_like(high) if parts == 2 else high  # one part: never read
     scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
     total = torch.empty_like(scale)
     half_total = torch.empty((rows, 2 * groups), dtype=torch.float32, device=x.device)
     per_program = min(groups_per_program, next_power_of_two(groups))
     _programs().quantize_kernel[(rows, -(-groups // per_program))](
-        x.contiguous(), high, low, scale, total, half_total, k, GROUPS=per_program
+        x.contiguous(), high, low, scale, total, half_total, k, GROUPS=per_program, PARTS=parts
     )
-    return QuantizedInput(high, low, scale, total, half_total)
+    return QuantizedInput(high, low, scale, total, half_total, parts)
 
 
 def nibble_matmul(
@@ -131,7 +150,8 @@ def nibble_matmul(
             quantized.high.view(torch.int32), quantized.low.view(torch.int32), quantized.scale, quantized.half_total,
             matrix.words, matrix.high_bits, matrix.pairs, matrix.sub_scales, out, rows, matrix.n, k, out.stride(0),
             BLOCK_M=next_power_of_two(rows), BLOCK_N=config.block_n, GROUP_STEP=config.group_step,
-            EMULATE=interpreting(), num_warps=config.warps, num_stages=config.stages,
+            EMULATE=interpreting(), PARTS=quantized.parts, WIDE=matrix.words.numel() >= WIDE_WORDS,
+            num_warps=config.warps, num_stages=config.stages,
         )
         return out
     sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
@@ -139,7 +159,8 @@ def nibble_matmul(
         quantized.high.view(torch.int32), quantized.low.view(torch.int32), quantized.scale, quantized.total,
         matrix.words, matrix.pairs, sub, out, rows, matrix.n, k, out.stride(0),
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=next_power_of_two(rows), BLOCK_N=config.block_n, GROUP_STEP=config.group_step,
-        EMULATE=interpreting(), num_warps=config.warps, num_stages=config.stages,
+        EMULATE=interpreting(), PARTS=quantized.parts, WIDE=matrix.words.numel() >= WIDE_WORDS,
+        num_warps=config.warps, num_stages=config.stages,
     )
     return out
 

@@ -7,8 +7,11 @@ import triton.language as tl
 
 
 @triton.jit
-def quantize_kernel(x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, half_total_ptr, k, GROUPS: tl.constexpr):  # type: ignore[no-untyped-def]
-    """One program per (row, GROUPS groups): rounds x to two 8-bit parts per group of 32."""
+def quantize_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, half_total_ptr, k, GROUPS: tl.constexpr, PARTS: tl.constexpr = 2
+):
+    """One program per (row, GROUPS groups): rounds x to PARTS 8-bit parts per group of 32 (one part: high alone,
+    x ~ dx high; two: x ~ dx (256 high + low))."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]  # [G, 1]
     t = tl.arange(0, 32)[None, :]  # [1, 32]
@@ -19,17 +22,21 @@ def quantize_kernel(x_ptr, high_ptr, low_ptr, scale_ptr, total_ptr, half_total_p
     d = amax / 127.0
     inverse = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
     high = tl.floor(x * inverse[:, None] + 0.5)  # [G, 32] in [-127, 127]
-    residual = x - d[:, None] * high
-    low = tl.minimum(tl.maximum(tl.floor(residual * (inverse[:, None] * 256.0) + 0.5), -127.0), 127.0)
     high_i = high.to(tl.int32)
-    low_i = low.to(tl.int32)
     tl.store(high_ptr + row * k + cols, high_i.to(tl.int8), mask=inside)
-    tl.store(low_ptr + row * k + cols, low_i.to(tl.int8), mask=inside)
-    scale = d / 256.0
+    if PARTS == 2:
+        residual = x - d[:, None] * high
+        low = tl.minimum(tl.maximum(tl.floor(residual * (inverse[:, None] * 256.0) + 0.5), -127.0), 127.0)
+        low_i = low.to(tl.int32)
+        tl.store(low_ptr + row * k + cols, low_i.to(tl.int8), mask=inside)
+        scale = d / 256.0
+        both = 256 * high_i + low_i  # [G, 32]
+    else:
+        scale = d
+        both = high_i
     groups = tl.cdiv(k, 32)
     g1 = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     tl.store(scale_ptr + row * groups + g1, scale, mask=g1 < groups)
-    both = 256 * high_i + low_i  # [G, 32]
     total = tl.sum(both, axis=1).to(tl.float32) * scale
     tl.store(total_ptr + row * groups + g1, total, mask=g1 < groups)
     halves = tl.sum(tl.reshape(both, (GROUPS, 2, 16)), axis=2).to(tl.float32) * scale[:, None]  # [G, 2]
@@ -53,11 +60,12 @@ def dp4a(a, b, c, EMULATE: tl.constexpr):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, groups, FORMAT: tl.constexpr):  # type: ignore[no-untyped-def]
-    """Each (weight row, group)'s scale and min, float32 [BN, GS]: w = scale q + min for the group's 4-bit q."""
-    g_row = cols.to(tl.int64)[:, None] * groups + g[None, :]  # [BN, GS]
+    """Each (weight row, group)'s scale and min, float32 [BN, GS]: w = scale q + min for the group's 4-bit q.
+    `cols`: the weight rows, int64 where the matrix needs 64-bit offsets."""
+    g_row = cols[:, None] * groups + g[None, :]  # [BN, GS]
     inside = cols_inside[:, None] & g_inside[None, :]
     if FORMAT == 2:  # Q4_K: d scale q - dmin min
-        block_at = cols.to(tl.int64)[:, None] * (groups // 8) + g[None, :] // 8
+        block_at = cols[:, None] * (groups // 8) + g[None, :] // 8
         d = tl.load(pairs_ptr + block_at * 2, mask=inside, other=0.0).to(tl.float32)
         dmin = tl.load(pairs_ptr + block_at * 2 + 1, mask=inside, other=0.0).to(tl.float32)
         sub_scale = tl.load(sub_ptr + g_row * 2, mask=inside, other=0).to(tl.float32)
@@ -76,12 +84,17 @@ def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
     high_ptr, low_ptr, scale_ptr, total_ptr, words_ptr, pairs_ptr, sub_ptr, out_ptr,
     rows, n, k, out_stride,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, PARTS: tl.constexpr = 2, WIDE: tl.constexpr = True,
 ):
     """out[rows, n] = x @ W^T: each program owns BLOCK_N rows of W and walks them GROUP_STEP groups at a
-    time, every group's 4 words against each input row's 8 words of each part."""
+    time, every group's 4 words against each input row's 8 words of each of its PARTS parts. WIDE: 64-bit offsets
+    into the matrix (only a matrix of 2^31 words or more needs them: they cost instructions)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols_inside = cols < n
+    if WIDE:  # noqa: SIM108 (a constexpr branch)
+        rows_at = cols.to(tl.int64)
+    else:
+        rows_at = cols
     groups = k // 32
     m = tl.arange(0, BLOCK_M)  # [BM]
     m_inside = m < rows
@@ -92,29 +105,26 @@ def nibble_matmul_kernel(  # type: ignore[no-untyped-def]
         g_inside = g < groups
         w_mask = cols_inside[:, None, None] & g_inside[None, :, None]  # [BN, GS, 1]
         words = tl.load(
-            words_ptr + cols.to(tl.int64)[:, None, None] * (k // 8) + g[None, :, None] * 4 + u[None, None, :],
+            words_ptr + rows_at[:, None, None] * (k // 8) + g[None, :, None] * 4 + u[None, None, :],
             mask=w_mask, other=0,
         )  # [BN, GS, 4]: values 4u..4u+3 in the low nibbles, 16+4u.. in the high ones
         first_half = words & 0x0F0F0F0F
         second_half = (words >> 4) & 0x0F0F0F0F
         x_mask = m_inside[:, None, None] & g_inside[None, :, None]  # [BM, GS, 1]
-        x_at = m.to(tl.int64)[:, None, None] * (k // 4) + g[None, :, None] * 8 + u[None, None, :]  # [BM, GS, 4]
-        x_high_1 = tl.load(high_ptr + x_at, mask=x_mask, other=0)
-        x_high_2 = tl.load(high_ptr + x_at + 4, mask=x_mask, other=0)
-        x_low_1 = tl.load(low_ptr + x_at, mask=x_mask, other=0)
-        x_low_2 = tl.load(low_ptr + x_at + 4, mask=x_mask, other=0)
+        x_at = m[:, None, None] * (k // 4) + g[None, :, None] * 8 + u[None, None, :]  # [BM, GS, 4]
         a1 = tl.broadcast_to(first_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
         a2 = tl.broadcast_to(second_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
         zero = tl.zeros((BLOCK_M, BLOCK_N, GROUP_STEP, 4), dtype=tl.int32)
-        b1 = tl.broadcast_to(x_high_1[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        b2 = tl.broadcast_to(x_high_2[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        dot_high = dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
-        b1 = tl.broadcast_to(x_low_1[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        b2 = tl.broadcast_to(x_low_2[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        dot_low = dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
-        isum = tl.sum(dot_high * 256 + dot_low, axis=3).to(tl.float32)  # [BM, BN, GS], exact below 2^24
-        w_scale, w_min = group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, groups, FORMAT)
-        xg = m.to(tl.int64)[:, None] * groups + g[None, :]  # [BM, GS]
+        b1 = tl.broadcast_to(tl.load(high_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        b2 = tl.broadcast_to(tl.load(high_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+        dot = dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
+        if PARTS == 2:
+            b1 = tl.broadcast_to(tl.load(low_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+            b2 = tl.broadcast_to(tl.load(low_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+            dot = dot * 256 + dp4a(a2, b2, dp4a(a1, b1, zero, EMULATE), EMULATE)
+        isum = tl.sum(dot, axis=3).to(tl.float32)  # [BM, BN, GS], exact below 2^24
+        w_scale, w_min = group_scales(pairs_ptr, sub_ptr, rows_at, cols_inside, g, g_inside, groups, FORMAT)
+        xg = m[:, None] * groups + g[None, :]  # [BM, GS]
         xg_mask = m_inside[:, None] & g_inside[None, :]
         dx = tl.load(scale_ptr + xg, mask=xg_mask, other=0.0)
         sx = tl.load(total_ptr + xg, mask=xg_mask, other=0.0)
@@ -152,7 +162,7 @@ def group_values(  # type: ignore[no-untyped-def]
         high = ((raw >> 4) | (top_second << 4)) - 32
         return low.to(tl.float32) * first_scale[:, :, None], high.to(tl.float32) * second_scale[:, :, None]
     else:
-        scale, minimum = group_scales(pairs_ptr, sub_ptr, cols, cols_inside, g, g_inside, k // 32, FORMAT)
+        scale, minimum = group_scales(pairs_ptr, sub_ptr, cols.to(tl.int64), cols_inside, g, g_inside, k // 32, FORMAT)
         low = (raw & 15).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
         high = (raw >> 4).to(tl.float32) * scale[:, :, None] + minimum[:, :, None]
         return low, high
@@ -213,11 +223,16 @@ def six_bit_matmul_kernel(  # type: ignore[no-untyped-def]
     high_ptr, low_ptr, scale_ptr, half_total_ptr, words_ptr, highs_ptr, d_ptr, sub_ptr, out_ptr,
     rows, n, k, out_stride,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr, EMULATE: tl.constexpr,
+    PARTS: tl.constexpr = 2, WIDE: tl.constexpr = True,
 ):
     """`nibble_matmul_kernel` for Q6_K: each word's nibbles joined with their top bits (values 0..63) before the
     dot products, one integer sum per 16 values (each has its own scale), w = d scale (q - 32)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols_inside = cols < n
+    if WIDE:  # noqa: SIM108 (a constexpr branch)
+        rows_at = cols.to(tl.int64)
+    else:
+        rows_at = cols
     groups = k // 32
     m = tl.arange(0, BLOCK_M)
     m_inside = m < rows
@@ -228,32 +243,37 @@ def six_bit_matmul_kernel(  # type: ignore[no-untyped-def]
         g_inside = g < groups
         w_mask = cols_inside[:, None, None] & g_inside[None, :, None]
         words = tl.load(
-            words_ptr + cols.to(tl.int64)[:, None, None] * (k // 8) + g[None, :, None] * 4 + u[None, None, :],
+            words_ptr + rows_at[:, None, None] * (k // 8) + g[None, :, None] * 4 + u[None, None, :],
             mask=w_mask, other=0,
         )  # [BN, GS, 4]
-        halves = cols.to(tl.int64)[:, None, None] * (k // 16) + g[None, :, None] * 2  # [BN, GS, 1]
+        halves = rows_at[:, None, None] * (k // 16) + g[None, :, None] * 2  # [BN, GS, 1]
         top_first = tl.load(highs_ptr + halves, mask=w_mask, other=0)
         top_second = tl.load(highs_ptr + halves + 1, mask=w_mask, other=0)
         first_half = (words & 0x0F0F0F0F) | (((top_first >> (2 * u[None, None, :])) & 0x03030303) << 4)
         second_half = ((words >> 4) & 0x0F0F0F0F) | (((top_second >> (2 * u[None, None, :])) & 0x03030303) << 4)
         x_mask = m_inside[:, None, None] & g_inside[None, :, None]
-        x_at = m.to(tl.int64)[:, None, None] * (k // 4) + g[None, :, None] * 8 + u[None, None, :]
+        x_at = m[:, None, None] * (k // 4) + g[None, :, None] * 8 + u[None, None, :]
         a1 = tl.broadcast_to(first_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
         a2 = tl.broadcast_to(second_half[None, :, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
         zero = tl.zeros((BLOCK_M, BLOCK_N, GROUP_STEP, 4), dtype=tl.int32)
         xh1 = tl.broadcast_to(tl.load(high_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
         xh2 = tl.broadcast_to(tl.load(high_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        xl1 = tl.broadcast_to(tl.load(low_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        xl2 = tl.broadcast_to(tl.load(low_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
-        sum_first = tl.sum(dp4a(a1, xh1, zero, EMULATE) * 256 + dp4a(a1, xl1, zero, EMULATE), axis=3).to(tl.float32)
-        sum_second = tl.sum(dp4a(a2, xh2, zero, EMULATE) * 256 + dp4a(a2, xl2, zero, EMULATE), axis=3).to(tl.float32)
-        row_halves = cols.to(tl.int64)[:, None] * (k // 16) + g[None, :] * 2  # [BN, GS]
+        dot_first = dp4a(a1, xh1, zero, EMULATE)
+        dot_second = dp4a(a2, xh2, zero, EMULATE)
+        if PARTS == 2:
+            xl1 = tl.broadcast_to(tl.load(low_ptr + x_at, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+            xl2 = tl.broadcast_to(tl.load(low_ptr + x_at + 4, mask=x_mask, other=0)[:, None, :, :], (BLOCK_M, BLOCK_N, GROUP_STEP, 4))
+            dot_first = dot_first * 256 + dp4a(a1, xl1, zero, EMULATE)
+            dot_second = dot_second * 256 + dp4a(a2, xl2, zero, EMULATE)
+        sum_first = tl.sum(dot_first, axis=3).to(tl.float32)
+        sum_second = tl.sum(dot_second, axis=3).to(tl.float32)
+        row_halves = rows_at[:, None] * (k // 16) + g[None, :] * 2  # [BN, GS]
         wg_mask = cols_inside[:, None] & g_inside[None, :]
-        d = tl.load(d_ptr + cols.to(tl.int64)[:, None] * (k // 256) + g[None, :] // 8, mask=wg_mask, other=0.0).to(
+        d = tl.load(d_ptr + rows_at[:, None] * (k // 256) + g[None, :] // 8, mask=wg_mask, other=0.0).to(
             tl.float32)
         first_scale = d * tl.load(sub_ptr + row_halves, mask=wg_mask, other=0).to(tl.int8).to(tl.float32)
         second_scale = d * tl.load(sub_ptr + row_halves + 1, mask=wg_mask, other=0).to(tl.int8).to(tl.float32)
-        xg = m.to(tl.int64)[:, None] * groups + g[None, :]  # [BM, GS]
+        xg = m[:, None] * groups + g[None, :]  # [BM, GS]
         xg_mask = m_inside[:, None] & g_inside[None, :]
         dx = tl.load(scale_ptr + xg, mask=xg_mask, other=0.0)[:, None, :]
         sx_first = tl.load(half_total_ptr + xg * 2, mask=xg_mask, other=0.0)[:, None, :]
