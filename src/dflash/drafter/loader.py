@@ -12,6 +12,7 @@ from dflash.config import ModelConfig
 from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter, is_dflash2_config
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.errors import DrafterMismatchError, ModelLoadError
+from dflash.models.materialize import materialize
 
 PACKAGED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 DEFAULT_DRAFTER = "smollm2-135m-instruct"
@@ -90,7 +91,7 @@ def load_drafter(
     weights = read_drafter_weights(folder)
     with torch.device("meta"):
         drafter = DFlash2Drafter(config) if isinstance(config, DFlash2Config) else DFlashDrafter(config)
-    drafter = drafter.to_empty(device=device).to(dtype)
+    drafter = materialize(drafter, device).to(dtype)
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

@@ -13,6 +13,7 @@ from dflash.drafter.loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_draft
 from dflash.drafter.model import DFlashDrafter
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
+from dflash.engine.heap import return_free_heap
 from dflash.errors import DFlashError, ModelLoadError
 from dflash.kernels.openmp import release_thread_workers
 from dflash.models.cpu_matmul import choose_cpu_matmul, tile_products, use_cpu_matmul
@@ -70,8 +71,15 @@ def load_engine(
 
     With `tensor_parallel` this process loads one rank's share of the target (`dflash.parallel`) on the rank's
     device, in dense weights, and a whole drafter beside it; forwards run eagerly (no CUDA graphs)."""
-    loading = loading or LoadOptions()
-    options = options or EngineOptions()
+    engine = _load(model, draft, options or EngineOptions(), loading or LoadOptions(), tensor_parallel)
+    return_free_heap()  # the loading's freed temporaries, its locals gone (`engine.heap`)
+    return engine
+
+
+def _load(
+    model: str | None, draft: str | None, options: EngineOptions, loading: LoadOptions,
+    tensor_parallel: TensorParallel | None,
+) -> Engine:
     vocab = loading.draft_vocab
     if vocab not in ("auto", "off") and not Path(vocab).expanduser().is_file():
         raise ModelLoadError(f"--draft-vocab {vocab}: no such file (give auto, off or a draft_vocab.safetensors)")

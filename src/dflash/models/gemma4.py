@@ -32,6 +32,7 @@ from dflash.models.layers import (
     GatedMLP,
     RMSNorm,
     activation,
+    embedding,
     fits_attention_kernel,
 )
 from dflash.models.model import CausalLM
@@ -198,7 +199,7 @@ class Gemma4ForCausalLM(CausalLM):
         per_layer = config.hidden_size_per_layer_input
         if per_layer:
             packed = config.num_layers * per_layer  # every layer's vector, side by side
-            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, packed)
+            self.embed_tokens_per_layer = embedding(config.vocab_size_per_layer_input, packed)
             self.per_layer_model_projection = nn.Linear(config.hidden_size, packed, bias=False)
             self.per_layer_projection_norm = Gemma4RMSNorm(per_layer, config.rms_norm_eps)
 

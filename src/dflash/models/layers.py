@@ -14,6 +14,16 @@ from dflash.kv.cache import AttentionBackend, CacheWriter
 from dflash.models.rope import apply_rotary
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(rows, dim), its table drawn from N(0, 1) as nn.Embedding's own, except on the meta device
+    (models built there before their weights are loaded): torch draws meta tensors through its reference ops,
+    whose first use imports the compiler stack (torch._dynamo, about 140 MiB of resident memory)."""
+    table = torch.empty(rows, dim)
+    if not table.is_meta:
+        nn.init.normal_(table)
+    return nn.Embedding(rows, dim, _weight=table)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; Gemma scales by (1 + weight), the others by weight."""
 

@@ -18,7 +18,7 @@ from torch import nn
 from dflash.config import SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
-from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm
+from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm, embedding
 from dflash.models.rope import Rotary
 from dflash.parallel.layers import VocabParallelEmbedding, VocabParallelHead, split_layers
 from dflash.parallel.sharding import shard_config
@@ -90,7 +90,7 @@ class CausalLM(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(vocab_rows, config.hidden_size, tensor_parallel)
             self.lm_head = VocabParallelHead(config.hidden_size, vocab_rows, tensor_parallel)
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.layers = nn.ModuleList(self.layer_class(self.layer_config, i) for i in range(config.num_layers))
         if tensor_parallel is not None and tensor_parallel.world > 1:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dflash.errors import ModelLoadError
+from dflash.models.materialize import materialize
 from dflash.models.model import CausalLM
 from dflash.models.quantized_layers import (
     QuantizedEmbedding,
@@ -97,7 +98,7 @@ def build_quantized_model(
     quantized = (QuantizedLinear, QuantizedStack, QuantizedEmbedding, *((GGUFLinear, GGUFEmbedding) if on_gpu else ()))
     for module in model.modules():
         if not isinstance(module, quantized):
-            module.to_empty(device=device, recurse=False)
+            materialize(module, device, recurse=False)
     model.to(dtype)  # floating tensors only: the blocks stay uint8
     for module in model.modules():
         if isinstance(module, Rotary):  # computed on the real device, as the dense builder does

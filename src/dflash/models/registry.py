@@ -8,6 +8,7 @@ from dflash.config import ModelConfig
 from dflash.models.gemma3 import Gemma3ForCausalLM
 from dflash.models.gemma4 import Gemma4ForCausalLM
 from dflash.models.llama import LlamaForCausalLM
+from dflash.models.materialize import materialize
 from dflash.models.model import CausalLM
 from dflash.models.qwen3 import Qwen3ForCausalLM
 from dflash.models.qwen3_5 import Qwen35ForCausalLM
@@ -43,7 +44,7 @@ def build_model(
     `tensor_parallel`, `weights` are this rank's shard (`dflash.parallel.sharding.shard_weights`)."""
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config, tensor_parallel)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device).to(dtype)
     for module in model.modules():
         if isinstance(module, Rotary):  # buffers are not in checkpoints: compute them on the real device
             module.recompute()

@@ -12,8 +12,11 @@ from dflash.kernels.fused_cpu import layer_ops
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, adjusted for `scaling` (linear, llama3, proportional)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies [head_dim // 2] in float32 on the CPU, adjusted for `scaling` (linear, llama3,
+    proportional). Always computed on the CPU: on the meta device (a model built before its weights are loaded)
+    torch would evaluate them through its reference ops, whose first use imports its compiler stack (about 140 MiB)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"):
         return inv_freq
@@ -49,7 +52,8 @@ class Rotary(torch.nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling), persistent=False)
+        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling).to(torch.get_default_device())
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         # (dtype, device) -> cos, sin [positions, head_dim] precomputed for the graphed forwards (`prepare_table`)
         self._tables: dict[tuple[torch.dtype, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
