@@ -107,3 +107,20 @@ def test_freed_heap_goes_back_to_the_system() -> None:
         print(before - anonymous_mib())
     """)
     assert int(dropped) > 100
+
+
+def test_released_tensor_pages_read_back_the_same_bytes() -> None:
+    """`GGUFFile.release` drops a tensor's pages from the process; its bytes are read back intact (from the page
+    cache), and a neighbour sharing a page with it is untouched."""
+    from dflash.models.gguf_file import GGUFFile
+
+    try:
+        path = smollm2_path()
+    except Exception as exc:  # the data package is not installed
+        pytest.skip(str(exc))
+    gguf = GGUFFile(path)
+    infos = sorted(gguf.tensors.values(), key=lambda info: info.offset)[:6]
+    copies = [bytes(gguf.raw(info).tobytes()) for info in infos]
+    for info in infos[::2]:
+        gguf.release(info)
+    assert [bytes(gguf.raw(info).tobytes()) for info in infos] == copies

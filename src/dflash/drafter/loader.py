@@ -91,7 +91,6 @@ def load_drafter(
     weights = read_drafter_weights(folder)
     with torch.device("meta"):
         drafter = DFlash2Drafter(config) if isinstance(config, DFlash2Config) else DFlashDrafter(config)
-    drafter = materialize(drafter, device).to(dtype)
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -102,6 +101,10 @@ def load_drafter(
             raise ModelLoadError(
                 f"{folder}: drafter tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(expected[key].shape)}"
             )
-    drafter.load_state_dict(weights)
+    for key in list(weights):  # one tensor at a time, each file tensor freed once converted
+        tensor = weights.pop(key)
+        weights[key] = tensor.to(device, dtype) if tensor.is_floating_point() else tensor.to(device)
+    drafter.load_state_dict(weights, assign=True)  # the converted tensors become the parameters: no second copy
+    drafter = materialize(drafter, device).to(dtype)  # what the files do not hold (buffers computed below)
     drafter.rotary.recompute()  # RoPE frequencies stay float32 whatever the weight dtype
     return drafter.eval().requires_grad_(False)

@@ -232,6 +232,17 @@ class GGUFFile:
         block, type_size = GGML_QUANT_SIZES[info.qtype]
         return data.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the pages of `info`'s bytes from this process's resident memory once they have been copied: a
+        read-only mapping's pages are the page cache's, so a later read faults them back in. Without this every
+        page read while loading stays resident beside the copies made of it (the whole file, at the peak)."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = min(len(self._map), -(-(info.offset + info.n_bytes) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if stop > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
+
     def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
         """The values of `info` as float32 with shape `info.shape` (may share memory with the file)."""
         raw = self.raw(info)

@@ -107,6 +107,7 @@ def load_gguf_quantized(path: Path, device_type: str = "cpu") -> QuantizedCheckp
         else:
             values = np.array(gguf.dequantize(info), dtype=np.float32, order="C")
             dense[hf_name] = undo_conversion(torch.from_numpy(values), gguf_name, config)
+        gguf.release(info)  # copied: the file's pages need not stay resident
     shapes = {name: torch.empty(m.shape, device="meta") for name, m in matrices.items()}
     validate_weights(config, {**dense, **shapes}, path)
     return QuantizedCheckpoint(config, dense, tokenizer, path, matrices)
