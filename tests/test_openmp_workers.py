@@ -3,6 +3,7 @@ region builds a new one, with the same results; the engine's loader releases the
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from pathlib import Path
@@ -10,9 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.kernels.openmp import _pause_all, release_thread_workers
+from dflash.kernels.openmp import release_thread_workers
+from dflash.process_symbols import process_function
 
-needs_libgomp = pytest.mark.skipif(_pause_all() is None, reason="no libgomp omp_pause_resource_all in this process")
+needs_libgomp = pytest.mark.skipif(
+    process_function("omp_pause_resource_all", (ctypes.c_int,), ctypes.c_int) is None,
+    reason="no libgomp omp_pause_resource_all in this process",
+)
 
 
 def os_threads() -> int:

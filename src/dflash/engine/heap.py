@@ -10,29 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import logging
-from functools import cache
+
+from dflash.process_symbols import process_function
 
 __all__ = ["return_free_heap"]
-
-log = logging.getLogger(__name__)
-
-
-@cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        log.debug("no malloc_trim in this process: freed heap stays with the process")
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
 
 
 def return_free_heap() -> bool:
     """Collect unreachable Python objects (loading leaves reference cycles holding temporaries), then return the
     heap's free pages to the operating system; whether any were returned (False without glibc)."""
     gc.collect()
-    trim = _malloc_trim()
+    trim = process_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)  # glibc
     return trim is not None and bool(trim(0))

@@ -14,30 +14,16 @@ Without libgomp's symbol (another OpenMP runtime) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import logging
-from functools import cache
+
+from dflash.process_symbols import process_function
 
 __all__ = ["release_thread_workers"]
 
-log = logging.getLogger(__name__)
-
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what a restart needs
-
-
-@cache
-def _pause_all() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    try:
-        pause = ctypes.CDLL(None).omp_pause_resource_all  # the runtime torch loaded, in the global namespace
-    except (AttributeError, OSError):
-        log.debug("no omp_pause_resource_all in this process: OpenMP workers are not released")
-        return None
-    pause.argtypes = [ctypes.c_int]
-    pause.restype = ctypes.c_int
-    return pause
 
 
 def release_thread_workers() -> bool:
     """Free the calling thread's OpenMP worker threads; returns whether the runtime did (it refuses inside a
     parallel region, and is absent with runtimes other than libgomp)."""
-    pause = _pause_all()
+    pause = process_function("omp_pause_resource_all", (ctypes.c_int,), ctypes.c_int)  # libgomp, loaded by torch
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
