@@ -32,3 +32,44 @@ def test_graphed_batched_decoding_gives_each_request_its_tokens_alone() -> None:
             assert seq.sink.token_ids == reference, seq.mode
     finally:
         target.to("cpu"), drafter.to("cpu")
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphed_plain_steps_launched_ahead_give_each_request_its_tokens_alone() -> None:
+    """Plain greedy requests through the graphs with each step launched before the previous one is read
+    (`dflash.batch.overlap`: host buffers in turn, tokens handed over on the device), some ending at EOS, one
+    joining late: each request's tokens alone (float32)."""
+    target, _ = golden_pair()
+    prompts = random_prompts(8, target.config.vocab_size, seed=29, lengths=(5, 70, 33))
+    lengths = [40, 12, 40, 27, 40, 8, 33, 40]
+    references = [run(target, None, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
+    eos = {2: references[2][9], 6: references[6][20]}
+    expected = [r[: r.index(eos[i]) + 1] if i in eos else r for i, r in enumerate(references)]
+    target = target.to("cuda")
+    try:
+        core = make_core(target, None, max_batch=8, prefill_chunk=32, cuda_graphs=True)
+        assert core.overlap is not None
+        launches: list[int] = []
+        launch = core.overlap.launch
+
+        def counted(seqs, items, now):  # type: ignore[no-untyped-def]
+            launches.append(len(seqs))
+            return launch(seqs, items, now)
+
+        core.overlap.launch = counted
+        seqs = [make_sequence(target, p, n, "none", eos=(eos[i],) if i in eos else ())
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+        for seq in seqs[:-1]:
+            core.add(seq)
+        for _ in range(10):
+            core.step()
+        core.add(seqs[-1])
+        drain(core)
+        assert len(launches) > 20 and max(launches) >= 6
+        for seq, tokens in zip(seqs, expected, strict=True):
+            assert seq.error is None
+            assert seq.sink.token_ids == tokens
+        assert core.target_pool.free_blocks == core.target_pool.num_blocks
+    finally:
+        target.to("cpu")

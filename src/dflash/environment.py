@@ -9,6 +9,8 @@
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PADDED_ATTENTION`      | paged    | the batched padded step's attention: paged reads the K/V pool in place; |
 |                                |          | gather copies each request's keys first, then SDPA                      |
+| `DFLASH_BATCH_OVERLAP`         | on       | 0/false/no/off: the batched core reads each plain greedy step's tokens  |
+|                                |          | before launching the next (on: the next is launched first)              |
 | `DFLASH_GGUF_INPUT`            | int8x2   | GPU products with GGUF 4/6-bit words: the inputs rounded to two 8-bit   |
 |                                |          | parts (about 15 bits), or to one (int8: llama.cpp's precision, faster)  |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
@@ -39,6 +41,7 @@ NO_CACHE = "DFLASH_NO_CACHE"
 CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
 PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
+BATCH_OVERLAP = "DFLASH_BATCH_OVERLAP"
 PRODUCTS = "DFLASH_PRODUCTS"
 GGUF_INPUT = "DFLASH_GGUF_INPUT"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
@@ -88,6 +91,11 @@ def attention(env: Mapping[str, str] | None = None) -> str:
 def padded_attention(env: Mapping[str, str] | None = None) -> str:
     """`DFLASH_PADDED_ATTENTION`: "paged" (the default) or "gather"; raises `ValueError` for anything else."""
     return _choice(_environ(env), PADDED_ATTENTION, PADDED_ATTENTION_CHOICES)
+
+
+def batch_overlap_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_BATCH_OVERLAP`: on unless 0, false, no or off (`dflash.batch.overlap`)."""
+    return _environ(env).get(BATCH_OVERLAP, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def gguf_input(env: Mapping[str, str] | None = None) -> str:

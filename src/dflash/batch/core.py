@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
+from dflash.batch.overlap import Launched, OverlappedSteps
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
@@ -30,6 +31,7 @@ from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.selector import CandidateLattice
 from dflash.drafter.vocab import DraftScores
+from dflash.environment import batch_overlap_enabled
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
@@ -86,6 +88,8 @@ class CoreSettings:
     # the decoding rows through the fixed-shape passes of `cuda_graphs`, run eagerly on any device: the CUDA path's
     # host work, tested and measured on the CPU
     eager_padded: bool = False
+    # plain greedy steps through those passes launched one ahead of reading their tokens (`dflash.batch.overlap`)
+    overlap: bool = True
 
 
 class BatchCore:
@@ -137,6 +141,9 @@ class BatchCore:
                 self.drafter_graphs = GraphedDrafterPasses(
                     drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed
                 )
+        self.overlap: OverlappedSteps | None = None
+        if self.graphs is not None and settings.overlap and batch_overlap_enabled():
+            self.overlap = OverlappedSteps(self.graphs, settings.max_batch, weight.device)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.last_batch = 0
@@ -220,6 +227,11 @@ class BatchCore:
             seq.sink.finish_cancelled()
             seq.finish()
         self._admit()
+        if self.overlap is not None:
+            plain = self._overlapped_rounds()
+            if plain is not None:
+                return self._overlapped_step(plain)
+            self._read_launched()  # this step needs every request's committed state
         if not self.active:
             return 0
         prefills = self._prefill_work()
@@ -562,19 +574,95 @@ class BatchCore:
             else:
                 rows = torch.tensor(visited, dtype=torch.long, device=self.target_pool.device)
                 seq.target.compact(seq.start, rows + seq.start)
+        kept_features = None
         if seq.speculative and out.features is not None:
             features = out.features[index]  # [n, F]
             kept_features = features[:kept] if rows is None else features[rows.to(features.device)]
+        seq.start += kept
+        self._commit(seq, committed, kept_features)
+
+    def _commit(self, seq: Sequence, committed: list[int], kept_features: torch.Tensor | None) -> None:
+        """A round's committed tokens (its K/V rows already kept): the drafter's new context, the next pending
+        token, the chooser's history and the output."""
+        if kept_features is not None:
             carried = seq.new_features
             if carried is None or not carried.shape[0]:
                 seq.new_features = kept_features
             else:
                 seq.new_features = torch.cat((carried, kept_features))
-        seq.start += kept
         seq.pending = committed[-1]
         seq.chooser.observe(committed)
         if seq.sink.push_many(committed):
             self._end(seq)
+
+    # ---- overlapped plain steps (`dflash.batch.overlap`) -------------------------------------------------
+    def _overlapped_rounds(self) -> list[_Round] | None:
+        """This step's rounds when it can be launched ahead: every active request decoding, each taking a plain
+        greedy step, all of them in the launched step or none; None otherwise."""
+        assert self.overlap is not None
+        decoders = self.active
+        if not decoders or any(s.phase != "decode" for s in decoders) or not self.overlap.takes(decoders):
+            return None
+        rounds = self._plan_rounds(decoders)
+        for r in rounds:
+            produced = r.seq.produced + (1 if self.overlap.in_flight(r.seq) else 0)
+            if r.kind != "plain" or not _plain_greedy(r.seq.chooser, produced):
+                return None
+        return rounds
+
+    def _overlapped_step(self, rounds: list[_Round]) -> int:
+        """Launch this step's plain rows, then read and commit the step launched before it."""
+        assert self.overlap is not None
+        now = time.perf_counter()
+        # a request whose in-flight token is its last allowed one gets no further row
+        launch = [r for r in rounds
+                  if r.seq.produced + (1 if self.overlap.in_flight(r.seq) else 0) < r.seq.request.max_new_tokens]
+        previous = self.overlap.launched
+        if launch:
+            seqs = [r.seq for r in launch]
+            try:
+                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now)
+            except Exception as exc:  # the launch failed: its requests and the unread step's end with the error
+                log.exception("batched step failed")
+                unread = self.overlap.take()
+                for seq in {id(s): s for s in [*seqs, *(unread.seqs if unread else [])]}.values():
+                    self._end(seq, exc)
+                return len(rounds)
+            for seq in seqs:  # a plain row is kept whatever its token: the position advances now
+                assert seq.target is not None
+                seq.target.crop(seq.start + 1)
+                seq.start += 1
+        else:
+            self.overlap.take()
+        if previous is not None:
+            if launch:  # consecutive launches: the time between them is what a plain step costs here
+                self.policy.costs.observe(len(previous.seqs), False, now - previous.launched_at)
+            self._commit_launched(previous)
+        self.last_batch = len(rounds)
+        return len(rounds)
+
+    def _read_launched(self) -> None:
+        launched = self.overlap.take() if self.overlap is not None else None
+        if launched is not None:
+            self._commit_launched(launched)
+
+    def _commit_launched(self, launched: Launched) -> None:
+        """Read a launched step's tokens and commit them (a request that ended since is skipped: its row is
+        discarded)."""
+        try:
+            tokens = launched.tokens()
+        except Exception as exc:
+            log.exception("batched step failed")
+            for seq in launched.seqs:
+                self._end(seq, exc)
+            return
+        for index, (seq, token) in enumerate(zip(launched.seqs, tokens, strict=True)):
+            if seq.phase == "done":
+                continue
+            if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
+                seq.stats.record_round(0, 0)
+            features = launched.features[index] if seq.speculative and launched.features is not None else None
+            self._guarded(seq, self._commit, seq, [token], features)
 
     # ---- ending ------------------------------------------------------------------------------------------
     def _cancel(self, seq: Sequence) -> None:
@@ -590,6 +678,8 @@ class BatchCore:
 
     def fail_all(self, error: BaseException) -> None:
         """End every sequence, waiting or active, with `error` (the loop is going down)."""
+        if self.overlap is not None:
+            self.overlap.take()
         for seq in [*self.active, *self.waiting]:
             seq.finish(error)
         self.active.clear()

@@ -54,9 +54,13 @@ class PaddedGraphs:
         entry = self._graphs.get(shape)
         return entry if entry is not None else self._capture(shape)
 
-    def replay(self, items: Sequence[TargetRows]) -> _Captured:
+    def replay(self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None = None) -> _Captured:
+        """Load `items` and run their shape's pass. `first_tokens` [n] on the device: the first row's token of the
+        first n requests, in place of the loaded ones (tokens a launched step chose and the host has not read)."""
         entry = self.ensure(PaddedShape.of(items, self.max_requests))
         entry.batch.load(items)
+        if first_tokens is not None:
+            entry.batch.tokens[: first_tokens.shape[0], 0].copy_(first_tokens)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -125,6 +129,18 @@ class GraphedTargetPasses:
         if copied is not None:
             features = RowViews(copied, [slice(0, item.count) for item in items])
         return TargetOutput(RowViews(entry.logits, wanted), features, best)
+
+    def launch(
+        self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, RowViews | None]:
+        """One plain row per request, nothing read back (`dflash.batch.overlap`): -> (each request's argmax
+        [requests] on the device, its row's features [1, F] per request or None)."""
+        entry = self.graphs.replay(items, first_tokens)
+        count = len(items)
+        best = entry.logits[:count, 0].argmax(dim=-1)  # [requests]: the same operation as `run`'s
+        copied = entry.features[:count, :1].clone() if entry.features is not None else None
+        features = RowViews(copied, [slice(0, 1)] * count) if copied is not None else None
+        return best, features
 
 
 def padded_drafter_forward(

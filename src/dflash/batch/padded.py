@@ -69,8 +69,14 @@ class PaddedBatch:
         # [b], row counts [b], block tables [b, kb]
         sizes = (b * r, b * r, b, b, b * self.key_blocks)
         pinned = pool.device.type == "cuda"
-        self._host_ints = torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pinned)
-        self._host_visibility = torch.zeros(b, r, r, dtype=torch.bool, pin_memory=pinned)
+        # two sets of host buffers, used in turn: a step launched before the previous one was read
+        # (`dflash.batch.overlap`) must not overwrite what that one's copy may still be reading
+        self._host_sets = [
+            (torch.zeros(sum(sizes), dtype=torch.long, pin_memory=pinned),
+             torch.zeros(b, r, r, dtype=torch.bool, pin_memory=pinned))
+            for _ in range(2)
+        ]
+        self._turn = 0
         self._ints = torch.zeros(sum(sizes), dtype=torch.long, device=device)
         tokens, positions, past, counts, blocks = self._ints.split(sizes)
         self.tokens = tokens.view(b, r)
@@ -79,11 +85,12 @@ class PaddedBatch:
         self.counts = counts  # [b]: real rows (0: a padding request)
         self.blocks = blocks.view(b, self.key_blocks)  # [b, kb]: the request's pool blocks, in position order
         self.visibility = torch.zeros(b, r, r, dtype=torch.bool, device=device)  # [b, r, r] among the new rows
-        # numpy views of the host buffers, in the same parts (load writes through them)
-        host = self._host_ints.numpy()
-        parts = np.split(host, np.cumsum(sizes)[:-1])
-        self._host_parts = (parts[0].reshape(b, r), parts[1].reshape(b, r), parts[2], parts[3],
-                            parts[4].reshape(b, self.key_blocks))
+        # numpy views of each set's int buffer, in the same parts (load writes through them)
+        self._host_parts: list[tuple[np.ndarray, ...]] = []
+        for ints, _ in self._host_sets:
+            parts = np.split(ints.numpy(), np.cumsum(sizes)[:-1])
+            self._host_parts.append((parts[0].reshape(b, r), parts[1].reshape(b, r), parts[2], parts[3],
+                                     parts[4].reshape(b, self.key_blocks)))
         self._key_index = torch.arange(k, device=device)  # [k]
         self.derive()
 
@@ -91,10 +98,12 @@ class PaddedBatch:
         """Fill the buffers for `items` (at most `shape.requests`, each within the shape): a few numpy writes per
         request into one host buffer of ints and one of booleans, then one copy each."""
         r, count = self.shape.rows, len(items)
-        visibility = self._host_visibility.numpy()
-        self._host_ints.zero_()
+        host_ints, host_visibility = self._host_sets[self._turn]
+        tokens, positions, past, counts, tables = self._host_parts[self._turn]
+        self._turn ^= 1
+        visibility = host_visibility.numpy()
+        host_ints.zero_()
         visibility.fill(False)
-        tokens, positions, past, counts, tables = self._host_parts
         rows = np.fromiter((item.count for item in items), dtype=np.int64, count=count)  # [count]
         live = np.arange(r)[None, :] < rows[:, None]  # [count, r]
         tokens[:count][live] = torch.cat([item.tokens for item in items]).numpy()
@@ -108,8 +117,8 @@ class PaddedBatch:
             if item.visibility is not None:  # a tree: its ancestor mask
                 n = int(rows[index])
                 visibility[index, :n, :n] = item.visibility.numpy()
-        self._ints.copy_(self._host_ints, non_blocking=True)
-        self.visibility.copy_(self._host_visibility, non_blocking=True)
+        self._ints.copy_(host_ints, non_blocking=True)
+        self.visibility.copy_(host_visibility, non_blocking=True)
 
     def derive(self) -> None:
         """Slots and masks from the loaded buffers, on the device:

@@ -1,0 +1,108 @@
+"""Plain greedy steps launched one step ahead of reading their tokens: the host's work of a step hidden under the
+device's work of the next.
+
+When every decoding request of a step takes a plain greedy step (plain requests, and speculative ones once the
+policy stops speculating under load), the next step's inputs need nothing from the host but each request's token,
+and that token is the argmax the device has just computed. So the core launches step N+1 with those tokens copied
+on the device, and only then reads step N's tokens (one transfer, already landed or landing while N+1 runs) and does
+N's host work: commits, detokenisation, stop checks, callbacks. The device has N+1 queued while the host works, so
+a step costs the larger of the two instead of their sum.
+
+A plain step's K/V row is kept whatever its token, so a request's position and table advance at launch; only its
+token, output and stop come one step late. A request that stops at step N (EOS, a stop string, cancellation) has one
+more row computed in N+1, written to its own reserved positions (admission reserves a round past the output) and
+discarded; blocks released meanwhile are written by later work only after N+1 in the stream's order. A request is
+not launched again once its in-flight token is its last allowed one. Outputs equal the synchronous step's: the same
+graph, the same argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash.batch.sequence import Sequence
+from dflash.batch.target_pass import RowViews, TargetRows
+
+if TYPE_CHECKING:
+    from dflash.batch.graphs import GraphedTargetPasses
+
+
+@dataclass
+class Launched:
+    """A plain greedy step whose tokens are still on the device."""
+
+    seqs: list[Sequence]
+    best: torch.Tensor  # [requests] int64 on the device: each request's argmax
+    host: torch.Tensor  # [requests] int64 on the host (pinned on CUDA), filled by an asynchronous copy of `best`
+    ready: torch.cuda.Event | None  # recorded after that copy (None: the copy was synchronous)
+    features: RowViews | None  # per request [1, F] on the device: the row's captured features
+    launched_at: float
+
+    def tokens(self) -> list[int]:
+        """Each request's token (waits for the copy)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values: list[int] = self.host.tolist()
+        return values
+
+
+class OverlappedSteps:
+    """Launches plain greedy steps through the target's padded graphs and keeps the last one until it is read."""
+
+    def __init__(self, graphs: GraphedTargetPasses, max_batch: int, device: torch.device) -> None:
+        self.graphs = graphs
+        self.cuda = device.type == "cuda"
+        # two host buffers in turn: a launch writes one while the previous launch's copy may still target the other
+        self._host = [torch.zeros(max_batch, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self._turn = 0
+        self.launched: Launched | None = None
+
+    def in_flight(self, seq: Sequence) -> bool:
+        return self.launched is not None and any(s is seq for s in self.launched.seqs)
+
+    def takes(self, seqs: list[Sequence]) -> bool:
+        """Whether `seqs` can be launched next: their tokens are all on the host (nothing launched) or all in the
+        launched step (a request that joined since went through a synchronous step, which reads everything)."""
+        if self.launched is None:
+            return True
+        launched = {id(s) for s in self.launched.seqs}
+        return all(id(s) in launched for s in seqs)
+
+    def launch(self, seqs: list[Sequence], items: list[TargetRows], now: float) -> Launched | None:
+        """Launch one plain row per request of `seqs` (`items`: their rows, tokens from the host, replaced on the
+        device by the launched step's where it chose them). Returns the previously launched step, for the caller
+        to read and commit."""
+        previous = self.launched
+        first_tokens = None
+        if previous is not None:
+            first_tokens = _tokens_of(previous, seqs)
+        best, features = self.graphs.launch(items, first_tokens)
+        count = len(seqs)
+        host = self._host[self._turn][:count]
+        self._turn ^= 1
+        ready = None
+        if self.cuda:
+            host.copy_(best, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host.copy_(best)
+        self.launched = Launched(seqs, best, host, ready, features, now)
+        return previous
+
+    def take(self) -> Launched | None:
+        """The launched step, now the caller's to read (nothing stays launched)."""
+        launched, self.launched = self.launched, None
+        return launched
+
+
+def _tokens_of(previous: Launched, seqs: list[Sequence]) -> torch.Tensor:
+    """The launched step's tokens [len(seqs)] on the device, in the order of `seqs` (all of them in it)."""
+    index = {id(s): i for i, s in enumerate(previous.seqs)}
+    order = [index[id(s)] for s in seqs]
+    if order == list(range(len(seqs))):
+        return previous.best[: len(seqs)]
+    return previous.best[torch.tensor(order, dtype=torch.long).to(previous.best.device, non_blocking=True)]
