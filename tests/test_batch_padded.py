@@ -10,6 +10,7 @@ import torch
 from dflash.batch.draft_pass import DraftRows, run_drafter
 from dflash.batch.graphs import padded_drafter_forward
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
+from dflash.batch.pool import SlotTable
 from dflash.batch.target_pass import TargetRows, run_target
 from dflash.speculative.tree import build_tree, tree_verify_inputs
 from tests.batch_helpers import drain, make_core, make_sequence
@@ -231,3 +232,63 @@ def test_graphs_captured_ahead_cover_every_shape_the_steps_meet() -> None:
     drain(core)
     assert all(seq.error is None for seq in seqs)
     assert (core.graphs.captured, core.drafter_graphs.graphs.captured) == (target_shapes, drafter_shapes)
+
+
+def test_prompt_chunks_through_the_padded_pass_equal_the_packed_pass() -> None:
+    """Prompt chunks of three requests in one eager padded pass (a second chunk after 32 committed positions, a
+    chunk that is not its prompt's last, a whole short prompt): the packed pass's last-row logits and every row's
+    features."""
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=4, prefill_chunk=32, eager_padded=True)  # the drafter's features
+    assert core.graphs is not None
+    pool = core.target_pool
+    prompts = random_prompts(3, target.config.vocab_size, seed=41, lengths=(50, 20, 7))
+    tables = []
+    for prompt in prompts:
+        table = SlotTable(pool)
+        table.reserve(len(prompt) + 8)
+        tables.append(table)
+    with torch.inference_mode():
+        run_target(target, pool, [TargetRows(tables[0], torch.tensor(prompts[0][:32]), torch.arange(32))], core.capture)
+        tables[0].crop(32)
+        items = [
+            TargetRows(tables[0], torch.tensor(prompts[0][32:]), torch.arange(32, 50), logit_rows=slice(17, 18)),
+            TargetRows(tables[1], torch.tensor(prompts[1][:16]), torch.arange(16), logit_rows=slice(0, 0)),
+            TargetRows(tables[2], torch.tensor(prompts[2]), torch.arange(7), logit_rows=slice(6, 7)),
+        ]
+        packed = run_target(target, pool, items, core.capture)
+        assert core.graphs.prefill_fits(items)
+        padded = core.graphs.prefill(items)
+    assert packed.features is not None and padded.features is not None
+    for index in range(len(items)):
+        torch.testing.assert_close(padded.logits[index], packed.logits[index], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(padded.features[index], packed.features[index], atol=2e-5, rtol=1e-5)
+    assert padded.logits[1].shape[0] == 0 and padded.logits[0].shape[0] == 1
+
+
+def test_the_eager_padded_core_prefills_long_chunks_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks reaching past the padded prefill's key limit go through the packed pass, the others through the
+    padded one, in the same core: every request's tokens alone."""
+    from dflash.batch import graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "MAX_PREFILL_KEYS", 48)
+    target, drafter = golden_pair()
+    prompts = random_prompts(5, target.config.vocab_size, seed=43, lengths=(7, 90, 40))
+    references = [run(target, None, p, 16)[0] for p in prompts]
+    core = make_core(target, drafter, max_batch=5, prefill_chunk=32, eager_padded=True)
+    assert core.graphs is not None
+    padded_passes: list[int] = []
+    prefill = core.graphs.prefill
+
+    def counted(items):  # type: ignore[no-untyped-def]
+        padded_passes.append(len(items))
+        return prefill(items)
+
+    core.graphs.prefill = counted
+    seqs = [make_sequence(target, p, 16, ("none", "ddtree")[i % 2]) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        core.add(seq)
+    steps = drain(core)
+    assert padded_passes and len(padded_passes) < steps
+    for seq, reference in zip(seqs, references, strict=True):
+        assert seq.error is None and seq.sink.token_ids == reference, seq.mode

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -265,14 +265,26 @@ class BatchCore:
         return len(served)
 
     def _target_pass(self, items: list[TargetRows], prefills: int, greedy: bool) -> TargetOutput:
-        """One packed pass, or on a CUDA device the prefill chunks packed and the decoding rows through a graph.
-        `greedy`: some round chooses by the plain argmax (the pass gives every row's on the host)."""
-        if self.graphs is None or len(items) == prefills:
+        """One packed pass; or, through the padded passes (CUDA graphs), the prompt chunks in one eager padded pass
+        (packed where they do not fit it) and the decoding rows through a graph. `greedy`: some round chooses by the
+        plain argmax (the pass gives every row's on the host)."""
+        if self.graphs is None or not items:
             return run_target(self.target, self.target_pool, items, self.capture, argmax=greedy)
+        chunks = items[:prefills]
+        prefilled = None
+        if chunks:
+            if self.graphs.prefill_fits(chunks):
+                prefilled = self.graphs.prefill(chunks)
+            else:
+                device = self.target_pool.device
+                moved = [replace(c, tokens=c.tokens.to(device), positions=c.positions.to(device)) for c in chunks]
+                prefilled = run_target(self.target, self.target_pool, moved, self.capture)
+        if len(items) == prefills:
+            assert prefilled is not None
+            return prefilled
         decoded = self.graphs.run(items[prefills:], argmax=greedy)
-        if not prefills:
+        if prefilled is None:
             return decoded
-        prefilled = run_target(self.target, self.target_pool, items[:prefills], self.capture)
         features = None
         if prefilled.features is not None and decoded.features is not None:
             features = [*prefilled.features, *decoded.features]
@@ -309,7 +321,8 @@ class BatchCore:
         return work
 
     def _prefill_rows(self, seq: Sequence, lo: int, hi: int) -> TargetRows:
-        device = self.target_pool.device
+        # the padded passes load their rows from the host (`_target_pass` moves them where they run packed)
+        device = torch.device("cpu") if self.graphs is not None else self.target_pool.device
         assert seq.target is not None
         last = slice(hi - lo - 1, hi - lo) if hi == seq.prompt_length else slice(0, 0)
         return TargetRows(

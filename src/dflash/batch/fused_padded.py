@@ -37,10 +37,10 @@ __all__ = ["fused_padded_forward", "supports_fused_layers"]
 
 
 def fused_padded_forward(
-    model: CausalLM, pool: BlockPool, batch: PaddedBatch, capture: Sequence[int]
+    model: CausalLM, pool: BlockPool, batch: PaddedBatch, capture: Sequence[int], *, last_rows: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`padded_forward` for models that `supports_fused_layers` -> (logits [requests, rows, vocab], features
-    [requests, rows, F] or None)."""
+    """`padded_forward` for models that `supports_fused_layers` -> (logits [requests, rows, vocab] or with
+    `last_rows` [requests, 1, vocab], features [requests, rows, F] or None)."""
     batch.derive()
     config = model.layer_config  # this rank's heads under tensor parallelism
     requests, rows = batch.tokens.shape
@@ -78,4 +78,7 @@ def fused_padded_forward(
     if last in wanted:
         captured[last] = x
     features = torch.cat([captured[i] for i in capture], dim=-1).view(requests, rows, -1) if capture else None
+    if last_rows:
+        final = batch.last_rows(hidden.view(requests, rows, -1))  # [requests, 1, hidden]
+        return fused_logits(model, final.view(requests, -1)).view(requests, 1, -1), features
     return fused_logits(model, hidden).view(requests, rows, -1), features

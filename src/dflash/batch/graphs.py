@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
+from dflash.batch.padded import ROW_BUCKETS, PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
@@ -26,6 +26,7 @@ from dflash.models.model import CausalLM
 log = logging.getLogger("dflash.batch")
 
 PaddedForward = Callable[[PaddedBatch], tuple[torch.Tensor, torch.Tensor | None]]
+MAX_PREFILL_KEYS = 8192  # positions a prompt chunk may reach through the padded pass (masks [requests, rows, keys])
 
 
 @dataclass
@@ -106,6 +107,12 @@ class GraphedTargetPasses:
             "target", lambda batch: forward(model, pool, batch, layers), pool, model.sliding_window, max_requests,
             memory if memory is not None or not graphed else torch.cuda.graph_pool_handle(), graphed=graphed,
         )
+        # prompt chunks through the same padded pass, run eagerly (their shapes vary too much to capture): every
+        # request's chunk in one pass per layer, where the packed pass attends request by request
+        self.prefills = PaddedGraphs(
+            "prefill", lambda batch: forward(model, pool, batch, layers, last_rows=True), pool, model.sliding_window,
+            max_requests, None, graphed=False,
+        )
 
     @property
     def captured(self) -> int:
@@ -129,6 +136,21 @@ class GraphedTargetPasses:
         if copied is not None:
             features = RowViews(copied, [slice(0, item.count) for item in items])
         return TargetOutput(RowViews(entry.logits, wanted), features, best)
+
+    def prefill_fits(self, items: Sequence[TargetRows]) -> bool:
+        """Whether these prompt chunks go through `prefill`: rows within the largest row bucket, keys within
+        `MAX_PREFILL_KEYS` (beyond, the packed pass: a padded pass derives masks over every key of every row)."""
+        return all(item.count <= ROW_BUCKETS[-1] and item.table.length + item.count <= MAX_PREFILL_KEYS
+                   for item in items)
+
+    def prefill(self, items: Sequence[TargetRows]) -> TargetOutput:
+        """Prompt chunks (`prefill_fits`), each wanting at most its last row's logits: one padded pass."""
+        entry = self.prefills.replay(items)
+        wanted = [slice(0, 1) if item.logit_rows.stop > item.logit_rows.start else slice(0, 0) for item in items]
+        features = None
+        if entry.features is not None:  # the eager pass's own tensor: no later pass overwrites it
+            features = RowViews(entry.features, [slice(0, item.count) for item in items])
+        return TargetOutput(RowViews(entry.logits, wanted), features)
 
     def launch(
         self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None

@@ -23,7 +23,7 @@ from dflash.errors import GenerationError
 from dflash.kernels.triton_paged_attention import paged_attention, paged_attention_usable
 from dflash.models.model import CausalLM
 
-ROW_BUCKETS = (1, 4, 8, 16, 24, 40, 64, 128)  # few shapes, few graphs: a 32-node tree takes 40
+ROW_BUCKETS = (1, 4, 8, 16, 24, 40, 64, 128, 256)  # few shapes, few graphs: a 32-node tree takes 40; 256: a prompt chunk
 MIN_KEY_BUCKET = 128
 _LOWER = np.tril(np.ones((ROW_BUCKETS[-1], ROW_BUCKETS[-1]), dtype=np.bool_))  # causal visibility among new rows
 
@@ -158,6 +158,12 @@ class PaddedBatch:
             sliding[..., 0] |= ~sliding.any(-1)  # a padded row keeps its finite slot
             self.sliding_mask = sliding[:, None]
 
+    def last_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [requests, rows, H] -> each request's last real row [requests, 1, H] (row 0 for padding requests)."""
+        requests = rows.shape[0]
+        last = (self.counts - 1).clamp(min=0)  # [requests]
+        return rows[torch.arange(requests, device=rows.device), last][:, None]
+
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The full-attention mask as additive float [requests, 1, rows, keys] (0 visible, -inf hidden)."""
         zeros = torch.zeros(self.full_mask.shape, dtype=dtype, device=self.full_mask.device)
@@ -196,15 +202,18 @@ class PaddedAttention:
 
 
 def padded_forward(
-    model: CausalLM, pool: BlockPool, batch: PaddedBatch, capture: Sequence[int]
+    model: CausalLM, pool: BlockPool, batch: PaddedBatch, capture: Sequence[int], *, last_rows: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target pass over a loaded batch -> (logits [requests, rows, vocab], features [requests, rows, F] or
-    None). The pool's rows past each table's length are written; nothing is committed."""
+    None). The pool's rows past each table's length are written; nothing is committed. `last_rows`: logits of each
+    request's last real row only, [requests, 1, vocab] (a prompt chunk's)."""
     if model.config.is_hybrid:
         raise GenerationError("the padded (CUDA graph) passes keep no linear-attention state: hybrids run packed")
     batch.derive()
     backend = PaddedAttention(pool, batch, model.sliding)
     hidden, features = model.run_layers(batch.tokens, batch.positions, None, None, backend, capture)
+    if last_rows:
+        hidden = batch.last_rows(hidden)
     logits = model.finish(hidden, None, "all").logits
     assert logits is not None
     return logits, features
