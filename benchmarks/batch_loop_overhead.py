@@ -343,6 +343,7 @@ def main() -> None:
                         help="the SmolLM2 tokenizer saved as tokenizer.json (where its GGUF package is missing)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the engine thread's steps in the timed levels and print the top functions")
+    parser.add_argument("--profile-out", type=Path, default=None, help="with --profile: also save the stats (pstats)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -400,6 +401,8 @@ def main() -> None:
         engine.close()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
+        if args.profile_out is not None:
+            profiler.dump_stats(str(args.profile_out))
     if args.json is not None:
         arguments = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         meta = {"command": "python benchmarks/batch_loop_overhead.py", "args": arguments,

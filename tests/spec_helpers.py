@@ -66,7 +66,8 @@ def run(
     sampling = sampling or SamplingParams()
     request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling)
     sink = OutputSink(lambda ids: "", eos_ids=eos, max_new_tokens=max_new)
-    chooser = TokenChooser(sampling, eos_ids=eos, min_tokens=0, vocab_size=target.config.vocab_size, device="cpu")
+    device = target.embed_tokens.weight.device
+    chooser = TokenChooser(sampling, eos_ids=eos, min_tokens=0, vocab_size=target.config.vocab_size, device=device)
     if drafter is None:
         stats = decode_autoregressive(target, request, sink, chooser, prefill_chunk=prefill_chunk)
     else:

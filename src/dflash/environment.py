@@ -11,6 +11,8 @@
 |                                |          | gather copies each request's keys first, then SDPA                      |
 | `DFLASH_BATCH_OVERLAP`         | on       | 0/false/no/off: the batched core reads each plain greedy step's tokens  |
 |                                |          | before launching the next (on: the next is launched first)              |
+| `DFLASH_FLA`                   | on       | 0/false/no/off: Gated DeltaNet prompt chunks through the torch form,    |
+|                                |          | not flash-linear-attention's kernels (CUDA, where installed)            |
 | `DFLASH_GGUF_INPUT`            | int8x2   | GPU products with GGUF 4/6-bit words: the inputs rounded to two 8-bit   |
 |                                |          | parts (about 15 bits), or to one (int8: llama.cpp's precision, faster)  |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
@@ -42,6 +44,7 @@ CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
 PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
 BATCH_OVERLAP = "DFLASH_BATCH_OVERLAP"
+FLA = "DFLASH_FLA"
 PRODUCTS = "DFLASH_PRODUCTS"
 GGUF_INPUT = "DFLASH_GGUF_INPUT"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
@@ -96,6 +99,11 @@ def padded_attention(env: Mapping[str, str] | None = None) -> str:
 def batch_overlap_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_BATCH_OVERLAP`: on unless 0, false, no or off (`dflash.batch.overlap`)."""
     return _environ(env).get(BATCH_OVERLAP, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fla_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_FLA`: on unless 0, false, no or off (`dflash.kernels.fla_delta_rule`)."""
+    return _environ(env).get(FLA, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def gguf_input(env: Mapping[str, str] | None = None) -> str:

@@ -15,6 +15,7 @@ checkpoints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import GenerationError
+from dflash.kernels.fla_delta_rule import fla_chunked_delta_rule, fla_usable
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.kv.recurrent import DeltaRows, RecurrentShape, RecurrentStates
 from dflash.models.delta_rule import (
@@ -31,6 +33,12 @@ from dflash.models.delta_rule import (
     recurrent_delta_rule,
     tree_delta_rule,
 )
+
+# (q, k, v, g, beta, state) -> (outputs, final state), heads before time (`dflash.models.delta_rule`)
+DeltaRule = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 def recurrent_shape(config: ModelConfig) -> RecurrentShape:
@@ -155,7 +163,7 @@ class GatedDeltaNet(nn.Module):
             out = tree_delta_rule(q, k, v, g, beta, state, parents)
             new_window = window
         else:
-            rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else chunked_delta_rule
+            rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else _chunked_rule(q)
             out, state = rule(q, k, v, g, beta, state)
             new_window = extended[:, extended.shape[1] - (self.shape.conv_kernel - 1) :]
         if states is not None:
@@ -188,3 +196,8 @@ class GatedDeltaNet(nn.Module):
         """[batch, seq, heads * dim] -> float32 [batch, heads, seq, dim]."""
         batch, seq, _ = x.shape
         return x.view(batch, seq, heads, dim).transpose(1, 2).float()
+
+
+def _chunked_rule(rows: torch.Tensor) -> DeltaRule:
+    """The chunked form for a prompt chunk: flash-linear-attention's kernels on CUDA where installed, torch else."""
+    return fla_chunked_delta_rule if fla_usable(rows) else chunked_delta_rule
