@@ -150,10 +150,11 @@ class BatchCore:
 
     # ---- admission ---------------------------------------------------------------------------------------
     def positions_needed(self, seq: Sequence) -> int:
-        """Target positions a sequence may write: its prompt and output plus the rows of one round past them."""
+        """Target positions a sequence may write: its prompt and output plus the rows of one round past them (a
+        resumed sequence's prompt holds its output so far)."""
         block = self.drafter.config.block_size if self.drafter is not None else 1
         rows = max(self.settings.ddtree_budget, block) + 1 if seq.speculative else 1
-        return seq.prompt_length + seq.request.max_new_tokens + rows + 1
+        return seq.prompt_length + seq.request.max_new_tokens - seq.resumed + rows + 1
 
     def add_check(self, seq: Sequence) -> None:
         """Refuse a sequence that could never be admitted (it needs more memory than the whole pool)."""
@@ -185,7 +186,7 @@ class BatchCore:
                 seq.drafter.reserve(positions)
             seq.phase = "prefill"
             seq.prefill_started = time.perf_counter()
-            seq.stats.prompt_tokens = seq.prompt_length
+            seq.stats.prompt_tokens = seq.prompt_length - seq.resumed  # the client's prompt
             self._restore_prefix(seq)
             self.active.append(seq)
 
@@ -361,7 +362,7 @@ class BatchCore:
             recurrent.restore(last, start)
         seq.target.crop(start)
         seq.prefilled = start
-        seq.stats.cached_tokens = start
+        seq.stats.cached_tokens = min(start, seq.stats.prompt_tokens)
 
     def _after_prefill(
         self, seq: Sequence, lo: int, hi: int, logits: torch.Tensor, features: torch.Tensor | None

@@ -5,6 +5,12 @@ to the loop and blocks until the sequence is done, its output streamed meanwhile
 its sink's callback. The loop admits newly submitted sequences at the start of every step, so a request that
 arrives mid-generation joins the next step instead of waiting for the others to finish. Cancellation is per
 request (its `should_stop`), checked at every step.
+
+A request that arrives while nothing else is decoding or waiting can take the single-request path instead (`alone`:
+the engine's single-request loops, on a GPU its device-resident graph replays, the fastest stream). It keeps it
+until another request arrives: then it stops at its next round (`Yielded`) and continues in the batched core from
+where it stands, its prompt extended by the tokens it has produced (the prefix cache serves the prompt's blocks
+again), the same sink and chooser carrying its output and history on.
 """
 
 from __future__ import annotations
@@ -27,10 +33,24 @@ class LoopStopped(RuntimeError):
     """The engine loop has shut down."""
 
 
+class Yielded(Exception):
+    """Raised inside a request's single-request run (from its `should_stop`) when another request arrives."""
+
+
+# Runs a sequence through the single-request path on the loop thread: returns True once it is done (finished, failed
+# or cancelled), False if it stopped with `Yielded` to continue in the batched core. Its argument: `yield_now()`.
+AloneRun = Callable[[Sequence, Callable[[], bool]], bool]
+
+
 class BatchLoop:
-    def __init__(self, core: BatchCore, on_step: Callable[[int], None] | None = None, name: str = "dflash-engine") -> None:
+    def __init__(
+        self, core: BatchCore, on_step: Callable[[int], None] | None = None, name: str = "dflash-engine",
+        alone: AloneRun | None = None,
+    ) -> None:
         self.core = core
         self.on_step = on_step
+        self.alone = alone
+        self._alone_seq: Sequence | None = None
         self._inbox: deque[Sequence] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -54,7 +74,7 @@ class BatchLoop:
 
     @property
     def running(self) -> int:
-        return len(self.core.active)
+        return len(self.core.active) + (self._alone_seq is not None)
 
     @property
     def waiting(self) -> int:
@@ -76,8 +96,14 @@ class BatchLoop:
                         self._cond.wait()
                     if self._closed:
                         break
+                    lone = None
+                    if self.alone is not None and len(self._inbox) == 1 and not self.core.active and not self.core.waiting:
+                        lone = self._inbox.popleft()
                     while self._inbox:
                         self.core.add(self._inbox.popleft())
+                if lone is not None:
+                    self._run_alone(lone)
+                    continue
                 served = self.core.step()
                 if served and self.on_step is not None:
                     try:
@@ -102,6 +128,24 @@ class BatchLoop:
             self.core.fail_all(LoopStopped("the engine loop has shut down"))
             for seq in pending:
                 seq.finish(LoopStopped("the engine loop has shut down"))
+
+
+    def _run_alone(self, seq: Sequence) -> None:
+        """`seq` through the single-request path until it is done or another request arrives (then the rest of it
+        joins the batched core)."""
+        assert self.alone is not None
+        self._alone_seq = seq
+        try:
+            done = self.alone(seq, lambda: bool(self._inbox) or self._closed)
+        finally:
+            self._alone_seq = None
+        if done:
+            return
+        seq.resume_from_output()
+        try:
+            self.core.add(seq)
+        except Exception as exc:  # it cannot be admitted (more memory than the pool): it ends, the loop goes on
+            seq.finish(exc)
 
 
 def _stop_at_exit(loop: weakref.ref[BatchLoop]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,6 +50,7 @@ class Sequence:
     drafted_tokens: int = 0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    resumed: int = 0  # output tokens at the end of the prompt: it began on the single-request path (`resume_from_output`)
 
     @property
     def prompt_length(self) -> int:
@@ -75,6 +76,13 @@ class Sequence:
         self.stats.record_round(drafted, accepted)
         self.drafted_rounds += 1
         self.drafted_tokens += accepted + 1
+
+    def resume_from_output(self) -> None:
+        """Continue in the batched core after a single-request run stopped early: the prompt extended by every token
+        produced so far (computed again, the prefix cache serving the prompt's blocks), back to waiting."""
+        self.resumed = self.produced
+        self.request = replace(self.request, prompt_ids=[*self.request.prompt_ids, *self.sink.token_ids])
+        self.phase = "waiting"
 
     def stop_requested(self) -> bool:
         return self.should_stop is not None and bool(self.should_stop())

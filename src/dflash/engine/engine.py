@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dflash.batch.core import BatchCore, CoreSettings
-from dflash.batch.loop import BatchLoop
+from dflash.batch.loop import BatchLoop, Yielded
 from dflash.batch.memory import default_pool_tokens
 from dflash.batch.policy import DEFAULT_MAX_STEP_ROWS
 from dflash.batch.sequence import Sequence
@@ -71,6 +71,8 @@ class EngineOptions:
     max_batch: int | None = None  # requests decoding together (None: DEFAULT_MAX_BATCH of the device class)
     kv_pool_tokens: int | None = None  # positions of the batched K/V pool (None: max_batch contexts, within 4x max_ctx)
     max_step_rows: int | None = None  # verified rows per batched step (None: the policy's device default)
+    # with max_batch > 1, a request decoding alone takes the single-request loops until another one arrives
+    single_request_path: bool = True
 
 
 def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
@@ -215,7 +217,10 @@ class Engine:
         from dflash.fastpath.dispatch import graph_runner_of
 
         if self.batched and self.device.type == "cuda" and self.options.cuda_graphs:
-            return self.loop.core.capture_graphs()
+            captured = self.loop.core.capture_graphs()
+            if self.options.single_request_path and graph_runner_of(self.target) is not None:
+                self.generate(self.warm_up_request())  # alone: the single-request path's first graphs too
+            return captured
         runner = graph_runner_of(self.target)
         if runner is None:
             return 0
@@ -325,7 +330,8 @@ class Engine:
         """The engine loop, started on first use."""
         with self._loop_lock:
             if self._loop is None:
-                self._loop = BatchLoop(self._new_core(), on_step=self._observe_step)
+                alone = self._run_alone if self.options.single_request_path else None
+                self._loop = BatchLoop(self._new_core(), on_step=self._observe_step, alone=alone)
             return self._loop
 
     def _observe_step(self, size: int) -> None:
@@ -386,6 +392,30 @@ class Engine:
             text=sink.text, token_ids=sink.token_ids, finish_reason=sink.finish_reason, stats=stats,
             stop_reason=sink.stop_reason,
         )
+
+    def _run_alone(self, seq: Sequence, yield_now: Callable[[], bool]) -> bool:
+        """`seq` through the single-request loops on the engine loop's thread (`dflash.batch.loop`): True once it is
+        done, False when it stopped at a round because another request arrived (it then continues batched)."""
+
+        def should_stop() -> bool:
+            if seq.stop_requested():
+                return True
+            if yield_now():
+                raise Yielded
+            return False
+
+        try:
+            with self._serial:
+                seq.stats = self._decode(seq.mode, seq.request, seq.sink, seq.chooser, should_stop)
+        except Yielded:
+            if not seq.sink.finished:
+                return False
+        except Exception as exc:  # its computation failed: this request ends with the error, the loop goes on
+            log.exception("generation failed")
+            seq.finish(exc)
+            return True
+        seq.finish()
+        return True
 
     def _decode(
         self,
