@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,12 +59,14 @@ QWEN3_30B_A3B: dict[str, Any] = dict(
 )
 
 
-def model_configs() -> dict[str, ModelConfig]:
+def model_configs(layers: int | None = None) -> dict[str, ModelConfig]:
+    """The published shapes; `layers`: that many layers instead (a model too big for the GPU, same layer mix)."""
     import transformers
 
+    depth = {} if layers is None else {"num_hidden_layers": layers}
     return {
-        "qwen3.5-27b": ModelConfig.from_hf(transformers.Qwen3_5TextConfig(**QWEN3_5_27B).to_dict()),
-        "qwen3-30b-a3b": ModelConfig.from_hf(transformers.Qwen3MoeConfig(**QWEN3_30B_A3B).to_dict()),
+        "qwen3.5-27b": ModelConfig.from_hf(transformers.Qwen3_5TextConfig(**{**QWEN3_5_27B, **depth}).to_dict()),
+        "qwen3-30b-a3b": ModelConfig.from_hf(transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, **depth}).to_dict()),
     }
 
 
@@ -166,7 +169,28 @@ def rollback(model: CausalLM, cache: KVCache, context: int, rows: int, kept: int
     return sorted(times[5:])[len(times[5:]) // 2]
 
 
-def study(name: str, config: ModelConfig, context: int, bandwidth: float, device: torch.device) -> dict[str, Any]:
+def prefill_ms(model: CausalLM, lengths: list[int]) -> dict[str, dict[str, float]]:
+    """Eager forwards of a prompt chunk of each length from an empty cache, with the linear-attention layers'
+    prompt rule through flash-linear-attention's kernels and through the torch form (`DFLASH_FLA=0`)."""
+    out: dict[str, dict[str, float]] = {}
+    for tokens in lengths:
+        cache = model.new_cache(tokens + 64)
+        run = forward(model, cache, 0, tokens, tree=False)
+        row = {}
+        for label, value in (("fla_ms", "1"), ("torch_ms", "0")):
+            os.environ["DFLASH_FLA"] = value
+            row[label] = round(median_ms(run, iters=3), 2)
+        os.environ.pop("DFLASH_FLA")
+        row["speedup"] = round(row["torch_ms"] / row["fla_ms"], 2)
+        out[str(tokens)] = row
+        del cache
+    return out
+
+
+def study(
+    name: str, config: ModelConfig, context: int, bandwidth: float, device: torch.device,
+    prefill: list[int] | None = None, prefill_only: bool = False,
+) -> dict[str, Any]:
     model = build(config, device)
     cache = filled_cache(model, context + 64, context)
     weights = token_bytes(model)
@@ -175,6 +199,14 @@ def study(name: str, config: ModelConfig, context: int, bandwidth: float, device
         "token_weight_gb": round(weights / 1e9, 3), "floor_step_ms": round(weights / bandwidth * 1e3, 3),
         "gpu_memory_gib": round(torch.cuda.memory_allocated(device) / 2**30, 2),
     }
+    if prefill and config.is_hybrid:
+        with torch.inference_mode():
+            out["prefill"] = prefill_ms(model, prefill)
+        print(name, json.dumps(out["prefill"]), flush=True)
+    if prefill_only:
+        del model, cache
+        torch.cuda.empty_cache()
+        return out
     shapes = {"step_1": (1, False), "verify_16": (16, False)}
     if cache.recurrent is None:
         shapes["tree_32"] = (32, True)
@@ -215,19 +247,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="qwen3.5-27b,qwen3-30b-a3b")
     parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=None, help="layers instead of the published count")
+    parser.add_argument("--prefill", default="", help="comma list of prompt chunk lengths to time (hybrids)")
+    parser.add_argument("--prefill-only", action="store_true", help="only the --prefill timings")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    prefill = [int(n) for n in args.prefill.split(",") if n]
     device = torch.device("cuda")
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
-    configs = model_configs()
+    configs = model_configs(args.layers)
     result: dict[str, Any] = {
-        **provenance(device), "context": args.context, "copy_bandwidth_gbps": round(bandwidth / 1e9, 1),
+        **provenance(device), "context": args.context, "layers": args.layers, "copy_bandwidth_gbps": round(bandwidth / 1e9, 1),
         "shapes": {name: (QWEN3_5_27B if name == "qwen3.5-27b" else QWEN3_30B_A3B) for name in args.models.split(",")},
         "models": {},
     }
     for name in args.models.split(","):
-        result["models"][name] = study(name, configs[name], args.context, bandwidth, device)
+        result["models"][name] = study(name, configs[name], args.context, bandwidth, device, prefill, args.prefill_only)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
