@@ -13,31 +13,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpu_scale_study import median_ms  # benchmarks/ is the script's folder
 
 from dflash.bench.provenance import provenance
 from dflash.kernels.fla_delta_rule import fla_chunked_delta_rule, fla_usable
 from dflash.models.delta_rule import chunked_delta_rule
 
 HEADS, KEY_DIM, VALUE_DIM = 48, 128, 128
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -60,8 +45,8 @@ def main() -> None:
         state = torch.zeros(1, HEADS, KEY_DIM, VALUE_DIM, device=device)
         assert fla_usable(q), "fla-core is not importable here"
         inputs = (q, k, v, decay, beta, state)
-        torch_ms = timed(functools.partial(chunked_delta_rule, *inputs), args.repeats)
-        fla_ms = timed(functools.partial(fla_chunked_delta_rule, *inputs), args.repeats)
+        torch_ms = median_ms(functools.partial(chunked_delta_rule, *inputs), iters=args.repeats)
+        fla_ms = median_ms(functools.partial(fla_chunked_delta_rule, *inputs), iters=args.repeats)
         out, final = fla_chunked_delta_rule(*inputs)
         ref_out, ref_final = chunked_delta_rule(*inputs)
         row = {"tokens": seq, "torch_ms": round(torch_ms, 3), "fla_ms": round(fla_ms, 3),
