@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 
 from dflash.batch.sequence import Sequence
 from dflash.engine.engine import Engine, EngineOptions
@@ -66,6 +67,20 @@ def test_a_lone_request_takes_the_single_request_path(pair: tuple[Any, Any], spe
 def test_a_lone_request_yields_to_an_arrival_and_continues_batched(pair: tuple[Any, Any], spec: str) -> None:
     """The second request is submitted from the first one's output callback after 6 tokens: the first stops at
     its next round, joins the batched core with its output as prompt, and both end with their tokens alone."""
+    _yield_to_an_arrival(pair, spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["none", "ddtree"])
+def test_on_a_gpu_a_lone_request_yields_from_the_resident_rounds(spec: str) -> None:
+    """The same on a CUDA device (float32), where the lone request runs the single-request path's CUDA graphs and
+    device-resident rounds and the batched core its graphed padded steps."""
+    target, drafter = tiny_random_pair(ENGINE_VOCAB, 0.3, block=5)
+    _yield_to_an_arrival((target.cuda(), drafter.cuda()), spec)
+
+
+def _yield_to_an_arrival(pair: tuple[Any, Any], spec: str) -> None:
     serial = _engine(pair, max_batch=1)
     batched = _engine(pair, max_batch=4)
     first, second = _request(2, 11, 40), _request(3, 7, 16)
