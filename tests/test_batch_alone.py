@@ -152,3 +152,20 @@ def test_the_single_request_path_can_be_switched_off(pair: tuple[Any, Any]) -> N
         assert runs == [] and batched.loop.core.last_batch == 1
     finally:
         batched.close()
+
+
+def test_a_lone_request_reports_each_round_as_a_step(pair: tuple[Any, Any]) -> None:
+    """The step observer (the server flushes a step's streamed text there) hears from a lone request at every
+    round, while it is still producing, not only at its end."""
+    batched = _engine(pair, max_batch=4)
+    streamed: list[int] = []
+    observed: list[tuple[int, int]] = []  # (batch size, tokens streamed by then)
+    batched.step_observer = lambda size: observed.append((size, len(streamed)))
+    try:
+        batched.generate(_request(6, 8, 30), spec="ddtree", on_text=lambda text, ids: streamed.extend(ids))
+        assert len(streamed) == 30
+        assert all(size == 1 for size, _ in observed)
+        assert any(0 < seen < 30 for _, seen in observed)  # mid-generation
+        assert observed[-1][1] == 30
+    finally:
+        batched.close()

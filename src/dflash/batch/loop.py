@@ -105,11 +105,8 @@ class BatchLoop:
                     self._run_alone(lone)
                     continue
                 served = self.core.step()
-                if served and self.on_step is not None:
-                    try:
-                        self.on_step(served)
-                    except Exception:  # an observer must not stop generation
-                        log.exception("step observer failed")
+                if served:
+                    self._observe(served)
                 if not served and self.core.waiting and not self.core.active:
                     # waiting sequences that cannot be admitted with nothing running: only memory held elsewhere
                     # could block them, which cannot happen (admission checks the whole pool); guard the spin
@@ -135,10 +132,16 @@ class BatchLoop:
         joins the batched core)."""
         assert self.alone is not None
         self._alone_seq = seq
+
+        def yield_now() -> bool:  # asked once per round, before it starts
+            self._observe(1)  # the last round as a step of one request: its streamed text goes out now
+            return bool(self._inbox) or self._closed
+
         try:
-            done = self.alone(seq, lambda: bool(self._inbox) or self._closed)
+            done = self.alone(seq, yield_now)
         finally:
             self._alone_seq = None
+            self._observe(1)  # the last round's text
         if done:
             return
         seq.resume_from_output()
@@ -146,6 +149,14 @@ class BatchLoop:
             self.core.add(seq)
         except Exception as exc:  # it cannot be admitted (more memory than the pool): it ends, the loop goes on
             seq.finish(exc)
+
+
+    def _observe(self, served: int) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(served)
+            except Exception:  # an observer must not stop generation
+                log.exception("step observer failed")
 
 
 def _stop_at_exit(loop: weakref.ref[BatchLoop]) -> None:
