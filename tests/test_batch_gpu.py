@@ -53,9 +53,9 @@ def test_graphed_plain_steps_launched_ahead_give_each_request_its_tokens_alone()
         launches: list[int] = []
         launch = core.overlap.launch
 
-        def counted(seqs, items, now):  # type: ignore[no-untyped-def]
+        def counted(seqs, *args):  # type: ignore[no-untyped-def]
             launches.append(len(seqs))
-            return launch(seqs, items, now)
+            return launch(seqs, *args)
 
         core.overlap.launch = counted
         seqs = [make_sequence(target, p, n, "none", eos=(eos[i],) if i in eos else ())
@@ -71,5 +71,36 @@ def test_graphed_plain_steps_launched_ahead_give_each_request_its_tokens_alone()
             assert seq.error is None
             assert seq.sink.token_ids == tokens
         assert core.target_pool.free_blocks == core.target_pool.num_blocks
+    finally:
+        target.to("cpu")
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphed_sampled_steps_launched_ahead_draw_what_the_synchronous_steps_draw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded sampled requests beside greedy ones through the graphs: launched ahead (each request's chooser
+    drawing on the device from its own stream) they give the tokens the synchronous steps give."""
+    from dflash.generation.sampling import SamplingParams
+
+    target, _ = golden_pair()
+    target = target.to("cuda")
+    prompts = random_prompts(4, target.config.vocab_size, seed=31, lengths=(6, 25))
+    sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=5), SamplingParams(),
+                SamplingParams(temperature=1.1, top_k=30, seed=6), SamplingParams(temperature=0.6, seed=7)]
+    outputs = []
+    try:
+        for overlap in ("1", "0"):
+            monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
+            core = make_core(target, None, max_batch=4, prefill_chunk=32, cuda_graphs=True)
+            assert (core.overlap is not None) == (overlap == "1")
+            seqs = [make_sequence(target, p, 30, "none", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
+            for seq in seqs:
+                core.add(seq)
+            drain(core)
+            assert all(seq.error is None for seq in seqs)
+            outputs.append([seq.sink.token_ids for seq in seqs])
+        assert outputs[0] == outputs[1]
     finally:
         target.to("cpu")

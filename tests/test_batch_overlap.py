@@ -23,9 +23,9 @@ def _count_launches(core: BatchCore) -> list[int]:
     launches: list[int] = []
     launch = core.overlap.launch
 
-    def counted(seqs: Any, items: Any, now: float) -> Any:
+    def counted(seqs: Any, *args: Any) -> Any:
         launches.append(len(seqs))
-        return launch(seqs, items, now)
+        return launch(seqs, *args)
 
     core.overlap.launch = counted
     return launches
@@ -164,3 +164,26 @@ def test_the_launched_tokens_follow_each_request_when_the_batch_shrinks() -> Non
     drain(core)
     assert 3 in sizes and 2 in sizes
     assert [s.sink.token_ids for s in seqs] == references
+
+
+def test_seeded_sampled_requests_draw_the_same_tokens_launched_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled requests (temperature, top-p, top-k; seeded) beside greedy ones are launched ahead too, each drawing
+    from its own random stream in the same order: the same tokens with overlap on and off."""
+    target, _ = golden_pair()
+    prompts = random_prompts(5, target.config.vocab_size, seed=29, lengths=(9, 21))
+    sampling = [SamplingParams(temperature=0.9, top_p=0.9, seed=1), SamplingParams(), SamplingParams(temperature=1.2,
+                top_k=20, seed=2), SamplingParams(temperature=0.7, seed=3), SamplingParams()]
+    outputs, launched = [], []
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
+        core = make_core(target, None, max_batch=5, eager_padded=True)
+        launches = _count_launches(core) if core.overlap is not None else []
+        seqs = [make_sequence(target, p, 18, "none", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
+        for seq in seqs:
+            core.add(seq)
+        drain(core)
+        assert all(seq.error is None for seq in seqs)
+        outputs.append([seq.sink.token_ids for seq in seqs])
+        launched.append(len(launches))
+    assert outputs[0] == outputs[1]
+    assert launched[0] > 10 and launched[1] == 0

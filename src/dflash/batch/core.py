@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -620,7 +620,7 @@ class BatchCore:
         rounds = self._plan_rounds(decoders)
         for r in rounds:
             produced = r.seq.produced + (1 if self.overlap.in_flight(r.seq) else 0)
-            if r.kind != "plain" or not _plain_greedy(r.seq.chooser, produced):
+            if r.kind != "plain" or not _choice_stateless(r.seq.chooser, produced):
                 return None
         return rounds
 
@@ -635,7 +635,7 @@ class BatchCore:
         if launch:
             seqs = [r.seq for r in launch]
             try:
-                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now)
+                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now, self._chooser_for(seqs))
             except Exception as exc:  # the launch failed: its requests and the unread step's end with the error
                 log.exception("batched step failed")
                 unread = self.overlap.take()
@@ -654,6 +654,23 @@ class BatchCore:
             self._commit_launched(previous)
         self.last_batch = len(rounds)
         return len(rounds)
+
+    def _chooser_for(self, seqs: list[Sequence]) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
+        """How the launched step chooses each request's token: None where all of them take the plain argmax; else
+        (request index, its logits row [1, vocab]) -> token [1] on the device, through the request's own chooser (its
+        random stream, in the order the synchronous step would draw)."""
+        assert self.overlap is not None
+        produced = [s.produced + (1 if self.overlap.in_flight(s) else 0) for s in seqs]
+        greedy = [_plain_greedy(s.chooser, n) for s, n in zip(seqs, produced, strict=True)]
+        if all(greedy):
+            return None
+
+        def choose(index: int, logits: torch.Tensor) -> torch.Tensor:  # logits [1, vocab] -> [1]
+            if greedy[index]:  # the argmax, as the synchronous step's greedy requests take it
+                return logits.argmax(dim=-1)
+            return seqs[index].chooser.choose(logits, produced[index])
+
+        return choose
 
     def _read_launched(self) -> None:
         launched = self.overlap.take() if self.overlap is not None else None
@@ -705,6 +722,16 @@ def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
     return (
         chooser.params.greedy and chooser.constraint is None and chooser.counts is None
         and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.has_eos)
+    )
+
+
+def _choice_stateless(chooser: TokenChooser, produced: int) -> bool:
+    """Whether the chooser's choice for output tokens from `produced` on depends only on the logits and its random
+    stream, not on the tokens chosen before (no constraint, no penalties, no EOS suppression left): a launched step
+    can choose before the previous one's tokens are read (`dflash.batch.overlap`)."""
+    return (
+        chooser.constraint is None and chooser.counts is None and chooser.agreement is None
+        and (chooser.min_tokens <= produced or not chooser.has_eos)
     )
 
 

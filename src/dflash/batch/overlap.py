@@ -18,6 +18,7 @@ graph, the same argmax.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,15 +72,19 @@ class OverlappedSteps:
         launched = {id(s) for s in self.launched.seqs}
         return all(id(s) in launched for s in seqs)
 
-    def launch(self, seqs: list[Sequence], items: list[TargetRows], now: float) -> Launched | None:
+    def launch(
+        self, seqs: list[Sequence], items: list[TargetRows], now: float,
+        choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    ) -> Launched | None:
         """Launch one plain row per request of `seqs` (`items`: their rows, tokens from the host, replaced on the
-        device by the launched step's where it chose them). Returns the previously launched step, for the caller
-        to read and commit."""
+        device by the launched step's where it chose them). `choose`: (request index, logits [1, vocab]) -> token
+        [1] on the device, for requests that sample (None: every request takes the argmax). Returns the previously
+        launched step, for the caller to read and commit."""
         previous = self.launched
         first_tokens = None
         if previous is not None:
             first_tokens = _tokens_of(previous, seqs)
-        best, features = self.graphs.launch(items, first_tokens)
+        best, features = self.graphs.launch(items, first_tokens, choose)
         count = len(seqs)
         host = self._host[self._turn][:count]
         self._turn ^= 1
