@@ -1,9 +1,11 @@
-"""Plain greedy steps launched one step ahead of reading their tokens: the host's work of a step hidden under the
-device's work of the next.
+"""Plain steps launched one step ahead of reading their tokens: the host's work of a step hidden under the device's
+work of the next.
 
-When every decoding request of a step takes a plain greedy step (plain requests, and speculative ones once the
-policy stops speculating under load), the next step's inputs need nothing from the host but each request's token,
-and that token is the argmax the device has just computed. So the core launches step N+1 with those tokens copied
+When every decoding request of a step takes a plain step whose choice depends only on its logits and its random
+stream (greedy, or sampled without constraint, penalties or EOS suppression left; plain requests, and speculative
+ones once the policy stops speculating under load), the next step's inputs need nothing from the host but each
+request's token, and the device has just chosen it (the argmax, or the request's chooser drawing from its own
+stream, in the order the synchronous step would). So the core launches step N+1 with those tokens copied
 on the device, and only then reads step N's tokens (one transfer, already landed or landing while N+1 runs) and does
 N's host work: commits, detokenisation, stop checks, callbacks. The device has N+1 queued while the host works, so
 a step costs the larger of the two instead of their sum.
@@ -13,7 +15,7 @@ token, output and stop come one step late. A request that stops at step N (EOS, 
 more row computed in N+1, written to its own reserved positions (admission reserves a round past the output) and
 discarded; blocks released meanwhile are written by later work only after N+1 in the stream's order. A request is
 not launched again once its in-flight token is its last allowed one. Outputs equal the synchronous step's: the same
-graph, the same argmax.
+graph, the same choices.
 """
 
 from __future__ import annotations
