@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.sequence import Sequence
@@ -89,3 +90,40 @@ def sampled_counts(
             for position, token in enumerate(seq.sink.token_ids):
                 per_position[position][token] += 1
     return per_position
+
+
+def count_launches(core: BatchCore) -> list[int]:
+    """Wrap the core's launcher of steps ahead (`dflash.batch.overlap`): the list gains each launch's requests."""
+    assert core.overlap is not None
+    launches: list[int] = []
+    launch = core.overlap.launch
+
+    def counted(seqs: list[Sequence], *args: Any) -> Any:
+        launches.append(len(seqs))
+        return launch(seqs, *args)
+
+    core.overlap.launch = counted  # type: ignore[method-assign]
+    return launches
+
+
+def overlap_on_and_off(
+    monkeypatch: Any, target: CausalLM, prompts: list[list[int]], sampling: list[SamplingParams], new: int,
+    **core_options: Any,
+) -> tuple[list[list[list[int]]], list[int]]:
+    """The same plain requests through a fresh core with steps launched ahead (DFLASH_BATCH_OVERLAP=1), then
+    without: (each run's tokens per request, each run's launches)."""
+    outputs, launched = [], []
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
+        core = make_core(target, None, max_batch=len(prompts), **core_options)
+        assert (core.overlap is not None) == (overlap == "1")
+        launches = count_launches(core) if core.overlap is not None else []
+        seqs = [make_sequence(target, p, new, "none", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
+        for seq in seqs:
+            core.add(seq)
+        drain(core)
+        assert all(seq.error is None for seq in seqs)
+        outputs.append([seq.sink.token_ids for seq in seqs])
+        launched.append(len(launches))
+    return outputs, launched
+

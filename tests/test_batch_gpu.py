@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.batch_helpers import count_launches, drain, make_core, make_sequence, overlap_on_and_off
 from tests.spec_helpers import golden_pair, random_prompts, run
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -50,14 +50,7 @@ def test_graphed_plain_steps_launched_ahead_give_each_request_its_tokens_alone()
     try:
         core = make_core(target, None, max_batch=8, prefill_chunk=32, cuda_graphs=True)
         assert core.overlap is not None
-        launches: list[int] = []
-        launch = core.overlap.launch
-
-        def counted(seqs, *args):  # type: ignore[no-untyped-def]
-            launches.append(len(seqs))
-            return launch(seqs, *args)
-
-        core.overlap.launch = counted
+        launches = count_launches(core)
         seqs = [make_sequence(target, p, n, "none", eos=(eos[i],) if i in eos else ())
                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
         for seq in seqs[:-1]:
@@ -89,18 +82,10 @@ def test_graphed_sampled_steps_launched_ahead_draw_what_the_synchronous_steps_dr
     prompts = random_prompts(4, target.config.vocab_size, seed=31, lengths=(6, 25))
     sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=5), SamplingParams(),
                 SamplingParams(temperature=1.1, top_k=30, seed=6), SamplingParams(temperature=0.6, seed=7)]
-    outputs = []
     try:
-        for overlap in ("1", "0"):
-            monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
-            core = make_core(target, None, max_batch=4, prefill_chunk=32, cuda_graphs=True)
-            assert (core.overlap is not None) == (overlap == "1")
-            seqs = [make_sequence(target, p, 30, "none", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
-            for seq in seqs:
-                core.add(seq)
-            drain(core)
-            assert all(seq.error is None for seq in seqs)
-            outputs.append([seq.sink.token_ids for seq in seqs])
+        outputs, launched = overlap_on_and_off(monkeypatch, target, prompts, sampling, 30, prefill_chunk=32,
+                                               cuda_graphs=True)
         assert outputs[0] == outputs[1]
+        assert launched[0] > 10 and launched[1] == 0
     finally:
         target.to("cpu")

@@ -8,27 +8,12 @@ from typing import Any
 
 import pytest
 
-from dflash.batch.core import BatchCore
 from dflash.batch.overlap import OverlappedSteps
 from dflash.generation.sampling import SamplingParams
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.batch_helpers import count_launches, drain, make_core, make_sequence, overlap_on_and_off
 from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
 
 _one_thread = one_torch_thread  # autouse, module scope
-
-
-def _count_launches(core: BatchCore) -> list[int]:
-    """Wrap the core's launcher: the returned list grows by the requests of each launch."""
-    assert core.overlap is not None
-    launches: list[int] = []
-    launch = core.overlap.launch
-
-    def counted(seqs: Any, *args: Any) -> Any:
-        launches.append(len(seqs))
-        return launch(seqs, *args)
-
-    core.overlap.launch = counted
-    return launches
 
 
 def test_overlapped_plain_requests_get_their_tokens_alone() -> None:
@@ -41,7 +26,7 @@ def test_overlapped_plain_requests_get_their_tokens_alone() -> None:
     eos = {1: references[1][4], 4: references[4][11]}  # tokens these two requests produce: each stops there
     expected = [r[: r.index(eos[i]) + 1] if i in eos else r for i, r in enumerate(references)]
     core = make_core(target, None, max_batch=6, eager_padded=True)
-    launches = _count_launches(core)
+    launches = count_launches(core)
     seqs = [make_sequence(target, p, n, "none", eos=(eos[i],) if i in eos else ())
             for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
     for seq in seqs:
@@ -54,22 +39,6 @@ def test_overlapped_plain_requests_get_their_tokens_alone() -> None:
     assert core.target_pool.free_blocks == core.target_pool.num_blocks
 
 
-def test_switching_overlap_off_changes_nothing_but_the_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    target, _ = golden_pair()
-    prompts = random_prompts(4, target.config.vocab_size, seed=8, lengths=(11, 30))
-    outputs = []
-    for overlap in ("1", "0"):
-        monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
-        core = make_core(target, None, max_batch=4, eager_padded=True)
-        assert (core.overlap is not None) == (overlap == "1")
-        seqs = [make_sequence(target, p, 17, "none") for p in prompts]
-        for seq in seqs:
-            core.add(seq)
-        drain(core)
-        outputs.append([seq.sink.token_ids for seq in seqs])
-    assert outputs[0] == outputs[1]
-
-
 def test_requests_joining_and_cancelled_between_launched_steps() -> None:
     """A request cancelled while its next token is in flight ends with a prefix of its tokens alone; requests that
     arrive while others run ahead (a prompt-cache hit among them) make the core read the launched step first and
@@ -79,7 +48,7 @@ def test_requests_joining_and_cancelled_between_launched_steps() -> None:
     prompts.append(list(prompts[0]))  # the same prompt again: its blocks come from the prefix cache if one is set
     references = [run(target, None, p, 24)[0] for p in prompts]
     core = make_core(target, None, max_batch=5, prefill_chunk=16, eager_padded=True)
-    launches = _count_launches(core)
+    launches = count_launches(core)
     stop_now = {"flag": False}
     seqs = [make_sequence(target, prompts[0], 24, "none"),
             make_sequence(target, prompts[1], 24, "none", should_stop=lambda: stop_now["flag"])]
@@ -110,7 +79,7 @@ def test_speculative_requests_ride_overlapped_plain_steps_and_speculate_again() 
     prompts = random_prompts(4, target.config.vocab_size, seed=17, lengths=(12, 33))
     references = [run(target, None, p, 28)[0] for p in prompts]
     core = make_core(target, drafter, max_batch=4, eager_padded=True)
-    launches = _count_launches(core)
+    launches = count_launches(core)
     speculate = {"on": False}
     core.policy.plan = lambda *args, **kwargs: speculate["on"]
     seqs = [make_sequence(target, p, 28, ("ddtree", "linear")[i % 2]) for i, p in enumerate(prompts)]
@@ -160,7 +129,7 @@ def test_the_launched_tokens_follow_each_request_when_the_batch_shrinks() -> Non
     seqs = [make_sequence(target, p, n, "none") for p, n in zip(prompts, lengths, strict=True)]
     for seq in seqs:
         core.add(seq)
-    sizes = _count_launches(core)
+    sizes = count_launches(core)
     drain(core)
     assert 3 in sizes and 2 in sizes
     assert [s.sink.token_ids for s in seqs] == references
@@ -168,22 +137,12 @@ def test_the_launched_tokens_follow_each_request_when_the_batch_shrinks() -> Non
 
 def test_seeded_sampled_requests_draw_the_same_tokens_launched_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sampled requests (temperature, top-p, top-k; seeded) beside greedy ones are launched ahead too, each drawing
-    from its own random stream in the same order: the same tokens with overlap on and off."""
+    from its own random stream in the same order: the same tokens with overlap on and off (DFLASH_BATCH_OVERLAP=0:
+    no launches at all)."""
     target, _ = golden_pair()
     prompts = random_prompts(5, target.config.vocab_size, seed=29, lengths=(9, 21))
     sampling = [SamplingParams(temperature=0.9, top_p=0.9, seed=1), SamplingParams(), SamplingParams(temperature=1.2,
                 top_k=20, seed=2), SamplingParams(temperature=0.7, seed=3), SamplingParams()]
-    outputs, launched = [], []
-    for overlap in ("1", "0"):
-        monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
-        core = make_core(target, None, max_batch=5, eager_padded=True)
-        launches = _count_launches(core) if core.overlap is not None else []
-        seqs = [make_sequence(target, p, 18, "none", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
-        for seq in seqs:
-            core.add(seq)
-        drain(core)
-        assert all(seq.error is None for seq in seqs)
-        outputs.append([seq.sink.token_ids for seq in seqs])
-        launched.append(len(launches))
+    outputs, launched = overlap_on_and_off(monkeypatch, target, prompts, sampling, 18, eager_padded=True)
     assert outputs[0] == outputs[1]
     assert launched[0] > 10 and launched[1] == 0

@@ -16,6 +16,8 @@ def test_defaults_where_nothing_is_set() -> None:
     assert environment.cache_dir({}) is None
     assert environment.gguf_cache_enabled({})
     assert environment.cpu_layer_ops_enabled({})
+    assert environment.batch_overlap_enabled({})
+    assert environment.fla_enabled({})
     assert environment.attention({}) == "split"
     assert environment.padded_attention({}) == "paged"
     assert environment.products({}) == "skinny"
@@ -29,6 +31,8 @@ def test_values_are_read_by_meaning() -> None:
     assert not environment.gguf_cache_enabled({environment.NO_CACHE: " Yes "})
     assert environment.gguf_cache_enabled({environment.NO_CACHE: "0"})
     assert not environment.cpu_layer_ops_enabled({environment.CPU_LAYER_OPS: "OFF"})
+    assert not environment.batch_overlap_enabled({environment.BATCH_OVERLAP: "0"})
+    assert not environment.fla_enabled({environment.FLA: " no "})
     assert environment.attention({environment.ATTENTION: "sdpa"}) == "sdpa"
     assert environment.padded_attention({environment.PADDED_ATTENTION: "gather"}) == "gather"
     assert environment.products({environment.PRODUCTS: "cublas"}) == "cublas"

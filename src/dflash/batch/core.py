@@ -88,7 +88,7 @@ class CoreSettings:
     # the decoding rows through the fixed-shape passes of `cuda_graphs`, run eagerly on any device: the CUDA path's
     # host work, tested and measured on the CPU
     eager_padded: bool = False
-    # plain greedy steps through those passes launched one ahead of reading their tokens (`dflash.batch.overlap`)
+    # plain steps through those passes launched one ahead of reading their tokens (`dflash.batch.overlap`)
     overlap: bool = True
 
 
@@ -612,15 +612,15 @@ class BatchCore:
     # ---- overlapped plain steps (`dflash.batch.overlap`) -------------------------------------------------
     def _overlapped_rounds(self) -> list[_Round] | None:
         """This step's rounds when it can be launched ahead: every active request decoding, each taking a plain
-        greedy step, all of them in the launched step or none; None otherwise."""
+        step whose choice depends on nothing chosen before (`_choice_stateless`), all of them in the launched step
+        or none; None otherwise."""
         assert self.overlap is not None
         decoders = self.active
         if not decoders or any(s.phase != "decode" for s in decoders) or not self.overlap.takes(decoders):
             return None
         rounds = self._plan_rounds(decoders)
         for r in rounds:
-            produced = r.seq.produced + (1 if self.overlap.in_flight(r.seq) else 0)
-            if r.kind != "plain" or not _choice_stateless(r.seq.chooser, produced):
+            if r.kind != "plain" or not _choice_stateless(r.seq.chooser, self.overlap.produced(r.seq)):
                 return None
         return rounds
 
@@ -629,8 +629,7 @@ class BatchCore:
         assert self.overlap is not None
         now = time.perf_counter()
         # a request whose in-flight token is its last allowed one gets no further row
-        launch = [r for r in rounds
-                  if r.seq.produced + (1 if self.overlap.in_flight(r.seq) else 0) < r.seq.request.max_new_tokens]
+        launch = [r for r in rounds if self.overlap.produced(r.seq) < r.seq.request.max_new_tokens]
         previous = self.overlap.launched
         if launch:
             seqs = [r.seq for r in launch]
@@ -660,7 +659,7 @@ class BatchCore:
         (request index, its logits row [1, vocab]) -> token [1] on the device, through the request's own chooser (its
         random stream, in the order the synchronous step would draw)."""
         assert self.overlap is not None
-        produced = [s.produced + (1 if self.overlap.in_flight(s) else 0) for s in seqs]
+        produced = [self.overlap.produced(s) for s in seqs]
         greedy = [_plain_greedy(s.chooser, n) for s, n in zip(seqs, produced, strict=True)]
         if all(greedy):
             return None
@@ -719,10 +718,7 @@ class BatchCore:
 
 def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:
     """Whether the chooser's choice for output tokens from `produced` on is the plain argmax of each row."""
-    return (
-        chooser.params.greedy and chooser.constraint is None and chooser.counts is None
-        and chooser.agreement is None and (chooser.min_tokens <= produced or not chooser.has_eos)
-    )
+    return chooser.params.greedy and _choice_stateless(chooser, produced)
 
 
 def _choice_stateless(chooser: TokenChooser, produced: int) -> bool:

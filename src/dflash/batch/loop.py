@@ -126,15 +126,14 @@ class BatchLoop:
             for seq in pending:
                 seq.finish(LoopStopped("the engine loop has shut down"))
 
-
     def _run_alone(self, seq: Sequence) -> None:
         """`seq` through the single-request path until it is done or another request arrives (then the rest of it
         joins the batched core)."""
         assert self.alone is not None
         self._alone_seq = seq
 
-        def yield_now() -> bool:  # asked once per round, before it starts
-            self._observe(1)  # the last round as a step of one request: its streamed text goes out now
+        def yield_now() -> bool:  # asked before each prefill chunk and round
+            self._observe(1)  # as a step of one request: the text streamed since goes out now
             return bool(self._inbox) or self._closed
 
         try:
@@ -149,7 +148,6 @@ class BatchLoop:
             self.core.add(seq)
         except Exception as exc:  # it cannot be admitted (more memory than the pool): it ends, the loop goes on
             seq.finish(exc)
-
 
     def _observe(self, served: int) -> None:
         if self.on_step is not None:

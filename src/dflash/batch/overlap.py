@@ -35,14 +35,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class Launched:
-    """A plain greedy step whose tokens are still on the device."""
+    """A plain step whose tokens are still on the device."""
 
     seqs: list[Sequence]
-    best: torch.Tensor  # [requests] int64 on the device: each request's argmax
+    best: torch.Tensor  # [requests] int64 on the device: each request's chosen token
     host: torch.Tensor  # [requests] int64 on the host (pinned on CUDA), filled by an asynchronous copy of `best`
     ready: torch.cuda.Event | None  # recorded after that copy (None: the copy was synchronous)
     features: RowViews | None  # per request [1, F] on the device: the row's captured features
     launched_at: float
+    ids: frozenset[int] = frozenset()  # id() of each sequence in it
 
     def tokens(self) -> list[int]:
         """Each request's token (waits for the copy)."""
@@ -53,7 +54,7 @@ class Launched:
 
 
 class OverlappedSteps:
-    """Launches plain greedy steps through the target's padded graphs and keeps the last one until it is read."""
+    """Launches plain steps through the target's padded graphs and keeps the last one until it is read."""
 
     def __init__(self, graphs: GraphedTargetPasses, max_batch: int, device: torch.device) -> None:
         self.graphs = graphs
@@ -63,16 +64,15 @@ class OverlappedSteps:
         self._turn = 0
         self.launched: Launched | None = None
 
-    def in_flight(self, seq: Sequence) -> bool:
-        return self.launched is not None and any(s is seq for s in self.launched.seqs)
+    def produced(self, seq: Sequence) -> int:
+        """The tokens `seq` will have once the launched step is read: its output so far, plus one if it is in it."""
+        return seq.produced + (self.launched is not None and id(seq) in self.launched.ids)
 
     def takes(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` can be launched next: their tokens are all on the host (nothing launched) or all in the
         launched step (a request that joined since went through a synchronous step, which reads everything)."""
-        if self.launched is None:
-            return True
-        launched = {id(s) for s in self.launched.seqs}
-        return all(id(s) in launched for s in seqs)
+        launched = self.launched
+        return launched is None or all(id(s) in launched.ids for s in seqs)
 
     def launch(
         self, seqs: list[Sequence], items: list[TargetRows], now: float,
@@ -97,7 +97,7 @@ class OverlappedSteps:
             ready.record()
         else:
             host.copy_(best)
-        self.launched = Launched(seqs, best, host, ready, features, now)
+        self.launched = Launched(seqs, best, host, ready, features, now, frozenset(map(id, seqs)))
         return previous
 
     def take(self) -> Launched | None:
