@@ -138,3 +138,21 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def oracle_logits(logits: torch.Tensor, start: int, sequence: list[int]) -> torch.Tensor:
+    """Put the token `sequence` holds at each drafted position on top, except at some (position, round) pairs where
+    a wrong token goes first and the right one second: linear rounds stop there, trees continue."""
+    logits = logits.clone()  # [drafts, vocab]
+    vocab = logits.shape[1]
+    for row in range(logits.shape[0]):
+        position = start + 1 + row
+        if position >= len(sequence):
+            break
+        right, top = sequence[position], float(logits[row].max())
+        if (position * 31 + start * 17) % 7 in (0, 3):
+            logits[row, (right + 1) % vocab] = top + 6.0
+            logits[row, right] = top + 5.5
+        else:
+            logits[row, right] = top + 6.0
+    return logits

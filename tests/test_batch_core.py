@@ -22,6 +22,7 @@ from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
 from tests.spec_helpers import (
     golden_pair,
     one_torch_thread,
+    oracle_logits,
     random_prompts,
     run,
     tiny_random_pair,
@@ -48,20 +49,8 @@ def _install_oracle(monkeypatch: pytest.MonkeyPatch, references: dict[int, list[
         scores = real(drafter, target, pool, items, graphs)
         patched = []
         for item, score in zip(items, scores, strict=True):
-            logits = score.full().clone()  # [outputs, vocab]
-            sequence = references[id(item.table)]
-            vocab = logits.shape[1]
-            for row in range(logits.shape[0]):
-                position = item.start + 1 + row
-                if position >= len(sequence):
-                    break
-                right, top = sequence[position], float(logits[row].max())
-                if (position * 31 + item.start * 17) % 7 in (0, 3):
-                    logits[row, (right + 1) % vocab] = top + 6.0
-                    logits[row, right] = top + 5.5
-                else:
-                    logits[row, right] = top + 6.0
-            patched.append(DraftScores(logits, None, vocab))
+            logits = oracle_logits(score.full(), item.start, references[id(item.table)])  # [outputs, vocab]
+            patched.append(DraftScores(logits, None, logits.shape[1]))
         return patched
 
     monkeypatch.setattr(core_module, "run_drafter", oracle)

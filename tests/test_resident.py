@@ -25,7 +25,7 @@ from dflash.generation.selection import TokenChooser
 from dflash.models.model import CausalLM
 from dflash.speculative.ddtree import decode_ddtree
 from dflash.speculative.linear import decode_linear
-from tests.spec_helpers import golden_pair, patch_draft_logits, random_prompts
+from tests.spec_helpers import golden_pair, oracle_logits, patch_draft_logits, random_prompts
 
 
 def generate(
@@ -174,24 +174,6 @@ def test_capturing_a_round_does_not_advance_the_state(pair_with_runner, monkeypa
         sink, _ = generate(target, drafter, mode, prompt, 300)  # crosses from the 256 to the 512 bucket
         assert sink.token_ids == plain.token_ids
     assert len({key[2] for key in seen if key[0] == "resident"}) >= 2
-
-
-def oracle_logits(logits: torch.Tensor, start: int, sequence: list[int]) -> torch.Tensor:
-    """Put the token `sequence` holds at each drafted position on top, except at some (position, round) pairs where
-    a wrong token goes first and the right one second: linear rounds stop there, trees continue."""
-    logits = logits.clone()  # [drafts, vocab]
-    vocab = logits.shape[1]
-    for row in range(logits.shape[0]):
-        position = start + 1 + row
-        if position >= len(sequence):
-            break
-        right, top = sequence[position], float(logits[row].max())
-        if (position * 31 + start * 17) % 7 in (0, 3):
-            logits[row, (right + 1) % vocab] = top + 6.0
-            logits[row, right] = top + 5.5
-        else:
-            logits[row, right] = top + 6.0
-    return logits
 
 
 @pytest.mark.parametrize("mode", ["linear", "ddtree:6", "ddtree:24"])

@@ -11,6 +11,8 @@
 |                                |          | gather copies each request's keys first, then SDPA                      |
 | `DFLASH_BATCH_OVERLAP`         | on       | 0/false/no/off: the batched core reads each plain greedy step's tokens  |
 |                                |          | before launching the next (on: the next is launched first)              |
+| `DFLASH_DEVICE_TREES`          | on       | 0/false/no/off: batched greedy DDTree steps build their trees on the    |
+|                                |          | host, not in one device round (`dflash.batch.device_trees`)             |
 | `DFLASH_FLA`                   | on       | 0/false/no/off: Gated DeltaNet prompt chunks through the torch form,    |
 |                                |          | not flash-linear-attention's kernels (CUDA, where installed)            |
 | `DFLASH_GGUF_INPUT`            | int8x2   | GPU products with GGUF 4/6-bit words: the inputs rounded to two 8-bit   |
@@ -44,6 +46,7 @@ CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 ATTENTION = "DFLASH_ATTENTION"
 PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
 BATCH_OVERLAP = "DFLASH_BATCH_OVERLAP"
+DEVICE_TREES = "DFLASH_DEVICE_TREES"
 FLA = "DFLASH_FLA"
 PRODUCTS = "DFLASH_PRODUCTS"
 GGUF_INPUT = "DFLASH_GGUF_INPUT"
@@ -99,6 +102,11 @@ def padded_attention(env: Mapping[str, str] | None = None) -> str:
 def batch_overlap_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_BATCH_OVERLAP`: on unless 0, false, no or off (`dflash.batch.overlap`)."""
     return _environ(env).get(BATCH_OVERLAP, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def device_trees_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_DEVICE_TREES`: on unless 0, false, no or off (`dflash.batch.device_trees`)."""
+    return _environ(env).get(DEVICE_TREES, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def fla_enabled(env: Mapping[str, str] | None = None) -> bool:

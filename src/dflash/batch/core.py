@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dflash.batch.device_trees import DeviceTrees, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
@@ -31,7 +32,7 @@ from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.selector import CandidateLattice
 from dflash.drafter.vocab import DraftScores
-from dflash.environment import batch_overlap_enabled
+from dflash.environment import batch_overlap_enabled, device_trees_enabled
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
@@ -141,6 +142,18 @@ class BatchCore:
                 self.drafter_graphs = GraphedDrafterPasses(
                     drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed
                 )
+        # greedy DDTree steps with their trees built on the device (`dflash.batch.device_trees`)
+        self.device_trees: DeviceTrees | None = None
+        if (
+            self.graphs is not None and self.drafter_graphs is not None and drafter is not None
+            and self.drafter_pool is not None and not isinstance(drafter, DFlash2Drafter)
+            and settings.draft_window is None and device_trees_enabled()
+        ):
+            self.device_trees = DeviceTrees(
+                drafter, self.graphs.graphs.forward, self.drafter_graphs.graphs.forward, self.target_pool,
+                self.drafter_pool, drafter.config.feature_size, settings.max_batch, config.vocab_size,
+                memory=memory, graphed=graphed, sliding_window=target.sliding_window,
+            )
         self.overlap: OverlappedSteps | None = None
         if self.graphs is not None and settings.overlap and batch_overlap_enabled():
             self.overlap = OverlappedSteps(self.graphs, settings.max_batch, weight.device)
@@ -204,6 +217,12 @@ class BatchCore:
             requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
             rows = self.policy.round_rows(decoding) if self.drafter is not None else {1}
             rows_of.setdefault(requests, set()).update(bucket_up(count, ROW_BUCKETS) for count in rows)
+        budgets_of: dict[int, set[int]] = {}  # request bucket -> tree budgets of steps where every request drafts
+        for decoding in range(1, self.settings.max_batch + 1):
+            budget = self.policy.share(decoding, plain_rows=0).ddtree_budget
+            if budget > 0:
+                requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
+                budgets_of.setdefault(requests, set()).add(budget)
         for requests, rows in sorted(rows_of.items()):
             keys = MIN_KEY_BUCKET
             while keys <= max_keys:
@@ -211,9 +230,13 @@ class BatchCore:
                     self.graphs.ensure(PaddedShape(requests, count, keys))
                 if self.drafter_graphs is not None:
                     self.drafter_graphs.graphs.ensure(PaddedShape(requests, bucket_up(block, ROW_BUCKETS), keys))
+                if self.device_trees is not None:
+                    for budget in sorted(budgets_of.get(requests, ())):
+                        self.device_trees.ensure(TreeShape(requests, keys, budget))
                 keys *= 2
         drafter = self.drafter_graphs.graphs.captured if self.drafter_graphs is not None else 0
-        return self.graphs.captured + drafter
+        trees = self.device_trees.captured if self.device_trees is not None else 0
+        return self.graphs.captured + drafter + trees
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -241,6 +264,8 @@ class BatchCore:
         started = time.perf_counter()
         try:
             rounds = self._plan_rounds(decoders)
+            if not prefills and self._device_tree_step_fits(rounds):
+                return self._device_tree_step(rounds, started)
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
             items += self._decoding_rows(rounds)
@@ -608,6 +633,44 @@ class BatchCore:
         seq.chooser.observe(committed)
         if seq.sink.push_many(committed):
             self._end(seq)
+
+    # ---- DDTree steps built on the device (`dflash.batch.device_trees`) -----------------------------------
+    def _device_tree_step_fits(self, rounds: list[_Round]) -> bool:
+        """Whether this step's rounds go through the device trees: every one a greedy tree round of one budget
+        (the choice is the plain argmax), each request able to draft the builder's full depth."""
+        trees = self.device_trees
+        if trees is None or not rounds or any(r.kind != "tree" for r in rounds):
+            return False
+        budget = rounds[0].budget
+        depth = trees.depth(budget)
+        for r in rounds:
+            seq = r.seq
+            if r.budget != budget or seq.new_features is None or not _plain_greedy(seq.chooser, seq.produced):
+                return False
+            if seq.request.max_new_tokens - seq.produced - 1 < depth:
+                return False
+        return True
+
+    def _device_tree_step(self, rounds: list[_Round], started: float) -> int:
+        assert self.device_trees is not None
+        budget = rounds[0].budget
+        results = self.device_trees.run([r.seq for r in rounds], budget)
+        for r, result in zip(rounds, results, strict=True):
+            self._guarded(r.seq, self._after_device_round, r.seq, budget, result)
+        self.policy.costs.observe(len(rounds) * (budget + 1), True, time.perf_counter() - started)
+        self.last_batch = len(rounds)
+        return len(rounds)
+
+    def _after_device_round(self, seq: Sequence, budget: int, result: RoundResult) -> None:
+        """Commit a device round: its K/V rows were moved on the device; the table keeps them, the drafter's next
+        context is the round's rows (already absorbed ones are gone)."""
+        assert seq.target is not None
+        seq.record_drafted_round(budget, result.accepted)
+        kept = result.accepted + 1
+        seq.target.crop(seq.start + kept)
+        seq.start += kept
+        seq.new_features = None
+        self._commit(seq, result.tokens, result.features)
 
     # ---- overlapped plain steps (`dflash.batch.overlap`) -------------------------------------------------
     def _overlapped_rounds(self) -> list[_Round] | None:

@@ -76,7 +76,7 @@ def _prepare(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]
     block = drafter.config.block_size
     for item in items:
         item.table.reserve(item.table.length + item.new_features.shape[0] + block)
-    _absorb(drafter, pool, items)
+    absorb_context_rows(drafter, pool, items)
 
 
 def _block_hidden(
@@ -143,7 +143,7 @@ def _graphed_blocks(drafter: DFlashDrafter, graphs: GraphedDrafterPasses, items:
     return [DraftScores(part, None, part.shape[-1]) for part in logits]
 
 
-def _absorb(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:
+def absorb_context_rows(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:
     """Write the context keys/values of every request's new features and commit them in its table."""
     live = [item for item in items if item.new_features.shape[0]]
     if not live:

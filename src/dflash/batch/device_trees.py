@@ -1,0 +1,285 @@
+"""Batched DDTree rounds of greedy requests with every tree on the device: one graph replay and one read per step.
+
+The host-built batched round (`dflash.batch.core`) reads each request's draft candidates back, grows its tree on the
+host, ships the tree to the verification and reads every row's choice back: at 8 requests that host work and its
+synchronisations cost more than the GPU's passes. Where every decoding request is a greedy DDTree request, a step is
+instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
+
+1. writes each request's new drafter context (the features of the positions it committed last round, kept on the
+   device in `context`) into the drafter pool as keys and values;
+2. runs every request's drafter block (`dflash.batch.graphs.padded_drafter_forward`);
+3. grows each request's tree from its block's logits (`dflash.fastpath.device_tree.TreeBuilder`, the single-request
+   resident rounds' programs) straight into the verification's inputs;
+4. verifies every tree in one padded target pass and walks each tree with the argmax of every row;
+5. moves each accepted path's K/V rows to the slots right after its committed prefix and keeps their features as the
+   request's next context;
+
+and writes [accepted, committed tokens...] per request to one buffer, read back once. The host commits those tokens as
+it commits a host-built round's. Greedy verification accepts exactly the target's own argmax path, so the output is
+the target's greedy decoding whatever the tree (the device and host trees may differ on exact score ties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.batch.draft_pass import DraftRows, absorb_context_rows
+from dflash.batch.graphs import PaddedForward
+from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedBatch, PaddedShape, bucket_up
+from dflash.batch.pool import BlockPool
+from dflash.batch.sequence import Sequence
+from dflash.batch.target_pass import TargetRows
+from dflash.drafter.model import DFlashDrafter
+from dflash.fastpath.device_tree import TreeBuilder
+from dflash.kernels.triton_argmax import fast_argmax
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    requests: int  # request bucket (`PaddedShape.bucket_requests`)
+    keys: int  # key positions both passes may reach (a power of two, at least `MIN_KEY_BUCKET`)
+    budget: int  # drafted nodes per tree
+
+
+@dataclass
+class _Entry:
+    """One shape's buffers, loaded before each replay, and its graph."""
+
+    graph: torch.cuda.CUDAGraph | None  # None: the round runs eagerly at each replay
+    drafter_batch: PaddedBatch  # each request's block [pending, MASK...] at start .. start+block-1
+    target_batch: PaddedBatch  # each request's tree rows (tokens, positions, visibility written on the device)
+    context_rows: torch.Tensor  # [requests] long: rows of `DeviceTrees.context` that are new drafter context
+    host_context_rows: torch.Tensor  # [requests] long, pinned on CUDA
+    out: torch.Tensor  # [requests, depth + 2] long: accepted nodes, then the committed tokens
+    host_out: torch.Tensor  # the same, pinned on CUDA
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    accepted: int  # drafted nodes accepted (the round commits accepted + 1 tokens)
+    tokens: list[int]  # the committed tokens: the accepted nodes' then the bonus token
+    features: torch.Tensor  # [accepted + 1, F]: their rows' features (a view of `DeviceTrees.context`)
+
+
+class DeviceTrees:
+    """Greedy DDTree rounds of up to `max_requests` requests, built on the target's and drafter's padded passes."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, target_forward: PaddedForward, drafter_forward: PaddedForward,
+        target_pool: BlockPool, drafter_pool: BlockPool, feature_width: int, max_requests: int, vocab: int,
+        *, memory: Any = None, graphed: bool = True, sliding_window: int | None = None,
+    ) -> None:
+        self.drafter, self.target_forward, self.drafter_forward = drafter, target_forward, drafter_forward
+        self.target_pool, self.drafter_pool, self.vocab = target_pool, drafter_pool, vocab
+        self.max_requests, self.graphed, self.window = max_requests, graphed, sliding_window
+        self.block = drafter.config.block_size
+        self._memory = memory
+        device, dtype = target_pool.device, drafter.fc.weight.dtype
+        # each request's new drafter context rows (by its index in the step): at most a block, the rows a round keeps;
+        # zeros at first: rows beyond a request's count are written to the trash slot, which must stay finite
+        self.context = torch.zeros(max_requests, self.block, feature_width, dtype=dtype, device=device)
+        self._handed: list[torch.Tensor | None] = [None] * max_requests  # the context views given out, by index
+        self._entries: dict[TreeShape, _Entry] = {}
+        self._builders: dict[int, TreeBuilder] = {}
+        self._mask_block = torch.full((self.block,), drafter.config.mask_token_id, dtype=torch.long)
+        self._visible = torch.ones(self.block, self.block, dtype=torch.bool)  # the block sees itself both ways
+
+    @property
+    def captured(self) -> int:
+        return sum(1 for entry in self._entries.values() if entry.graph is not None)
+
+    def depth(self, budget: int) -> int:
+        """Drafted positions a tree of `budget` nodes grows over."""
+        return min(self.block - 1, budget)
+
+    def shape(self, seqs: list[Sequence], budget: int) -> TreeShape:
+        reach = max(seq.start for seq in seqs) + max(self.block, budget + 1)
+        keys = max(MIN_KEY_BUCKET, 1 << (reach - 1).bit_length())
+        return TreeShape(PaddedShape.bucket_requests(len(seqs), self.max_requests), keys, budget)
+
+    def ensure(self, shape: TreeShape) -> None:
+        if shape not in self._entries:
+            self._capture(shape)
+
+    # ---- a step ------------------------------------------------------------------------------------------
+    def run(self, seqs: list[Sequence], budget: int) -> list[RoundResult]:
+        """One round for each of `seqs` (greedy DDTree requests, at most `max_requests`, each able to draft
+        `depth(budget)` positions): drafts, verifies and commits their K/V rows; the host commits the tokens."""
+        shape = self.shape(seqs, budget)
+        entry = self._entries.get(shape) or self._capture(shape)
+        self._load(entry, seqs, budget)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._round(entry, budget)
+        entry.host_out.copy_(entry.out, non_blocking=True)
+        if entry.out.is_cuda:
+            torch.cuda.current_stream().synchronize()
+        rows: list[list[int]] = entry.host_out[: len(seqs)].tolist()  # [requests, depth + 2]
+        results = []
+        for index, row in enumerate(rows):
+            accepted = row[0]
+            features = self.context[index, : accepted + 1]
+            self._handed[index] = features
+            results.append(RoundResult(accepted, row[1 : accepted + 2], features))
+        return results
+
+    def _load(self, entry: _Entry, seqs: list[Sequence], budget: int) -> None:
+        """Each request's new context into `context` (where it is not there already), its drafter table advanced
+        over it, and both batches' host-side inputs."""
+        moved: list[tuple[int, Sequence, torch.Tensor]] = []
+        for index, seq in enumerate(seqs):
+            features = seq.new_features
+            assert features is not None and seq.drafter is not None and seq.target is not None
+            if features is not self._handed[index]:
+                moved.append((index, seq, features))
+        # a request's context may be another index's view: read every source before any is overwritten
+        sources = [f.clone() if _shares(f, self.context) else f for _, _, f in moved]
+        for (index, seq, _), features in zip(moved, sources, strict=True):
+            excess = features.shape[0] - self.block
+            table = seq.drafter
+            assert table is not None
+            if excess > 0:  # the prompt's features after prefill: all but the last block's go in eagerly
+                absorb_context_rows(self.drafter, self.drafter_pool, [DraftRows(table, features[:excess], 0, 0, 0)])
+                features = features[excess:]
+            self.context[index, : features.shape[0]].copy_(features)
+            self._handed[index] = None
+        counts = entry.host_context_rows.numpy()
+        counts.fill(0)
+        drafter_rows, target_rows = [], []
+        dummy = torch.zeros(budget + 1, dtype=torch.long)
+        for index, seq in enumerate(seqs):
+            assert seq.drafter is not None and seq.target is not None and seq.new_features is not None
+            rows = min(seq.new_features.shape[0], self.block)
+            counts[index] = rows
+            assert seq.drafter.length + rows == seq.start, "the drafter context must end right before the block"
+            seq.drafter.crop(seq.start)  # its context rows are written in the round, before the block reads them
+            tokens = self._mask_block.clone()
+            tokens[0] = seq.pending
+            positions = torch.arange(seq.start, seq.start + self.block)
+            drafter_rows.append(TargetRows(seq.drafter, tokens, positions, self._visible))
+            target_rows.append(TargetRows(seq.target, dummy, dummy))  # tokens and positions come from the tree
+        entry.drafter_batch.load(drafter_rows)
+        entry.target_batch.load(target_rows)
+        entry.context_rows.copy_(entry.host_context_rows, non_blocking=True)
+
+    # ---- the round (captured) ----------------------------------------------------------------------------
+    def _round(self, entry: _Entry, budget: int) -> None:
+        drafter_batch, target_batch = entry.drafter_batch, entry.target_batch
+        requests = drafter_batch.shape.requests
+        depth = self.depth(budget)
+        builder = self._builder(budget)
+        self._absorb(drafter_batch, entry.context_rows)
+        draft_logits, _ = self.drafter_forward(drafter_batch)  # [requests, block - 1, vocab]
+        trees = []
+        for index in range(requests):
+            tree = builder.grow(draft_logits[index, :depth])
+            builder.write_inputs(
+                tree, drafter_batch.tokens[index, :1], target_batch.past[index : index + 1],
+                target_batch.tokens[index], target_batch.positions[index], target_batch.visibility[index],
+            )
+            trees.append(tree)
+        logits, features = self.target_forward(target_batch)  # [requests, rows, vocab], [requests, rows, F]
+        assert features is not None
+        rows = logits.shape[1]
+        choices = fast_argmax(logits.view(requests * rows, -1)).view(requests, rows)  # [requests, rows]
+        scratch = torch.zeros((2, requests), dtype=torch.long, device=logits.device)
+        paths, lengths = [], []
+        for index, tree in enumerate(trees):
+            path, length, _, _ = builder.walk(
+                tree, choices[index, : budget + 1],
+                (entry.out[index], scratch[0, index : index + 1], scratch[1, index : index + 1]),
+            )
+            paths.append(path)
+            lengths.append(length)
+        self._keep_paths(target_batch, torch.stack(paths), torch.cat(lengths), features, depth)
+
+    def _absorb(self, batch: PaddedBatch, context_rows: torch.Tensor) -> None:
+        """Every request's new context rows (`context`, `context_rows` [requests] of them, the positions right
+        before its block) as keys and values of every drafter layer, written to their slots in the drafter pool."""
+        requests, rows = batch.shape.requests, self.block
+        pool = self.drafter_pool
+        offsets = torch.arange(rows, device=pool.device)  # [rows]
+        positions = batch.past[:, None] - context_rows[:, None] + offsets[None]  # [requests, rows]
+        real = offsets[None] < context_rows[:, None]
+        positions = torch.where(real, positions, 0)
+        slots = torch.where(real, _slots(batch, positions), pool.trash_slot).reshape(-1)  # [requests * rows]
+        ctx = self.drafter.context(self.context[:requests])  # [requests, rows, hidden]
+        cos, sin = self.drafter.rotary.cos_sin(positions, ctx.dtype)
+        layer: Any
+        for index, layer in enumerate(self.drafter.layers):
+            k, v = layer.self_attn.keys_values(ctx, cos, sin)  # [requests, kv_heads, rows, head_dim]
+            kv_heads, dim = k.shape[1], k.shape[3]
+            pool.keys[index].index_copy_(1, slots, k.transpose(0, 1).reshape(kv_heads, -1, dim).to(pool.keys.dtype))
+            pool.values[index].index_copy_(1, slots, v.transpose(0, 1).reshape(kv_heads, -1, dim).to(pool.values.dtype))
+
+    def _keep_paths(
+        self, batch: PaddedBatch, paths: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor, depth: int
+    ) -> None:
+        """paths [requests, depth + 1] rows from each root, lengths [requests]: the path's K/V rows move to the
+        positions right after the committed prefix, its rows' features become the request's next context."""
+        pool = self.target_pool
+        steps = torch.arange(depth + 1, device=paths.device)  # [depth + 1]
+        keep = (steps[None] < lengths[:, None]) & (batch.counts[:, None] > 0)  # [requests, depth + 1]
+        source = torch.where(keep, _slots(batch, batch.past[:, None] + paths), pool.trash_slot).reshape(-1)
+        dest = torch.where(keep, _slots(batch, batch.past[:, None] + steps[None]), pool.trash_slot).reshape(-1)
+        for storage in (pool.keys, pool.values):  # [layers, kv_heads, slots, head_dim]
+            storage[:, :, dest] = storage[:, :, source]  # the gather copies before the scatter writes
+        requests, width = paths.shape[0], features.shape[-1]
+        kept = features.gather(1, paths[:, :, None].expand(requests, depth + 1, width))  # [requests, depth + 1, F]
+        context = self.context[:requests, : depth + 1]
+        context.copy_(torch.where(keep[:, :, None], kept.to(context.dtype), context))
+
+    # ---- shapes ------------------------------------------------------------------------------------------
+    def _builder(self, budget: int) -> TreeBuilder:
+        builder = self._builders.get(budget)
+        if builder is None:
+            builder = TreeBuilder(budget, self.depth(budget), self.vocab, self.target_pool.device)
+            self._builders[budget] = builder
+        return builder
+
+    def _capture(self, shape: TreeShape) -> _Entry:
+        device = self.target_pool.device
+        pinned = device.type == "cuda"
+        requests, depth = shape.requests, self.depth(shape.budget)
+        drafter_shape = PaddedShape(requests, bucket_up(self.block, ROW_BUCKETS), shape.keys)
+        target_shape = PaddedShape(requests, bucket_up(shape.budget + 1, ROW_BUCKETS), shape.keys)
+        entry = _Entry(
+            None, PaddedBatch(drafter_shape, self.drafter_pool, None),
+            PaddedBatch(target_shape, self.target_pool, self.window),
+            torch.zeros(requests, dtype=torch.long, device=device),
+            torch.zeros(requests, dtype=torch.long, pin_memory=pinned),
+            torch.zeros((requests, depth + 2), dtype=torch.long, device=device),
+            torch.zeros((requests, depth + 2), dtype=torch.long, pin_memory=pinned),
+        )
+        self._builder(shape.budget)  # made (and its programs checked) before any capture
+        self._entries[shape] = entry
+        if not self.graphed:
+            return entry
+        # the buffers hold no request: every row is padding, nothing real is written (the context stays)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (kernel selection, lazy initialisation)
+                self._round(entry, shape.budget)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            self._round(entry, shape.budget)
+        entry.graph = graph
+        return entry
+
+
+def _slots(batch: PaddedBatch, positions: torch.Tensor) -> torch.Tensor:
+    """positions [requests, n] (each within the batch's key blocks) -> their pool slots by each request's table."""
+    size = batch.pool.block_size
+    blocks = batch.blocks.gather(1, (positions // size).clamp(max=batch.key_blocks - 1))  # [requests, n]
+    return blocks * size + positions % size
+
+
+def _shares(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    return tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+

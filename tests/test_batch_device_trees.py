@@ -1,0 +1,139 @@
+"""Greedy DDTree steps built on the device (`dflash.batch.device_trees`) commit what the host-built steps commit: run
+eagerly on the CPU (the CUDA graphs' passes and tree programs' torch forms) and, marked, as graphs on a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dflash.batch.core as core_module
+from dflash.batch.core import BatchCore
+from dflash.batch.draft_pass import DraftRows, run_drafter
+from dflash.batch.padded import PaddedBatch
+from dflash.batch.sequence import Sequence
+from dflash.drafter.vocab import DraftScores
+from dflash.environment import DEVICE_TREES
+from tests.batch_helpers import drain, make_core, make_sequence
+from tests.spec_helpers import golden_pair, one_torch_thread, oracle_logits, random_prompts, run
+
+_one_thread = one_torch_thread  # autouse, module scope
+
+PROMPT_LENGTHS = (7, 90, 40, 3, 25)  # 90 and 40: more context rows than a block when their first round comes
+MAX_NEW = (64, 50, 20, 72, 40)  # requests end at different steps: the others move to lower indices
+
+
+def _references(target: Any, prompts: list[list[int]]) -> list[list[int]]:
+    return [prompt + run(target, None, prompt, new)[0] for prompt, new in zip(prompts, MAX_NEW, strict=True)]
+
+
+Drafts = dict[tuple[int, int], torch.Tensor]  # (request, start) -> the drafter's own logits [drafted rows, vocab]
+
+
+def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: list[Sequence],
+                     references: list[list[int]], drafts: Drafts) -> None:
+    """Make the drafter mostly right on both paths (`oracle_logits`): the host-built rounds' `run_drafter` and the
+    device rounds' drafter pass, each request found by its drafter table; the drafter's own logits are kept in
+    `drafts`."""
+    def request_of_table(first_block: int) -> int:
+        for index, seq in enumerate(seqs):
+            if seq.drafter is not None and seq.drafter.blocks and seq.drafter.blocks[0] == first_block:
+                return index
+        raise AssertionError("no request owns that drafter table")
+
+    def host_oracle(drafter: Any, target: Any, pool: Any, items: list[DraftRows], graphs: Any = None) -> list[DraftScores]:
+        scores = run_drafter(drafter, target, pool, items, graphs)
+        patched = []
+        for item, score in zip(items, scores, strict=True):
+            request = request_of_table(item.table.blocks[0])
+            drafts[(request, item.start)] = score.full().clone()
+            logits = oracle_logits(score.full(), item.start, references[request])
+            patched.append(DraftScores(logits, None, logits.shape[1]))
+        return patched
+
+    monkeypatch.setattr(core_module, "run_drafter", host_oracle)
+    if core.device_trees is None:
+        return
+    device_pass = core.device_trees.drafter_forward
+
+    def device_oracle(batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, features = device_pass(batch)  # [requests, block - 1, vocab]
+        logits = logits.clone()
+        for index in range(batch.shape.requests):
+            if int(batch.counts[index]):
+                request, start = request_of_table(int(batch.blocks[index, 0])), int(batch.past[index])
+                drafts[(request, start)] = logits[index].clone()
+                logits[index] = oracle_logits(logits[index], start, references[request])
+        return logits, features
+
+    core.device_trees.drafter_forward = device_oracle
+
+
+def _serve(
+    monkeypatch: pytest.MonkeyPatch, device_trees: bool, device: torch.device
+) -> tuple[list[Sequence], int, Drafts]:
+    """Five greedy DDTree requests, at most three decoding together, through the padded passes (graphs on CUDA)
+    -> (the sequences, the device rounds run, the drafter's logits of every round)."""
+    monkeypatch.setenv(DEVICE_TREES, "1" if device_trees else "0")
+    target, drafter = golden_pair()
+    target, drafter = target.to(device), drafter.to(device)
+    prompts = random_prompts(5, target.config.vocab_size, seed=21, lengths=PROMPT_LENGTHS)
+    references = _references(target, prompts)
+    cuda = device.type == "cuda"
+    core = make_core(target, drafter, max_batch=3, prefill_chunk=32, ddtree_budget=6, cuda_graphs=cuda,
+                     eager_padded=not cuda)
+    core.policy.plan = lambda *args, **kwargs: True  # its timing of real steps must not change the rounds
+    assert (core.device_trees is not None) == device_trees
+    seqs = [make_sequence(target, p, new, "ddtree") for p, new in zip(prompts, MAX_NEW, strict=True)]
+    drafts: Drafts = {}
+    _install_oracles(monkeypatch, core, seqs, references, drafts)
+    rounds = 0
+    if core.device_trees is not None:
+        trees = core.device_trees
+        real_run = trees.run
+
+        def counted(step: list[Sequence], budget: int) -> Any:
+            nonlocal rounds
+            rounds += 1
+            return real_run(step, budget)
+
+        trees.run = counted  # type: ignore[method-assign]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    for seq, prompt, reference in zip(seqs, prompts, references, strict=True):
+        assert seq.error is None
+        assert seq.sink.token_ids == reference[len(prompt):]
+    assert core.target_pool.free_blocks == core.target_pool.num_blocks
+    assert core.drafter_pool is not None and core.drafter_pool.free_blocks == core.drafter_pool.num_blocks
+    return seqs, rounds, drafts
+
+
+def _commit_like_the_host(monkeypatch: pytest.MonkeyPatch, device: torch.device, tolerance: float) -> None:
+    on, rounds, device_drafts = _serve(monkeypatch, True, device)
+    off, _, host_drafts = _serve(monkeypatch, False, device)
+    assert rounds >= 15
+    for device_seq, host_seq in zip(on, off, strict=True):
+        assert device_seq.stats.acceptance_length > 2.5
+        assert device_seq.stats.accepted_per_round == host_seq.stats.accepted_per_round
+    # the drafter read the same context in every round (the device rounds' absorbed rows, kept features)
+    assert device_drafts.keys() == host_drafts.keys()
+    for key, logits in device_drafts.items():
+        expected = host_drafts[key]
+        torch.testing.assert_close(logits[: expected.shape[0]], expected, atol=tolerance, rtol=tolerance)
+
+
+def test_device_trees_commit_round_for_round_what_host_built_trees_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a mostly right drafter (trees continue through non-first children, so paths are compacted), five
+    requests joining and ending at different steps (each one's drafter context handed between request slots, the
+    long prompts' context absorbed before their first device round): every request gives its greedy tokens alone and
+    accepts, round for round, what the host-built trees accept; every pool block comes back."""
+    _commit_like_the_host(monkeypatch, torch.device("cpu"), 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_device_trees_commit_what_host_built_trees_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through the captured graphs and the Triton tree programs on a GPU."""
+    _commit_like_the_host(monkeypatch, torch.device("cuda"), 1e-3)
