@@ -1,5 +1,5 @@
 """The speculation policy's online cost fit: plain-float least squares that recovers a step's cost terms and agrees
-with a dense solve of the same weighted system."""
+with a dense solve of the same weighted system, and the plan it makes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dflash.batch.policy import MIN_OBSERVATIONS, StepCosts
+from dflash.batch.policy import MIN_OBSERVATIONS, SpeculationPolicy, StepCosts
 
 
 def test_the_fit_recovers_the_step_s_cost_terms() -> None:
@@ -48,3 +48,16 @@ def test_predictions_equal_a_dense_weighted_least_squares_solve(drafting: str) -
             x = torch.tensor([1.0, float(rows_asked), 1.0 if drafted_asked else 0.0], dtype=torch.float64)
             expected = max(float(coef @ x), 1e-9)
             assert costs.predict(rows_asked, drafted_asked) == pytest.approx(expected, rel=1e-3)
+
+
+def test_the_plan_speculates_where_it_pays_and_explores_where_it_does_not() -> None:
+    """A drafted step costing 3 ms more than a plain one: at 2 tokens per round for 8 requests a 32-node tree does
+    not pay, at 6 it does; an exploring step speculates either way (fresh costs for a fit that turned it off)."""
+    policy = SpeculationPolicy(ddtree_budget=32, linear_drafts=15, max_step_rows=256)
+    for step in range(40):
+        rows = 8 + (step % 5) * 60
+        drafted = step % 2 == 0
+        policy.costs.observe(rows, drafted, 0.001 + 2e-6 * rows + (0.003 if drafted else 0.0))
+    assert not policy.plan([2.0] * 8, [32] * 8, plain_rows=0)
+    assert policy.plan([6.0] * 8, [32] * 8, plain_rows=0)
+    assert policy.plan([2.0] * 8, [32] * 8, plain_rows=0, explore=True)
