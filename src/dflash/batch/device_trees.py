@@ -8,8 +8,8 @@ instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
 1. writes each request's new drafter context (the features of the positions it committed last round, kept on the
    device in `context`) into the drafter pool as keys and values;
 2. runs every request's drafter block (`dflash.batch.graphs.padded_drafter_forward`);
-3. grows each request's tree from its block's logits (`dflash.fastpath.device_tree.TreeBuilder`, the single-request
-   resident rounds' programs) straight into the verification's inputs;
+3. grows every request's tree from its block's logits, all trees at once (`dflash.fastpath.batched_trees`), straight
+   into the verification's inputs;
 4. verifies every tree in one padded target pass and walks each tree with the argmax of every row;
 5. moves each accepted path's K/V rows to the slots right after its committed prefix and keeps their features as the
    request's next context;
@@ -33,7 +33,7 @@ from dflash.batch.pool import BlockPool
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetRows
 from dflash.drafter.model import DFlashDrafter
-from dflash.fastpath.device_tree import TreeBuilder
+from dflash.fastpath.batched_trees import BatchedTreeBuilder, walk_trees, write_tree_inputs
 from dflash.kernels.triton_argmax import fast_argmax
 
 
@@ -83,7 +83,7 @@ class DeviceTrees:
         self.context = torch.zeros(max_requests, self.block, feature_width, dtype=dtype, device=device)
         self._handed: list[torch.Tensor | None] = [None] * max_requests  # the context views given out, by index
         self._entries: dict[TreeShape, _Entry] = {}
-        self._builders: dict[int, TreeBuilder] = {}
+        self._builders: dict[int, BatchedTreeBuilder] = {}
         self._mask_block = torch.full((self.block,), drafter.config.mask_token_id, dtype=torch.long)
         self._visible = torch.ones(self.block, self.block, dtype=torch.bool)  # the block sees itself both ways
 
@@ -169,33 +169,20 @@ class DeviceTrees:
     # ---- the round (captured) ----------------------------------------------------------------------------
     def _round(self, entry: _Entry, budget: int) -> None:
         drafter_batch, target_batch = entry.drafter_batch, entry.target_batch
-        requests = drafter_batch.shape.requests
         depth = self.depth(budget)
-        builder = self._builder(budget)
         self._absorb(drafter_batch, entry.context_rows)
         draft_logits, _ = self.drafter_forward(drafter_batch)  # [requests, block - 1, vocab]
-        trees = []
-        for index in range(requests):
-            tree = builder.grow(draft_logits[index, :depth])
-            builder.write_inputs(
-                tree, drafter_batch.tokens[index, :1], target_batch.past[index : index + 1],
-                target_batch.tokens[index], target_batch.positions[index], target_batch.visibility[index],
-            )
-            trees.append(tree)
+        trees = self._builder(budget).grow(draft_logits)
+        write_tree_inputs(trees, drafter_batch.tokens[:, 0], target_batch.past, target_batch.tokens,
+                          target_batch.positions, target_batch.visibility)
         logits, features = self.target_forward(target_batch)  # [requests, rows, vocab], [requests, rows, F]
         assert features is not None
-        rows = logits.shape[1]
+        requests, rows = logits.shape[:2]
         choices = fast_argmax(logits.view(requests * rows, -1)).view(requests, rows)  # [requests, rows]
-        scratch = torch.zeros((2, requests), dtype=torch.long, device=logits.device)
-        paths, lengths = [], []
-        for index, tree in enumerate(trees):
-            path, length, _, _ = builder.walk(
-                tree, choices[index, : budget + 1],
-                (entry.out[index], scratch[0, index : index + 1], scratch[1, index : index + 1]),
-            )
-            paths.append(path)
-            lengths.append(length)
-        self._keep_paths(target_batch, torch.stack(paths), torch.cat(lengths), features, depth)
+        paths, lengths, committed = walk_trees(trees, choices[:, : budget + 1], depth)
+        entry.out[:, 0].copy_(lengths - 1)
+        entry.out[:, 1:].copy_(committed)
+        self._keep_paths(target_batch, paths, lengths, features, depth)
 
     def _absorb(self, batch: PaddedBatch, context_rows: torch.Tensor) -> None:
         """Every request's new context rows (`context`, `context_rows` [requests] of them, the positions right
@@ -234,10 +221,10 @@ class DeviceTrees:
         context.copy_(torch.where(keep[:, :, None], kept.to(context.dtype), context))
 
     # ---- shapes ------------------------------------------------------------------------------------------
-    def _builder(self, budget: int) -> TreeBuilder:
+    def _builder(self, budget: int) -> BatchedTreeBuilder:
         builder = self._builders.get(budget)
         if builder is None:
-            builder = TreeBuilder(budget, self.depth(budget), self.vocab, self.target_pool.device)
+            builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, self.target_pool.device)
             self._builders[budget] = builder
         return builder
 
@@ -255,7 +242,7 @@ class DeviceTrees:
             torch.zeros((requests, depth + 2), dtype=torch.long, device=device),
             torch.zeros((requests, depth + 2), dtype=torch.long, pin_memory=pinned),
         )
-        self._builder(shape.budget)  # made (and its programs checked) before any capture
+        self._builder(shape.budget)  # made before any capture
         self._entries[shape] = entry
         if not self.graphed:
             return entry

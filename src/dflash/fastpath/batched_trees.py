@@ -1,0 +1,128 @@
+"""DDTree's tree building, verification inputs and walk for a batch of requests at once, as fixed-shape torch programs
+(no host reads: captured in the batched step's graph, `dflash.batch.device_trees`).
+
+The same node set as `dflash.fastpath.device_tree.TreeBuilder` (and so as the host's best-first build, ties aside),
+level by level: depth 1 keeps the ``n`` best first tokens, depth ``d+1`` the ``n`` best extensions of depth ``d``'s
+kept prefixes (only the (parent, rank) pairs that can rank among the best ``n``), and the tree is the ``n`` best of
+every depth's kept prefixes, rows ordered by depth. Every operation runs over all trees together: a step's tree work
+is a few dozen kernels whatever the number of requests, where one tree program per request would run them one after
+another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.speculative.tree import topk_log_probs
+
+
+@dataclass
+class TreeBatch:
+    """``trees`` trees of ``n`` drafted nodes plus the root (row 0), rows ordered by depth."""
+
+    tokens: torch.Tensor  # [trees, n+1] long; row 0 (the root) holds 0
+    depths: torch.Tensor  # [trees, n+1] long, 0 for the root
+    parents: torch.Tensor  # [trees, n+1] long, parent row (the root is its own parent)
+    valid: torch.Tensor  # [trees, n+1] bool, False for padding candidates and nodes whose parent was not selected
+    ancestors: torch.Tensor  # [trees, n+1, n+1] bool, [t, i, j] = j is i or one of its ancestors
+
+
+class BatchedTreeBuilder:
+    """Grows trees of `budget` nodes over `depth` drafted positions, for any number of trees at once."""
+
+    def __init__(self, budget: int, depth: int, vocab: int, device: torch.device | str) -> None:
+        self.budget, self.depth, self.k = budget, depth, min(budget, vocab)
+        # the extension of depth d's i-th best kept prefix by its r-th best token has (i+1)(r+1) - 1 extensions at
+        # least as good: only pairs with (i+1)(r+1) <= budget can rank among the best `budget`
+        pairs = [(i, r) for i in range(budget) for r in range(self.k) if (i + 1) * (r + 1) <= budget]
+        self.pair_parent = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)  # [pairs]
+        self.pair_rank = torch.tensor([r for _, r in pairs], dtype=torch.long, device=device)  # [pairs]
+        self.first_rank = torch.arange(budget, device=device).clamp(max=self.k - 1)  # [n]
+
+    def grow(self, draft_logits: torch.Tensor) -> TreeBatch:
+        """draft_logits: [trees, >= depth, vocab] (row d-1 = block position d) -> each tree's best `budget`
+        prefixes."""
+        trees, depth, n, k = draft_logits.shape[0], self.depth, self.budget, self.k
+        device = draft_logits.device
+        top_lp, top_ids = topk_log_probs(draft_logits[:, :depth].reshape(trees * depth, -1), k)
+        top_lp, top_ids = top_lp.view(trees, depth, k), top_ids.view(trees, depth, k)  # descending
+        levels_scores = [torch.full((trees, n), float("-inf"), device=device)]
+        levels_scores[0][:, :k] = top_lp[:, 0]
+        parent_index = [torch.zeros((trees, n), dtype=torch.long, device=device)]  # into the previous depth's kept
+        rank = [self.first_rank[None].expand(trees, n)]  # candidate rank at each depth
+        for d in range(1, depth):
+            extensions = levels_scores[-1][:, self.pair_parent] + top_lp[:, d, self.pair_rank]  # [trees, pairs]
+            best, order = extensions.sort(dim=1, descending=True, stable=True)
+            levels_scores.append(best[:, :n])
+            parent_index.append(self.pair_parent[order[:, :n]])
+            rank.append(self.pair_rank[order[:, :n]])
+        return _assemble(torch.stack(levels_scores, 1), torch.stack(parent_index, 1), torch.stack(rank, 1), top_ids)
+
+
+def _assemble(scores: torch.Tensor, parent_index: torch.Tensor, rank: torch.Tensor, top_ids: torch.Tensor) -> TreeBatch:
+    """scores, parent_index, rank: [trees, depth, n] (each depth's kept prefixes: score, parent's index among the
+    previous depth's kept, candidate rank); top_ids: [trees, depth, k] -> the best n of them as tree rows."""
+    trees, depth, n = scores.shape
+    device = scores.device
+    flat_scores = scores.reshape(trees, depth * n)  # flat index = (d-1) * n + j
+    chosen = flat_scores.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [trees, n]
+    level_offsets = (torch.arange(depth, device=device) - 1)[:, None] * n  # [depth, 1]
+    flat_parent = torch.where(level_offsets < 0, -1, level_offsets + parent_index).reshape(trees, depth * n)
+    row_of = torch.full((trees, depth * n), -1, dtype=torch.long, device=device)
+    row_of.scatter_(1, chosen, torch.arange(1, n + 1, device=device)[None].expand(trees, n))
+    parent_flat = flat_parent.gather(1, chosen)  # [trees, n]
+    parent_row = torch.where(parent_flat < 0, 0, row_of.gather(1, parent_flat.clamp(min=0)))  # -1: not selected
+    valid = torch.isfinite(flat_scores.gather(1, chosen)) & (parent_row >= 0)  # [trees, n]
+    zero = torch.zeros((trees, 1), dtype=torch.long, device=device)
+    parents = torch.cat((zero, parent_row.clamp(min=0)), 1)  # [trees, n+1]
+    tokens = torch.cat((zero, top_ids.gather(2, rank).reshape(trees, depth * n).gather(1, chosen)), 1)
+    depths = torch.cat((zero, torch.div(chosen, n, rounding_mode="floor") + 1), 1)
+    valid = torch.cat((torch.ones((trees, 1), dtype=torch.bool, device=device), valid), 1)
+    # ancestor-or-self closure of the parent relation by repeated squaring: paths up to `depth` long
+    reach = torch.eye(n + 1, device=device).repeat(trees, 1, 1)  # [trees, n+1, n+1]
+    reach.scatter_(2, parents[:, :, None], 1.0)
+    hops = 1
+    while hops < depth:
+        reach = torch.bmm(reach, reach).clamp_(max=1.0)
+        hops *= 2
+    return TreeBatch(tokens, depths, parents, valid, reach > 0)
+
+
+def write_tree_inputs(
+    trees: TreeBatch, pending: torch.Tensor, past: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+    visibility: torch.Tensor,
+) -> None:
+    """Each tree as its verification's rows: pending, past [trees] long (the committed token and length) ->
+    input_ids[:, :n+1] = [pending, node tokens], positions[:, :n+1] = past + depths (input_ids, positions:
+    [trees, rows] long, rows >= n+1), visibility [trees, rows, rows] bool = the ancestor relation, padding rows
+    seeing only themselves."""
+    nodes, rows = trees.tokens.shape[1], visibility.shape[1]
+    input_ids[:, :1].copy_(pending[:, None])
+    input_ids[:, 1:nodes].copy_(trees.tokens[:, 1:])
+    positions[:, :nodes].copy_(past[:, None] + trees.depths)
+    visibility.copy_(torch.eye(rows, dtype=torch.bool, device=visibility.device).expand_as(visibility))
+    visibility[:, :nodes, :nodes].copy_(trees.ancestors)
+
+
+def walk_trees(trees: TreeBatch, choices: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """choices: [trees, n+1] long, the target's choice after each row -> (path [trees, depth+1] rows from the root
+    (row 0 past a path's end), length [trees] (accepted nodes + 1), committed [trees, depth+1] tokens: the accepted
+    nodes' then the bonus token, entries past `length` unspecified). Siblings carry distinct tokens, so the accepted
+    nodes (every node on the path carries the choice at its parent) form one path from the root."""
+    count, rows = trees.tokens.shape
+    device = choices.device
+    is_root = torch.arange(rows, device=device)[None] == 0
+    match = ((trees.tokens == choices.gather(1, trees.parents)) & trees.valid) | is_root  # [trees, n+1]
+    accepted = ~(trees.ancestors & ~match[:, None, :]).any(dim=-1)  # [trees, n+1]
+    length = accepted.sum(dim=1)  # [trees], >= 1 (the root)
+    slot = torch.where(accepted, trees.depths, depth + 1)  # rejected rows go to a last, discarded slot
+    path = torch.zeros((count, depth + 2), dtype=torch.long, device=device)
+    path.scatter_(1, slot, torch.arange(rows, device=device)[None].expand(count, rows))
+    path = path[:, : depth + 1]
+    bonus = choices.gather(1, path.gather(1, (length - 1)[:, None]))  # [trees, 1]
+    steps = torch.arange(depth + 1, device=device)[None]  # [1, depth+1]
+    next_rows = path.gather(1, (steps + 1).clamp(max=depth).expand(count, depth + 1))
+    committed = torch.where(steps < (length - 1)[:, None], trees.tokens.gather(1, next_rows), bonus)
+    return path, length, committed

@@ -1,0 +1,53 @@
+"""Trees grown, laid out and walked for a batch of requests at once (`dflash.fastpath.batched_trees`) equal the
+single-tree device programs' torch form (`dflash.fastpath.device_tree`), tree by tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.fastpath.batched_trees import BatchedTreeBuilder, walk_trees, write_tree_inputs
+from dflash.fastpath.device_tree import TreeBuilder, walk_tree
+
+
+@pytest.mark.parametrize(("budget", "depth"), [(6, 4), (31, 15), (12, 1)])
+def test_a_batch_of_trees_equals_each_tree_grown_and_walked_alone(budget: int, depth: int) -> None:
+    generator = torch.Generator().manual_seed(budget)
+    trees, vocab = 5, 300
+    logits = torch.randn((trees, depth + 2, vocab), generator=generator)  # rows past `depth` are not read
+    batched = BatchedTreeBuilder(budget, depth, vocab, "cpu")
+    single = TreeBuilder(budget, depth, vocab, "cpu", kernel=False)
+    grown = batched.grow(logits)
+    # target choices that follow each tree for a while, then leave it
+    follow = torch.rand((trees, budget + 1), generator=generator) < 0.8
+    choices = torch.where(follow, grown.tokens.roll(-1, dims=1), 0)
+    paths, lengths, committed = walk_trees(grown, choices, depth)
+    assert (lengths > 1).any()  # some walks accept nodes
+    for index in range(trees):
+        tree = single.grow(logits[index, :depth])
+        assert torch.equal(grown.tokens[index], tree.tokens)
+        assert torch.equal(grown.depths[index], tree.depths)
+        assert torch.equal(grown.parents[index], tree.parents)
+        assert torch.equal(grown.valid[index], tree.valid)
+        assert torch.equal(grown.ancestors[index], tree.ancestors)
+        path, length, _, expected = walk_tree(tree, choices[index], depth)
+        assert int(lengths[index]) == int(length)
+        kept = int(length)
+        assert torch.equal(paths[index, :kept], path[:kept])
+        assert torch.equal(committed[index, :kept], expected[:kept])
+
+
+def test_tree_inputs_are_each_tree_s_rows_and_ancestor_mask() -> None:
+    budget, depth, vocab, rows = 6, 3, 50, 8
+    builder = BatchedTreeBuilder(budget, depth, vocab, "cpu")
+    grown = builder.grow(torch.randn((2, depth, vocab), generator=torch.Generator().manual_seed(3)))
+    pending, past = torch.tensor([7, 9]), torch.tensor([20, 41])
+    ids, positions = torch.full((2, rows), -1), torch.full((2, rows), -1)
+    visibility = torch.zeros((2, rows, rows), dtype=torch.bool)
+    write_tree_inputs(grown, pending, past, ids, positions, visibility)
+    for index in range(2):
+        assert ids[index, 0] == pending[index]
+        assert torch.equal(ids[index, 1 : budget + 1], grown.tokens[index, 1:])
+        assert torch.equal(positions[index, : budget + 1], past[index] + grown.depths[index])
+        assert torch.equal(visibility[index, : budget + 1, : budget + 1], grown.ancestors[index])
+        assert torch.equal(visibility[index, budget + 1 :], torch.eye(rows, dtype=torch.bool)[budget + 1 :])
