@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dflash.batch.policy import MIN_OBSERVATIONS, SpeculationPolicy, StepCosts
+from dflash.batch.policy import MIN_OBSERVATIONS, PRIOR_ACCEPTANCE, SpeculationPolicy, StepCosts
 
 
 def test_the_fit_recovers_the_step_s_cost_terms() -> None:
@@ -61,3 +61,14 @@ def test_the_plan_speculates_where_it_pays_and_explores_where_it_does_not() -> N
     assert not policy.plan([2.0] * 8, [32] * 8, plain_rows=0)
     assert policy.plan([6.0] * 8, [32] * 8, plain_rows=0)
     assert policy.plan([2.0] * 8, [32] * 8, plain_rows=0, explore=True)
+
+
+def test_a_new_request_expects_the_recent_acceptance_of_its_mode() -> None:
+    """Before a request has speculated a few rounds, its expected tokens per round are the recent mean of every
+    request of its mode (the fixed prior before any)."""
+    policy = SpeculationPolicy(ddtree_budget=32, linear_drafts=15, max_step_rows=256)
+    assert policy.prior("ddtree") == PRIOR_ACCEPTANCE
+    for tokens in (3, 4, 3, 4, 3, 4, 3, 4, 3, 4):
+        policy.record_round("ddtree", tokens)
+    assert 3.4 < policy.prior("ddtree") < 3.6
+    assert policy.prior("linear") == PRIOR_ACCEPTANCE

@@ -439,7 +439,8 @@ class BatchCore:
         drafting = [r for r in rounds if r.outputs]
         # a request decoding alone keeps its configured strategy (measured as the fastest single stream)
         if len(decoders) > 1 and drafting and not self.policy.plan(
-            [r.seq.expected_tokens for r in drafting], [r.budget or r.outputs for r in drafting],
+            [r.seq.expected_tokens(self.policy.prior(r.seq.mode)) for r in drafting],
+            [r.budget or r.outputs for r in drafting],
             plain_rows=len(rounds) - len(drafting), explore=self.steps % EXPLORE_EVERY == 0,
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
             rounds = [_Round(r.seq, "plain") for r in rounds]
@@ -599,7 +600,7 @@ class BatchCore:
             assert r.drafts is not None
             accepted = _matching_prefix(r.drafts, choices)
             committed = [*r.drafts[:accepted], choices[accepted]]
-            seq.record_drafted_round(len(r.drafts), accepted)
+            self._record_drafted(seq, len(r.drafts), accepted)
             seq.target.crop(seq.start + accepted + 1)
             kept = accepted + 1
         else:
@@ -607,7 +608,7 @@ class BatchCore:
             visited, bonus = follow_tree(r.tree, choices)
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
-                seq.record_drafted_round(r.tree.num_nodes, len(visited) - 1)
+                self._record_drafted(seq, r.tree.num_nodes, len(visited) - 1)
             elif seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             kept = len(visited)
@@ -622,6 +623,10 @@ class BatchCore:
             kept_features = features[:kept] if rows is None else features[rows.to(features.device)]
         seq.start += kept
         self._commit(seq, committed, kept_features)
+
+    def _record_drafted(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        seq.record_drafted_round(drafted, accepted)
+        self.policy.record_round(seq.mode, accepted + 1)
 
     def _commit(self, seq: Sequence, committed: list[int], kept_features: torch.Tensor | None) -> None:
         """A round's committed tokens (its K/V rows already kept): the drafter's new context, the next pending
@@ -668,7 +673,7 @@ class BatchCore:
         """Commit a device round: its K/V rows were moved on the device; the table keeps them, the drafter's next
         context is the round's rows (already absorbed ones are gone)."""
         assert seq.target is not None
-        seq.record_drafted_round(budget, result.accepted)
+        self._record_drafted(seq, budget, result.accepted)
         kept = result.accepted + 1
         seq.target.crop(seq.start + kept)
         seq.start += kept

@@ -28,6 +28,8 @@ MIN_OBSERVATIONS = 8  # steps before the fitted costs are trusted (before that: 
 # One step in this many speculates whatever the fit predicts: where the fit (or an acceptance length) once made
 # speculation look slower, fresh measurements of a drafted step can show it pays again.
 EXPLORE_EVERY = 32
+MIN_ROUNDS = 8  # drafted rounds over all requests before their mean replaces PRIOR_ACCEPTANCE for new requests
+ROUND_DECAY = 0.99  # weight of older rounds in that mean
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,22 @@ class SpeculationPolicy:
 
     def __post_init__(self) -> None:
         self.costs = StepCosts()
+        self._rounds: dict[str, list[float]] = {}  # mode -> [drafted rounds, tokens they committed], decayed
+
+    def record_round(self, mode: str, tokens: int) -> None:
+        """A drafted round of a `mode` request committed `tokens`: the engine-wide acceptance (`prior`)."""
+        totals = self._rounds.setdefault(mode, [0.0, 0.0])
+        totals[0] = ROUND_DECAY * totals[0] + 1.0
+        totals[1] = ROUND_DECAY * totals[1] + tokens
+
+    def prior(self, mode: str) -> float:
+        """Expected tokens per drafted round of a `mode` request that has not speculated a few rounds yet: the
+        recent mean over every request of that mode (the drafter and the traffic decide it more than the request),
+        `PRIOR_ACCEPTANCE` before any."""
+        totals = self._rounds.get(mode)
+        if totals is None or totals[0] < MIN_ROUNDS:
+            return PRIOR_ACCEPTANCE
+        return totals[1] / totals[0]
 
     def share(self, speculating: int, plain_rows: int) -> RoundPlan:
         """Each speculating request's share of the row cap, beside `plain_rows` rows of other requests."""

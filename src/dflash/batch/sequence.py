@@ -64,11 +64,10 @@ class Sequence:
     def speculative(self) -> bool:
         return self.mode != "none"
 
-    @property
-    def expected_tokens(self) -> float:
-        """Tokens a drafted round of this request commits, as measured so far (a prior before a few rounds)."""
+    def expected_tokens(self, prior: float = PRIOR_ACCEPTANCE) -> float:
+        """Tokens a drafted round of this request commits, as measured so far (`prior` before a few rounds)."""
         if self.drafted_rounds < 3:
-            return PRIOR_ACCEPTANCE
+            return prior
         return self.drafted_tokens / self.drafted_rounds
 
     def record_drafted_round(self, drafted: int, accepted: int) -> None:

@@ -30,8 +30,10 @@ from dflash.kernels.triton_attention import attention_kernel_usable
 from dflash.kernels.triton_decode import interpreting, next_power_of_two, triton_available
 
 BLOCK_N = 64  # keys per step inside a slice
-TARGET_PROGRAMS = 132  # about one program per SM on an H100 (as `few_row_attention`)
-MIN_SLICE = 256  # keys per program at least (longer slices: fewer partials to write and combine)
+# about four programs per SM on an H100: a program's key loop waits on dependent loads (slots, then keys), which
+# only other resident programs hide (results/gpu_concurrency_h100.json, `paged_attention_programs`)
+TARGET_PROGRAMS = 528
+MIN_SLICE = 128  # keys per program at least (longer slices: fewer partials to write and combine)
 COMBINE_M = 16  # query rows per combining program
 
 
