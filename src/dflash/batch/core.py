@@ -24,7 +24,7 @@ import torch
 from dflash.batch.device_trees import DeviceTrees, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
-from dflash.batch.policy import EXPLORE_EVERY, RoundPlan, SpeculationPolicy
+from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
@@ -160,7 +160,6 @@ class BatchCore:
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.last_batch = 0
-        self.steps = 0  # steps begun (the policy's exploring steps are counted in them)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def positions_needed(self, seq: Sequence) -> int:
@@ -243,7 +242,6 @@ class BatchCore:
     @torch.inference_mode()
     def step(self) -> int:
         """Run one batched step; returns the number of sequences it served (0: nothing to do)."""
-        self.steps += 1
         # every sequence's `should_stop` is polled once per step (before each of its prefill chunks and rounds)
         for seq in list(self.active):
             if seq.stop_requested():
@@ -441,7 +439,7 @@ class BatchCore:
         if len(decoders) > 1 and drafting and not self.policy.plan(
             [r.seq.expected_tokens(self.policy.prior(r.seq.mode)) for r in drafting],
             [r.budget or r.outputs for r in drafting],
-            plain_rows=len(rounds) - len(drafting), explore=self.steps % EXPLORE_EVERY == 0,
+            plain_rows=len(rounds) - len(drafting),
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
             rounds = [_Round(r.seq, "plain") for r in rounds]
         return rounds

@@ -25,9 +25,6 @@ DEFAULT_MAX_STEP_ROWS = {"cpu": 32, "cuda": 256}
 # a trained drafter: results/README.md lists 2.5-4 tokens per round).
 PRIOR_ACCEPTANCE = 2.0
 MIN_OBSERVATIONS = 8  # steps before the fitted costs are trusted (before that: always speculate)
-# One step in this many speculates whatever the fit predicts: where the fit (or an acceptance length) once made
-# speculation look slower, fresh measurements of a drafted step can show it pays again.
-EXPLORE_EVERY = 32
 MIN_ROUNDS = 8  # drafted rounds over all requests before their mean replaces PRIOR_ACCEPTANCE for new requests
 ROUND_DECAY = 0.99  # weight of older rounds in that mean
 
@@ -138,11 +135,10 @@ class SpeculationPolicy:
             rows.update((plan.ddtree_budget + 1, plan.linear_drafts + 1))
         return rows
 
-    def plan(self, acceptance: list[float], drafted_rows: list[int], plain_rows: int, *, explore: bool = False) -> bool:
+    def plan(self, acceptance: list[float], drafted_rows: list[int], plain_rows: int) -> bool:
         """Whether to speculate this step: `acceptance` and `drafted_rows` per speculating request (expected
-        tokens per round, drafted rows it would verify), `plain_rows` rows of requests decoding plainly.
-        `explore`: speculate anyway (one step in `EXPLORE_EVERY`, chosen by the caller)."""
-        if not acceptance or not self.costs.trusted or explore:
+        tokens per round, drafted rows it would verify), `plain_rows` rows of requests decoding plainly."""
+        if not acceptance or not self.costs.trusted:
             return True
         n = len(acceptance)
         speculate = self.costs.predict(plain_rows + n + sum(drafted_rows), True)
