@@ -64,21 +64,26 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
     longest = max(len(reference) for reference in references)
     by_block = torch.zeros((core.drafter_pool.num_blocks, longest), dtype=torch.long, device=device)
     lengths = torch.zeros(core.drafter_pool.num_blocks, dtype=torch.long, device=device)
-    real_run = trees.run
-    own: dict[int, torch.Tensor] = {}  # id(drafter batch) -> the drafter's own logits of its last pass
+    real_launch = trees.launch
+    # id(drafter batch) -> its last pass's (own logits [requests, block - 1, vocab], starts [requests], drafter
+    # tables' first blocks [requests], row counts [requests]), kept on the device (inside a graph: its buffers)
+    own: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    def run_with_references(step: list[Sequence], budget: int) -> Any:
-        starts = [seq.start for seq in step]
+    def launch_with_references(step: list[Sequence], budget: int, *, follow: bool = False) -> Any:
         for seq in step:
             assert seq.drafter is not None
             reference = references[seqs.index(seq)]
             by_block[seq.drafter.blocks[0], : len(reference)] = torch.tensor(reference, device=device)
             lengths[seq.drafter.blocks[0]] = len(reference)
-        results = real_run(step, budget)
-        logits = own[id(trees._entries[trees.shape(step, budget)].drafter_batch)]
-        for index, (seq, start) in enumerate(zip(step, starts, strict=True)):
-            drafts[(seqs.index(seq), start)] = logits[index, : trees.depth(budget)].cpu()
-        return results
+        previous = real_launch(step, budget, follow=follow)
+        assert trees.launched is not None
+        logits, starts, firsts, counts = (t.cpu() for t in own[id(trees._entries[trees.launched.shape].drafter_batch)])
+        for index in range(len(step)):
+            assert int(counts[index])
+            request = next(i for i, seq in enumerate(seqs) if seq.drafter is not None and seq.drafter.blocks
+                           and seq.drafter.blocks[0] == int(firsts[index]))
+            drafts[(request, int(starts[index]))] = logits[index, : trees.depth(budget)]
+        return previous
 
     def device_oracle(batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits, features = device_pass(batch)  # [requests, block - 1, vocab]
@@ -90,7 +95,7 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
         wrong = (right + 1) % logits.shape[-1]
         swapped = ((position * 31 + start * 17) % 7 == 0) | ((position * 31 + start * 17) % 7 == 3)
         top = logits.max(dim=-1).values  # [requests, rows]
-        own[id(batch)] = logits
+        own[id(batch)] = (logits, batch.past.clone(), first.clone(), batch.counts.clone())
         logits = logits.clone()
         old_right = logits.gather(2, right[..., None])[..., 0]
         logits.scatter_(2, right[..., None], torch.where(inside, torch.where(swapped, top + 5.5, top + 6.0),
@@ -99,15 +104,16 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
         logits.scatter_(2, wrong[..., None], torch.where(inside & swapped, top + 6.0, old_wrong)[..., None])
         return logits, features
 
-    trees.run = run_with_references  # type: ignore[method-assign]
+    trees.launch = launch_with_references  # type: ignore[method-assign]
     trees.drafter_forward = device_oracle
 
 
 def _serve(
     monkeypatch: pytest.MonkeyPatch, device_trees: bool, device: torch.device
-) -> tuple[list[Sequence], int, Drafts]:
+) -> tuple[list[Sequence], tuple[int, int], Drafts]:
     """Five greedy DDTree requests, at most three decoding together, through the padded passes (graphs on CUDA)
-    -> (the sequences, the device rounds run, the drafter's logits of every round)."""
+    -> (the sequences, (the device rounds launched, those launched after an unread one), the drafter's logits of
+    every round)."""
     monkeypatch.setenv(DEVICE_TREES, "1" if device_trees else "0")
     target, drafter = golden_pair()
     target, drafter = target.to(device), drafter.to(device)
@@ -121,17 +127,18 @@ def _serve(
     seqs = [make_sequence(target, p, new, "ddtree") for p, new in zip(prompts, MAX_NEW, strict=True)]
     drafts: Drafts = {}
     _install_oracles(monkeypatch, core, seqs, references, drafts)
-    rounds = 0
+    rounds = followed = 0
     if core.device_trees is not None:
         trees = core.device_trees
-        real_run = trees.run
+        counted_launch = trees.launch
 
-        def counted(step: list[Sequence], budget: int) -> Any:
-            nonlocal rounds
+        def counted(step: list[Sequence], budget: int, *, follow: bool = False) -> Any:
+            nonlocal rounds, followed
             rounds += 1
-            return real_run(step, budget)
+            followed += follow
+            return counted_launch(step, budget, follow=follow)
 
-        trees.run = counted  # type: ignore[method-assign]
+        trees.launch = counted  # type: ignore[method-assign]
     for seq in seqs:
         core.add(seq)
     drain(core)
@@ -140,13 +147,13 @@ def _serve(
         assert seq.sink.token_ids == reference[len(prompt):]
     assert core.target_pool.free_blocks == core.target_pool.num_blocks
     assert core.drafter_pool is not None and core.drafter_pool.free_blocks == core.drafter_pool.num_blocks
-    return seqs, rounds, drafts
+    return seqs, (rounds, followed), drafts
 
 
 def _commit_like_the_host(monkeypatch: pytest.MonkeyPatch, device: torch.device, tolerance: float) -> None:
-    on, rounds, device_drafts = _serve(monkeypatch, True, device)
+    on, (rounds, followed), device_drafts = _serve(monkeypatch, True, device)
     off, _, host_drafts = _serve(monkeypatch, False, device)
-    assert rounds >= 15
+    assert rounds >= 15 and followed >= 5
     for device_seq, host_seq in zip(on, off, strict=True):
         assert device_seq.stats.acceptance_length > 2.5
         assert device_seq.stats.accepted_per_round == host_seq.stats.accepted_per_round

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dflash.batch.device_trees import DeviceTrees, RoundResult, TreeShape
+from dflash.batch.device_trees import DeviceTrees, LaunchedRound, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
@@ -251,6 +251,10 @@ class BatchCore:
             seq.sink.finish_cancelled()
             seq.finish()
         self._admit()
+        if self.device_trees is not None and self.device_trees.launched is not None:
+            followed = self._follow_device_round()
+            if followed is not None:
+                return followed
         if self.overlap is not None:
             plain = self._overlapped_rounds()
             if plain is not None:
@@ -265,7 +269,7 @@ class BatchCore:
         try:
             rounds = self._plan_rounds(decoders)
             if not prefills and self._device_tree_step_fits(rounds):
-                return self._device_tree_step(rounds, started)
+                return self._device_tree_step(rounds)
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
             items += self._decoding_rows(rounds)
@@ -641,39 +645,90 @@ class BatchCore:
             self._end(seq)
 
     # ---- DDTree steps built on the device (`dflash.batch.device_trees`) -----------------------------------
-    def _device_tree_step_fits(self, rounds: list[_Round]) -> bool:
+    def _device_tree_step_fits(self, rounds: list[_Round], *, ahead: bool = False) -> bool:
         """Whether this step's rounds go through the device trees: every one a greedy tree round of one budget
-        (the choice is the plain argmax), each request able to draft the builder's full depth."""
+        (the choice is the plain argmax), each request able to draft the builder's full depth (`ahead`: after the
+        unread round has committed up to depth + 1 more tokens)."""
         trees = self.device_trees
         if trees is None or not rounds or any(r.kind != "tree" for r in rounds):
             return False
         budget = rounds[0].budget
         depth = trees.depth(budget)
+        needed = 2 * depth + 1 if ahead else depth
         for r in rounds:
             seq = r.seq
             if r.budget != budget or seq.new_features is None or not _plain_greedy(seq.chooser, seq.produced):
                 return False
-            if seq.request.max_new_tokens - seq.produced - 1 < depth:
+            if seq.request.max_new_tokens - seq.produced - 1 < needed:
                 return False
         return True
 
-    def _device_tree_step(self, rounds: list[_Round], started: float) -> int:
+    def _device_tree_step(self, rounds: list[_Round]) -> int:
+        """Launch this step's round from the committed state; it is read at the next step."""
         assert self.device_trees is not None
-        budget = rounds[0].budget
-        results = self.device_trees.run([r.seq for r in rounds], budget)
-        for r, result in zip(rounds, results, strict=True):
-            self._guarded(r.seq, self._after_device_round, r.seq, budget, result)
-        self.policy.costs.observe(len(rounds) * (budget + 1), True, time.perf_counter() - started)
+        self.device_trees.launch([r.seq for r in rounds], rounds[0].budget)
         self.last_batch = len(rounds)
         return len(rounds)
 
+    def _follow_device_round(self) -> int | None:
+        """Where the unread device round's requests are this step's only ones and go on with the same shape: launch
+        their next round from the state it leaves on the device, then read and commit it (the host's work overlaps
+        the GPU's). Otherwise read and commit it, and return None: the step goes on from the committed state."""
+        trees = self.device_trees
+        assert trees is not None and trees.launched is not None
+        seqs = trees.launched.seqs
+        rounds: list[_Round] = []
+        if len(self.active) == len(seqs) and all(s.phase == "decode" for s in self.active):
+            rounds = self._plan_rounds(self.active)
+        budget = rounds[0].budget if rounds else 0
+        if not (
+            self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow([r.seq for r in rounds], budget)
+        ):
+            unread = trees.take()
+            assert unread is not None
+            self._commit_device_round(unread, observe=True)
+            return None
+        now = time.perf_counter()
+        try:
+            previous = trees.launch(seqs, budget, follow=True)
+        except Exception as exc:  # the launch failed: its requests end with the error (the unread round too)
+            log.exception("batched step failed")
+            trees.take()
+            for seq in seqs:
+                self._end(seq, exc)
+            return len(seqs)
+        assert previous is not None
+        self.policy.costs.observe(len(seqs) * (budget + 1), True, now - previous.launched_at)
+        self._commit_device_round(previous, observe=False)
+        self.last_batch = len(seqs)
+        return len(seqs)
+
+    def _commit_device_round(self, launched: LaunchedRound, *, observe: bool) -> None:
+        """Read a launched device round and commit it (a request that ended since is skipped). `observe`: its time
+        from launch to read feeds the policy (a followed round's cost is the time between launches instead)."""
+        assert self.device_trees is not None
+        try:
+            results = self.device_trees.read(launched)
+        except Exception as exc:
+            log.exception("batched step failed")
+            for seq in launched.seqs:
+                self._end(seq, exc)
+            return
+        budget = launched.shape.budget
+        if observe:
+            self.policy.costs.observe(len(launched.seqs) * (budget + 1), True, time.perf_counter() - launched.launched_at)
+        for seq, result in zip(launched.seqs, results, strict=True):
+            if seq.phase != "done":
+                self._guarded(seq, self._after_device_round, seq, budget, result)
+
     def _after_device_round(self, seq: Sequence, budget: int, result: RoundResult) -> None:
-        """Commit a device round: its K/V rows were moved on the device; the table keeps them, the drafter's next
-        context is the round's rows (already absorbed ones are gone)."""
-        assert seq.target is not None
+        """Commit a device round: its K/V rows were moved on the device; the table keeps them, the drafter has read
+        the context before the round's start, its next context is the round's rows."""
+        assert seq.target is not None and seq.drafter is not None
         self._record_drafted(seq, budget, result.accepted)
         kept = result.accepted + 1
         seq.target.crop(seq.start + kept)
+        seq.drafter.crop(seq.start)
         seq.start += kept
         seq.new_features = None
         self._commit(seq, result.tokens, result.features)
@@ -779,6 +834,8 @@ class BatchCore:
         """End every sequence, waiting or active, with `error` (the loop is going down)."""
         if self.overlap is not None:
             self.overlap.take()
+        if self.device_trees is not None:
+            self.device_trees.take()
         for seq in [*self.active, *self.waiting]:
             seq.finish(error)
         self.active.clear()

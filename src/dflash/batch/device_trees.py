@@ -21,6 +21,7 @@ the target's greedy decoding whatever the tree (the device and host trees may di
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,20 @@ class _Entry:
     context_rows: torch.Tensor  # [requests] long: rows of `DeviceTrees.context` that are new drafter context
     host_context_rows: torch.Tensor  # [requests] long, pinned on CUDA
     out: torch.Tensor  # [requests, depth + 2] long: accepted nodes, then the committed tokens
-    host_out: torch.Tensor  # the same, pinned on CUDA
+    host_out: list[torch.Tensor]  # two copies of it, pinned on CUDA, used in turn (a round launched before the
+    # previous one is read must not overwrite what that one's copy may still be writing)
+    turn: int = 0
+
+
+@dataclass
+class LaunchedRound:
+    """A round launched and not read yet."""
+
+    seqs: list[Sequence]
+    shape: TreeShape
+    host_out: torch.Tensor  # [requests, depth + 2], written once `event` has passed
+    event: torch.cuda.Event | None
+    launched_at: float
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class DeviceTrees:
         self.context = torch.zeros(max_requests, self.block, feature_width, dtype=dtype, device=device)
         self._handed: list[torch.Tensor | None] = [None] * max_requests  # the context views given out, by index
         self._entries: dict[TreeShape, _Entry] = {}
+        self.launched: LaunchedRound | None = None
         self._builders: dict[int, BatchedTreeBuilder] = {}
         self._mask_block = torch.full((self.block,), drafter.config.mask_token_id, dtype=torch.long)
         self._visible = torch.ones(self.block, self.block, dtype=torch.bool)  # the block sees itself both ways
@@ -96,7 +111,9 @@ class DeviceTrees:
         return min(self.block - 1, budget)
 
     def shape(self, seqs: list[Sequence], budget: int) -> TreeShape:
-        reach = max(seq.start for seq in seqs) + max(self.block, budget + 1)
+        """The shape of a round of `seqs`, or of the round after it (the keys reach one round further: a round
+        launched before the previous one is read starts up to `depth + 1` positions past the host's `start`)."""
+        reach = max(seq.start for seq in seqs) + self.depth(budget) + 1 + max(self.block, budget + 1)
         keys = max(MIN_KEY_BUCKET, 1 << (reach - 1).bit_length())
         return TreeShape(PaddedShape.bucket_requests(len(seqs), self.max_requests), keys, budget)
 
@@ -105,20 +122,52 @@ class DeviceTrees:
             self._capture(shape)
 
     # ---- a step ------------------------------------------------------------------------------------------
-    def run(self, seqs: list[Sequence], budget: int) -> list[RoundResult]:
-        """One round for each of `seqs` (greedy DDTree requests, at most `max_requests`, each able to draft
-        `depth(budget)` positions): drafts, verifies and commits their K/V rows; the host commits the tokens."""
-        shape = self.shape(seqs, budget)
+    def can_follow(self, seqs: list[Sequence], budget: int) -> bool:
+        """Whether a round of `seqs` can be launched straight after the unread one, from the state that round
+        leaves on the device: the same requests in the same order, the same budget and shape."""
+        launched = self.launched
+        return (
+            launched is not None and len(launched.seqs) == len(seqs)
+            and all(a is b for a, b in zip(launched.seqs, seqs, strict=True))
+            and launched.shape == self.shape(seqs, budget)
+        )
+
+    def launch(self, seqs: list[Sequence], budget: int, *, follow: bool = False) -> LaunchedRound | None:
+        """Launch one round for each of `seqs` (greedy DDTree requests, at most `max_requests`, each able to draft
+        `depth(budget)` positions), nothing read back; returns the round launched before it, unread (None if none).
+        `follow` (`can_follow`): its inputs are what the previous round left on the device (the host state lags one
+        round); otherwise they are loaded from the host, which must have read every earlier round."""
+        previous = self.launched
+        shape = previous.shape if follow and previous is not None else self.shape(seqs, budget)
         entry = self._entries.get(shape) or self._capture(shape)
-        self._load(entry, seqs, budget)
+        if not follow:
+            assert previous is None, "a round loaded from the host needs every earlier round read"
+            self._load(entry, seqs, budget)
         if entry.graph is not None:
             entry.graph.replay()
         else:
             self._round(entry, budget)
-        entry.host_out.copy_(entry.out, non_blocking=True)
+        host = entry.host_out[entry.turn]
+        entry.turn ^= 1
+        host.copy_(entry.out, non_blocking=True)
+        event = None
         if entry.out.is_cuda:
-            torch.cuda.current_stream().synchronize()
-        rows: list[list[int]] = entry.host_out[: len(seqs)].tolist()  # [requests, depth + 2]
+            event = torch.cuda.Event()
+            event.record()
+        self.launched = LaunchedRound(seqs, shape, host, event, time.perf_counter())
+        return previous
+
+    def take(self) -> LaunchedRound | None:
+        """The unread round, no longer followed (None if none)."""
+        launched, self.launched = self.launched, None
+        return launched
+
+    def read(self, launched: LaunchedRound) -> list[RoundResult]:
+        """A launched round's results, once it has run. Each request's features are a view of `context`, valid until
+        the next round is launched."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        rows: list[list[int]] = launched.host_out[: len(launched.seqs)].tolist()  # [requests, depth + 2]
         results = []
         for index, row in enumerate(rows):
             accepted = row[0]
@@ -126,6 +175,13 @@ class DeviceTrees:
             self._handed[index] = features
             results.append(RoundResult(accepted, row[1 : accepted + 2], features))
         return results
+
+    def run(self, seqs: list[Sequence], budget: int) -> list[RoundResult]:
+        """One round launched from the host and read."""
+        self.launch(seqs, budget)
+        launched = self.take()
+        assert launched is not None
+        return self.read(launched)
 
     def _load(self, entry: _Entry, seqs: list[Sequence], budget: int) -> None:
         """Each request's new context into `context` (where it is not there already), its drafter table advanced
@@ -183,6 +239,20 @@ class DeviceTrees:
         entry.out[:, 0].copy_(lengths - 1)
         entry.out[:, 1:].copy_(committed)
         self._keep_paths(target_batch, paths, lengths, features, depth)
+        self._advance(entry, lengths, committed)
+
+    def _advance(self, entry: _Entry, lengths: torch.Tensor, committed: torch.Tensor) -> None:
+        """Leave the next round's inputs on the device (`launch(follow=True)`): each request's pending token is its
+        bonus token, its committed positions and drafter context grow by the round's kept rows."""
+        drafter_batch, target_batch = entry.drafter_batch, entry.target_batch
+        kept = torch.where(target_batch.counts > 0, lengths, 0)  # [requests]: nothing for padding requests
+        bonus = committed.gather(1, (lengths - 1).clamp(min=0)[:, None])  # [requests, 1]
+        pending = drafter_batch.tokens[:, :1]
+        pending.copy_(torch.where(kept[:, None] > 0, bonus, pending))
+        drafter_batch.past.add_(kept)
+        drafter_batch.positions.add_(kept[:, None])
+        target_batch.past.add_(kept)
+        entry.context_rows.copy_(kept)
 
     def _absorb(self, batch: PaddedBatch, context_rows: torch.Tensor) -> None:
         """Every request's new context rows (`context`, `context_rows` [requests] of them, the positions right
@@ -240,7 +310,7 @@ class DeviceTrees:
             torch.zeros(requests, dtype=torch.long, device=device),
             torch.zeros(requests, dtype=torch.long, pin_memory=pinned),
             torch.zeros((requests, depth + 2), dtype=torch.long, device=device),
-            torch.zeros((requests, depth + 2), dtype=torch.long, pin_memory=pinned),
+            [torch.zeros((requests, depth + 2), dtype=torch.long, pin_memory=pinned) for _ in range(2)],
         )
         self._builder(shape.budget)  # made before any capture
         self._entries[shape] = entry
