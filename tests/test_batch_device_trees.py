@@ -12,7 +12,6 @@ import dflash.batch.core as core_module
 from dflash.batch.core import BatchCore
 from dflash.batch.draft_pass import DraftRows, run_drafter
 from dflash.batch.padded import PaddedBatch
-from dflash.batch.policy import EXPLORE_EVERY
 from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
 from dflash.environment import DEVICE_TREES
@@ -178,32 +177,3 @@ def test_device_trees_commit_round_for_round_what_host_built_trees_commit(monkey
 def test_graphed_device_trees_commit_what_host_built_trees_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through the captured graphs and the Triton tree programs on a GPU."""
     _commit_like_the_host(monkeypatch, torch.device("cuda"), 1e-3)
-
-
-def test_a_policy_that_turned_speculation_off_still_explores_through_device_rounds() -> None:
-    """A policy that never finds speculation paying: one step in `EXPLORE_EVERY` still speculates, as a device
-    round (never a host-built one), and every request keeps its greedy tokens."""
-    target, drafter = golden_pair()
-    prompts = random_prompts(3, target.config.vocab_size, seed=5, lengths=(9, 30, 17))
-    references = [run(target, None, prompt, 80)[0] for prompt in prompts]
-    core = make_core(target, drafter, max_batch=3, ddtree_budget=6, eager_padded=True)
-    core.policy.plan = lambda *args, explore=False, **kwargs: explore  # type: ignore[method-assign]
-    assert core.device_trees is not None
-    launches = 0
-    real_launch = core.device_trees.launch
-
-    def counted(step: list[Sequence], budget: int, *, follow: bool = False) -> Any:
-        nonlocal launches
-        launches += 1
-        return real_launch(step, budget, follow=follow)
-
-    core.device_trees.launch = counted  # type: ignore[method-assign]
-    seqs = [make_sequence(target, prompt, 80, "ddtree") for prompt in prompts]
-    for seq in seqs:
-        core.add(seq)
-    steps = drain(core)
-    drafted = sum(seq.drafted_rounds for seq in seqs)
-    assert steps // EXPLORE_EVERY - 3 <= launches <= steps // EXPLORE_EVERY + 1
-    assert drafted == launches * len(seqs)  # every drafted round was a device round's
-    for seq, reference in zip(seqs, references, strict=True):
-        assert seq.sink.token_ids == reference

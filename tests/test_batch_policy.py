@@ -50,9 +50,9 @@ def test_predictions_equal_a_dense_weighted_least_squares_solve(drafting: str) -
             assert costs.predict(rows_asked, drafted_asked) == pytest.approx(expected, rel=1e-3)
 
 
-def test_the_plan_speculates_where_it_pays_and_where_it_explores() -> None:
+def test_the_plan_speculates_where_it_pays() -> None:
     """A drafted step costing 3 ms more than a plain one: at 2 tokens per round for 8 requests a 32-node tree does
-    not pay, at 6 it does; an exploring step speculates either way."""
+    not pay, at 6 it does."""
     policy = SpeculationPolicy(ddtree_budget=32, linear_drafts=15, max_step_rows=256)
     for step in range(40):
         rows = 8 + (step % 5) * 60
@@ -60,7 +60,6 @@ def test_the_plan_speculates_where_it_pays_and_where_it_explores() -> None:
         policy.costs.observe(rows, drafted, 0.001 + 2e-6 * rows + (0.003 if drafted else 0.0))
     assert not policy.plan([2.0] * 8, [32] * 8, plain_rows=0)
     assert policy.plan([6.0] * 8, [32] * 8, plain_rows=0)
-    assert policy.plan([2.0] * 8, [32] * 8, plain_rows=0, explore=True)
 
 
 def test_a_new_request_expects_the_recent_acceptance_of_its_mode() -> None:

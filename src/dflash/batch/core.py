@@ -24,7 +24,7 @@ import torch
 from dflash.batch.device_trees import DeviceTrees, LaunchedRound, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
-from dflash.batch.policy import EXPLORE_EVERY, RoundPlan, SpeculationPolicy
+from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
@@ -160,7 +160,6 @@ class BatchCore:
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
         self.last_batch = 0
-        self.steps = 0  # steps begun (`_plan_step`)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def positions_needed(self, seq: Sequence) -> int:
@@ -243,7 +242,6 @@ class BatchCore:
     @torch.inference_mode()
     def step(self) -> int:
         """Run one batched step; returns the number of sequences it served (0: nothing to do)."""
-        self.steps += 1
         # every sequence's `should_stop` is polled once per step (before each of its prefill chunks and rounds)
         for seq in list(self.active):
             if seq.stop_requested():
@@ -269,7 +267,7 @@ class BatchCore:
         served = [seq for seq, _, _ in prefills] + decoders
         started = time.perf_counter()
         try:
-            rounds = self._plan_step(decoders, may_explore=not prefills)
+            rounds = self._plan_rounds(decoders)
             if not prefills and self._device_tree_step_fits(rounds):
                 return self._device_tree_step(rounds)
             self._draft(rounds)
@@ -436,16 +434,7 @@ class BatchCore:
         cache.store_rows(seq.request.prompt_ids, keys, values, features, recurrent=recurrent)
 
     # ---- decoding rounds ---------------------------------------------------------------------------------
-    def _plan_step(self, decoders: list[Sequence], *, may_explore: bool) -> list[_Round]:
-        """This step's rounds; one step in `EXPLORE_EVERY` speculates whatever the policy's fit predicts, where
-        `may_explore` and the step is a device step (a host-built drafted step costs several plain steps)."""
-        if may_explore and self.device_trees is not None and self.steps % EXPLORE_EVERY == 0:
-            rounds = self._plan_rounds(decoders, explore=True)
-            if self._device_tree_step_fits(rounds):
-                return rounds
-        return self._plan_rounds(decoders)
-
-    def _plan_rounds(self, decoders: list[Sequence], *, explore: bool = False) -> list[_Round]:
+    def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:
         speculating = sum(1 for s in decoders if s.speculative)
         plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
         rounds = [self._round_for(seq, plan) for seq in decoders]
@@ -454,7 +443,7 @@ class BatchCore:
         if len(decoders) > 1 and drafting and not self.policy.plan(
             [r.seq.expected_tokens(self.policy.prior(r.seq.mode)) for r in drafting],
             [r.budget or r.outputs for r in drafting],
-            plain_rows=len(rounds) - len(drafting), explore=explore,
+            plain_rows=len(rounds) - len(drafting),
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
             rounds = [_Round(r.seq, "plain") for r in rounds]
         return rounds
@@ -690,7 +679,7 @@ class BatchCore:
         seqs = trees.launched.seqs
         rounds: list[_Round] = []
         if len(self.active) == len(seqs) and all(s.phase == "decode" for s in self.active):
-            rounds = self._plan_step(self.active, may_explore=True)
+            rounds = self._plan_rounds(self.active)
         budget = rounds[0].budget if rounds else 0
         if not (
             self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow([r.seq for r in rounds], budget)
@@ -753,7 +742,7 @@ class BatchCore:
         decoders = self.active
         if not decoders or any(s.phase != "decode" for s in decoders) or not self.overlap.takes(decoders):
             return None
-        rounds = self._plan_step(decoders, may_explore=True)  # every request decodes: no prompt chunk
+        rounds = self._plan_rounds(decoders)
         for r in rounds:
             if r.kind != "plain" or not _choice_stateless(r.seq.chooser, self.overlap.produced(r.seq)):
                 return None

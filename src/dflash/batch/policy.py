@@ -25,10 +25,6 @@ DEFAULT_MAX_STEP_ROWS = {"cpu": 32, "cuda": 256}
 # a trained drafter: results/README.md lists 2.5-4 tokens per round).
 PRIOR_ACCEPTANCE = 2.0
 MIN_OBSERVATIONS = 8  # steps before the fitted costs are trusted (before that: always speculate)
-# Where drafted steps are cheap to try (`dflash.batch.device_trees`), one step in this many speculates whatever the
-# fit predicts: once speculation is off no drafted step is measured, and the fit's first drafted steps (the first
-# of their shapes, the first requests' rounds) may be much slower than later ones.
-EXPLORE_EVERY = 16
 MIN_ROUNDS = 8  # drafted rounds over all requests before their mean replaces PRIOR_ACCEPTANCE for new requests
 ROUND_DECAY = 0.99  # weight of older rounds in that mean
 
@@ -139,11 +135,10 @@ class SpeculationPolicy:
             rows.update((plan.ddtree_budget + 1, plan.linear_drafts + 1))
         return rows
 
-    def plan(self, acceptance: list[float], drafted_rows: list[int], plain_rows: int, *, explore: bool = False) -> bool:
+    def plan(self, acceptance: list[float], drafted_rows: list[int], plain_rows: int) -> bool:
         """Whether to speculate this step: `acceptance` and `drafted_rows` per speculating request (expected
-        tokens per round, drafted rows it would verify), `plain_rows` rows of requests decoding plainly.
-        `explore`: speculate anyway (`EXPLORE_EVERY`, the caller's choice)."""
-        if not acceptance or not self.costs.trusted or explore:
+        tokens per round, drafted rows it would verify), `plain_rows` rows of requests decoding plainly."""
+        if not acceptance or not self.costs.trusted:
             return True
         n = len(acceptance)
         speculate = self.costs.predict(plain_rows + n + sum(drafted_rows), True)
