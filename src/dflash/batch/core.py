@@ -634,11 +634,7 @@ class BatchCore:
         """A round's committed tokens (its K/V rows already kept): the drafter's new context, the next pending
         token, the chooser's history and the output."""
         if kept_features is not None:
-            carried = seq.new_features
-            if carried is None or not carried.shape[0]:
-                seq.new_features = kept_features
-            else:
-                seq.new_features = torch.cat((carried, kept_features))
+            seq.keep_features(kept_features)
         seq.pending = committed[-1]
         seq.chooser.observe(committed)
         if seq.sink.push_many(committed):
@@ -657,7 +653,7 @@ class BatchCore:
         needed = 2 * depth + 1 if ahead else depth
         for r in rounds:
             seq = r.seq
-            if r.budget != budget or seq.new_features is None or not _plain_greedy(seq.chooser, seq.produced):
+            if r.budget != budget or seq.feature_rows is None or not _plain_greedy(seq.chooser, seq.produced):
                 return False
             if seq.request.max_new_tokens - seq.produced - 1 < needed:
                 return False

@@ -43,7 +43,9 @@ class Sequence:
     prompt_features: list[torch.Tensor] = field(default_factory=list)  # each [rows, n*hidden], in order
     start: int = 0
     pending: int = 0
-    new_features: torch.Tensor | None = None  # [rows, n*hidden]
+    # the features of positions the drafter has not read, as the rows rounds kept, in order (each [rows, n*hidden]):
+    # joined only when a round drafts (`new_features`), not once per plain step while speculation is off
+    feature_rows: list[torch.Tensor] | None = None
     prefill_started: float = 0.0
     decode_started: float = 0.0
     drafted_rounds: int = 0  # verified rounds that had drafts, and the tokens they committed (the policy's input)
@@ -59,6 +61,27 @@ class Sequence:
     @property
     def produced(self) -> int:
         return len(self.sink.token_ids)
+
+    @property
+    def new_features(self) -> torch.Tensor | None:
+        """[rows, n*hidden]: the features of positions start - rows .. start - 1 (None before decoding)."""
+        parts = self.feature_rows
+        if parts is None:
+            return None
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]
+        return parts[0] if parts else None
+
+    @new_features.setter
+    def new_features(self, features: torch.Tensor | None) -> None:
+        self.feature_rows = None if features is None else [features]
+
+    def keep_features(self, rows: torch.Tensor) -> None:
+        """Append the features of a round's kept positions (rows [n, n*hidden])."""
+        if self.feature_rows is None:
+            self.feature_rows = [rows]
+        else:
+            self.feature_rows.append(rows)
 
     @property
     def speculative(self) -> bool:
