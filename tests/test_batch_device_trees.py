@@ -177,3 +177,46 @@ def test_device_trees_commit_round_for_round_what_host_built_trees_commit(monkey
 def test_graphed_device_trees_commit_what_host_built_trees_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through the captured graphs and the Triton tree programs on a GPU."""
     _commit_like_the_host(monkeypatch, torch.device("cuda"), 1e-3)
+
+
+def test_requests_that_stop_or_are_cancelled_while_a_device_round_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device rounds launched one ahead, mostly right drafts: a request that reaches its EOS ends there (its round may
+    have committed tokens past it), one cancelled mid-generation ends with a prefix of its tokens, the third runs to
+    its limit; the rounds still in flight for the ended ones change nothing, and every pool block comes back."""
+    target, drafter = golden_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=8, lengths=(12, 33, 20))
+    references = [prompt + run(target, None, prompt, 80)[0] for prompt in prompts]
+    outputs = [reference[len(prompt):] for prompt, reference in zip(prompts, references, strict=True)]
+    eos = outputs[0][40]  # request 0 stops at the first occurrence of this token
+    expected = outputs[0][: outputs[0].index(eos) + 1]
+    assert 8 < len(expected) < len(outputs[0])
+    core = make_core(target, drafter, max_batch=3, ddtree_budget=6, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    holder: list[Sequence] = []
+    seqs = [
+        make_sequence(target, prompts[0], 80, "ddtree", eos=(eos,)),
+        make_sequence(target, prompts[1], 80, "ddtree", should_stop=lambda: holder[0].produced >= 20),
+        make_sequence(target, prompts[2], 80, "ddtree"),
+    ]
+    holder.append(seqs[1])
+    _install_oracles(monkeypatch, core, seqs, references, {})
+    assert core.device_trees is not None
+    followed = 0
+    real_launch = core.device_trees.launch
+
+    def counted(step: list[Sequence], budget: int, *, follow: bool = False) -> Any:
+        nonlocal followed
+        followed += follow
+        return real_launch(step, budget, follow=follow)
+
+    core.device_trees.launch = counted  # type: ignore[method-assign]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    assert followed >= 3
+    assert seqs[0].error is None and seqs[0].sink.token_ids == expected
+    assert seqs[1].sink.finish_reason == "cancelled" and len(seqs[1].sink.token_ids) >= 20
+    assert seqs[1].sink.token_ids == outputs[1][: len(seqs[1].sink.token_ids)]
+    assert seqs[2].error is None and seqs[2].sink.token_ids == outputs[2]
+    assert core.target_pool.free_blocks == core.target_pool.num_blocks
+    assert core.drafter_pool is not None and core.drafter_pool.free_blocks == core.drafter_pool.num_blocks
