@@ -15,6 +15,7 @@ from dflash.batch.padded import PaddedBatch
 from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
 from dflash.environment import DEVICE_TREES
+from dflash.kv.prefix_cache import PrefixCache
 from tests.batch_helpers import drain, make_core, make_sequence
 from tests.spec_helpers import golden_pair, one_torch_thread, oracle_logits, random_prompts, run
 
@@ -220,3 +221,36 @@ def test_requests_that_stop_or_are_cancelled_while_a_device_round_is_in_flight(m
     assert seqs[2].error is None and seqs[2].sink.token_ids == outputs[2]
     assert core.target_pool.free_blocks == core.target_pool.num_blocks
     assert core.drafter_pool is not None and core.drafter_pool.free_blocks == core.drafter_pool.num_blocks
+
+
+def test_device_rounds_after_prefix_cache_hits_give_each_request_its_tokens() -> None:
+    """DDTree requests whose prompts share a cached 64-token prefix (keys, values and the drafter's features restored
+    from the prefix cache) decode through device rounds: each gives its greedy tokens alone."""
+    target, drafter = golden_pair()
+    shared = random_prompts(1, target.config.vocab_size, seed=15, lengths=(64,))[0]
+    tails = random_prompts(4, target.config.vocab_size, seed=16, lengths=(5, 40))
+    cache = PrefixCache(64 * 2**20, block_tokens=32, feature_layers=drafter.config.target_layer_ids)
+    core = make_core(target, drafter, max_batch=4, prefill_chunk=32, prefix_cache=cache, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    assert core.device_trees is not None
+    launches = 0
+    real_launch = core.device_trees.launch
+
+    def counted(step: list[Sequence], budget: int, *, follow: bool = False) -> Any:
+        nonlocal launches
+        launches += 1
+        return real_launch(step, budget, follow=follow)
+
+    core.device_trees.launch = counted  # type: ignore[method-assign]
+    first = make_sequence(target, shared + tails[0], 40, "ddtree")
+    core.add(first)
+    drain(core)
+    later = [make_sequence(target, shared + tail, 40, "ddtree") for tail in tails[1:]]
+    for seq in later:
+        core.add(seq)
+    drain(core)
+    assert launches > 10
+    assert all(seq.stats.cached_tokens == 64 for seq in later)
+    for seq in [first, *later]:
+        assert seq.error is None
+        assert seq.sink.token_ids == run(target, None, seq.request.prompt_ids, 40)[0]

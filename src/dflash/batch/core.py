@@ -7,6 +7,10 @@ sequence never waits for memory or loses work); (3) prefill chunks are taken, up
 drafter round for every speculating sequence; (5) DDTree trees and linear blocks are built; (6) one packed target
 pass over the prefill chunks, plain steps, verification blocks and trees of all sequences; (7) each sequence
 chooses, accepts, commits or rolls back on its own, exactly as a single-request generation would.
+
+On a GPU two kinds of step are launched one ahead of reading their results, so the host's commits overlap the GPU:
+plain steps (`dflash.batch.overlap`) and greedy DDTree rounds built entirely on the device
+(`dflash.batch.device_trees`).
 """
 
 from __future__ import annotations
