@@ -1,4 +1,5 @@
-"""Batched DDTree rounds of greedy requests with every tree on the device: one graph replay and one read per step.
+"""Batched DDTree rounds of greedy requests with every tree on the device: one graph replay and one read per round,
+each round launched before the previous one is read.
 
 The host-built batched round (`dflash.batch.core`) reads each request's draft candidates back, grows its tree on the
 host, ships the tree to the verification and reads every row's choice back: at 8 requests that host work and its
@@ -13,9 +14,12 @@ instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
 4. verifies every tree in one padded target pass and walks each tree with the argmax of every row;
 5. moves each accepted path's K/V rows to the slots right after its committed prefix and keeps their features as the
    request's next context;
+6. leaves the next round's inputs on the device (pending token, committed lengths, positions, context rows);
 
-and writes [accepted, committed tokens...] per request to one buffer, read back once. The host commits those tokens as
-it commits a host-built round's. Greedy verification accepts exactly the target's own argmax path, so the output is
+and writes [accepted, committed tokens...] per request to one buffer, read back once. While the same requests go on
+with the same shape, the next round is launched from step 6's state before this one is read (`launch(follow=True)`),
+so the host's commits overlap the GPU; otherwise every round is read before the next is loaded from the host. The
+host commits the tokens as it commits a host-built round's. Greedy verification accepts exactly the target's own argmax path, so the output is
 the target's greedy decoding whatever the tree (the device and host trees may differ on exact score ties).
 """
 
@@ -175,13 +179,6 @@ class DeviceTrees:
             self._handed[index] = features
             results.append(RoundResult(accepted, row[1 : accepted + 2], features))
         return results
-
-    def run(self, seqs: list[Sequence], budget: int) -> list[RoundResult]:
-        """One round launched from the host and read."""
-        self.launch(seqs, budget)
-        launched = self.take()
-        assert launched is not None
-        return self.read(launched)
 
     def _load(self, entry: _Entry, seqs: list[Sequence], budget: int) -> None:
         """Each request's new context into `context` (where it is not there already), its drafter table advanced
