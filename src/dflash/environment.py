@@ -86,7 +86,7 @@ def gguf_cache_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 def cpu_layer_ops_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_CPU_LAYER_OPS`: on unless 0, false, no or off."""
-    return _environ(env).get(CPU_LAYER_OPS, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(env, CPU_LAYER_OPS)
 
 
 def attention(env: Mapping[str, str] | None = None) -> str:
@@ -99,19 +99,24 @@ def padded_attention(env: Mapping[str, str] | None = None) -> str:
     return _choice(_environ(env), PADDED_ATTENTION, PADDED_ATTENTION_CHOICES)
 
 
+def _switched_on(env: Mapping[str, str] | None, name: str) -> bool:
+    """A switch that is on unless set to 0, false, no or off."""
+    return _environ(env).get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def batch_overlap_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_BATCH_OVERLAP`: on unless 0, false, no or off (`dflash.batch.overlap`)."""
-    return _environ(env).get(BATCH_OVERLAP, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(env, BATCH_OVERLAP)
 
 
 def device_trees_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_DEVICE_TREES`: on unless 0, false, no or off (`dflash.batch.device_trees`)."""
-    return _environ(env).get(DEVICE_TREES, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(env, DEVICE_TREES)
 
 
 def fla_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_FLA`: on unless 0, false, no or off (`dflash.kernels.fla_delta_rule`)."""
-    return _environ(env).get(FLA, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(env, FLA)
 
 
 def gguf_input(env: Mapping[str, str] | None = None) -> str:
@@ -131,7 +136,7 @@ def tp_allreduce(env: Mapping[str, str] | None = None) -> str:
 
 def tp_vocab_split(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_TP_VOCAB_SPLIT`: on unless 0, false, no or off (`dflash.parallel.sharding.vocab_split`)."""
-    return _environ(env).get(TP_VOCAB_SPLIT, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(env, TP_VOCAB_SPLIT)
 
 
 def api_key(env: Mapping[str, str] | None = None) -> str | None:

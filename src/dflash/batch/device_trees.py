@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from dflash.batch.draft_pass import DraftRows, absorb_context_rows
+from dflash.batch.draft_pass import DraftRows, absorb_context_rows, store_context
 from dflash.batch.graphs import PaddedForward
 from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedBatch, PaddedShape, bucket_up
 from dflash.batch.pool import BlockPool
@@ -261,14 +261,7 @@ class DeviceTrees:
         real = offsets[None] < context_rows[:, None]
         positions = torch.where(real, positions, 0)
         slots = torch.where(real, _slots(batch, positions), pool.trash_slot).reshape(-1)  # [requests * rows]
-        ctx = self.drafter.context(self.context[:requests])  # [requests, rows, hidden]
-        cos, sin = self.drafter.rotary.cos_sin(positions, ctx.dtype)
-        layer: Any
-        for index, layer in enumerate(self.drafter.layers):
-            k, v = layer.self_attn.keys_values(ctx, cos, sin)  # [requests, kv_heads, rows, head_dim]
-            kv_heads, dim = k.shape[1], k.shape[3]
-            pool.keys[index].index_copy_(1, slots, k.transpose(0, 1).reshape(kv_heads, -1, dim).to(pool.keys.dtype))
-            pool.values[index].index_copy_(1, slots, v.transpose(0, 1).reshape(kv_heads, -1, dim).to(pool.values.dtype))
+        store_context(self.drafter, pool, self.context[:requests], positions, slots)
 
     def _keep_paths(
         self, batch: PaddedBatch, paths: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor, depth: int

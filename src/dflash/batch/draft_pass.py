@@ -143,6 +143,21 @@ def _graphed_blocks(drafter: DFlashDrafter, graphs: GraphedDrafterPasses, items:
     return [DraftScores(part, None, part.shape[-1]) for part in logits]
 
 
+def store_context(
+    drafter: DFlashDrafter, pool: BlockPool, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Context rows as keys and values of every drafter layer, written to their pool slots: features [b, n,
+    n*target_hidden] of positions [b, n], slots [b * n] (row-major; fixed shapes, so a graph can capture it)."""
+    ctx = drafter.context(features)  # [b, n, hidden]
+    cos, sin = drafter.rotary.cos_sin(positions, ctx.dtype)
+    layer: Any
+    for index, layer in enumerate(drafter.layers):
+        k, v = layer.self_attn.keys_values(ctx, cos, sin)  # [b, kv_heads, n, head_dim]
+        kv_heads, dim = k.shape[1], k.shape[3]
+        pool.keys[index].index_copy_(1, slots, k.transpose(0, 1).reshape(kv_heads, -1, dim).to(pool.keys.dtype))
+        pool.values[index].index_copy_(1, slots, v.transpose(0, 1).reshape(kv_heads, -1, dim).to(pool.values.dtype))
+
+
 def absorb_context_rows(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:
     """Write the context keys/values of every request's new features and commit them in its table."""
     live = [item for item in items if item.new_features.shape[0]]
@@ -154,12 +169,6 @@ def absorb_context_rows(drafter: DFlashDrafter, pool: BlockPool, items: Sequence
     spans = (range(i.table.length, i.table.length + i.new_features.shape[0]) for i in live)
     positions = torch.from_numpy(np.fromiter(chain.from_iterable(spans), dtype=np.int64)).to(device)[None]
     slots = torch.cat([i.table.slots(i.table.length, i.table.length + i.new_features.shape[0]) for i in live])
-    ctx = drafter.context(features)  # [1, new, hidden]
-    cos, sin = drafter.rotary.cos_sin(positions, drafter.fc.weight.dtype)
-    layer: Any
-    for index, layer in enumerate(drafter.layers):
-        k, v = layer.self_attn.keys_values(ctx, cos, sin)  # [1, kv_heads, new, head_dim]
-        pool.keys[index].index_copy_(1, slots, k[0].to(pool.keys.dtype))
-        pool.values[index].index_copy_(1, slots, v[0].to(pool.values.dtype))
+    store_context(drafter, pool, features, positions, slots)
     for item in live:
         item.table.crop(item.table.length + item.new_features.shape[0])
