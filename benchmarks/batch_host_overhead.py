@@ -17,10 +17,12 @@ published-shape drafter with random bf16 weights, `benchmarks/gpu_scale_study.py
 The model's vocabulary is the first `--vocab` ids of SmolLM2's (the sinks decode text with the SmolLM2 tokenizer
 when it is installed, as the server's do): on the GPU the LM head, argmax and top-k over the vocabulary run on the
 device, on the CPU they would swamp the host figures. The speculation policy is told to speculate every step (a
-random drafter would otherwise switch it off; it still runs) and EOS is ignored, so every step does the same work.
+random drafter would otherwise switch it off; it still runs; `--speculation off`: told never to, so speculative
+requests ride plain steps) and EOS is ignored, so every step does the same work.
 
 Usage: python benchmarks/batch_host_overhead.py [--requests 1,4,8,16] [--modes plain,linear,ddtree]
-    [--path padded|packed] [--steps 40] [--repeats 3] [--json out.json] [--breakdown] [--profile]
+    [--path padded|packed] [--steps 40] [--repeats 3] [--speculation on|off] [--json out.json] [--breakdown]
+    [--profile]
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ def new_sequence(target: CausalLM, prompt: list[int], max_new: int, mode: str,
 def run_level(
     target: CausalLM, drafter: DFlashDrafter, decode: Callable[[list[int]], str] | None, *, mode: str, path: str,
     requests: int, steps: int, warmup: int, budget: int, max_step_rows: int, seed: int, breakdown: bool,
+    speculate: bool = True,
 ) -> dict[str, Any]:
     timers = Timers()
     undo = patch_padded_forwards(timers) if path == "padded" else (lambda: None)
@@ -200,8 +203,13 @@ def run_level(
         if path == "graphed":
             assert core.graphs is not None, "graphs need a CUDA device"
             core.capture_graphs(max_keys=512)  # the timed steps stay within 512 keys; others are captured on use
-        plan = core.policy.plan  # its cost stays in the step; its answer is always to speculate
-        core.policy.plan = lambda *args, **kwargs: plan(*args, **kwargs) or True  # type: ignore[method-assign]
+        plan = core.policy.plan
+
+        def fixed_plan(*args: Any, **kwargs: Any) -> bool:
+            plan(*args, **kwargs)  # its cost stays in the step; its answer is `--speculation`
+            return speculate
+
+        core.policy.plan = fixed_plan  # type: ignore[method-assign]
         generator = torch.Generator().manual_seed(seed)
         received: list[str] = []
         for _ in range(requests):
@@ -254,6 +262,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--budget", type=int, default=32, help="DDTree budget (the CUDA default)")
     parser.add_argument("--max-step-rows", type=int, default=256, help="the CUDA default")
+    parser.add_argument("--speculation", choices=("on", "off"), default="on",
+                        help="the policy's answer every step (off: speculative requests ride plain steps)")
     parser.add_argument("--no-tokenizer", action="store_true", help="sinks decode nothing (no SmolLM2 text)")
     parser.add_argument("--tokenizer-json", type=Path, default=None,
                         help="the SmolLM2 tokenizer saved as tokenizer.json (where its GGUF package is missing)")
@@ -283,7 +293,7 @@ def main() -> None:
                     runs.append(run_level(
                         target, drafter, decode, mode=mode, path=args.path, requests=requests, steps=args.steps,
                         warmup=args.warmup, budget=args.budget, max_step_rows=args.max_step_rows, seed=repeat,
-                        breakdown=args.breakdown,
+                        breakdown=args.breakdown, speculate=args.speculation == "on",
                     ))
                     if profiler is not None:
                         profiler.disable()
