@@ -66,22 +66,30 @@ def build_large_pair(device: torch.device) -> tuple[CausalLM, DFlashDrafter]:
     return build_target(device), build_drafter(device)
 
 
-def build_pair(vocab: int, layers: int, hidden: int, seed: int = 0) -> tuple[CausalLM, DFlashDrafter]:
-    """A random float32 Qwen3-shaped target and a one-layer DFlash drafter (block 16) reading two of its layers."""
-    heads, head_dim = 4, hidden // 4
+def build_pair(
+    vocab: int, layers: int, hidden: int, seed: int = 0, shape: str = "tiny"
+) -> tuple[CausalLM, DFlashDrafter]:
+    """A random float32 Qwen3-shaped target and a one-layer DFlash drafter (block 16) reading two of its layers;
+    `shape="smollm2"`: the default target's shape (Llama, 30 x 576, 9 / 3 heads of 64, MLP 1536) and the shipped
+    drafter's (4 layers reading target layers 1, 10, 18, 27), random weights over the first `vocab` ids."""
+    if shape == "smollm2":
+        layers, hidden = 30, 576
+        heads, kv_heads, head_dim, mlp, draft_layers, taps = 9, 3, 64, 1536, 4, (1, 10, 18, 27)
+    else:
+        heads, kv_heads, head_dim, mlp, draft_layers, taps = 4, 2, hidden // 4, 2 * hidden, 1, (0, layers - 1)
     config = ModelConfig(
-        architecture="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
-        num_heads=heads, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=32768, tie_word_embeddings=False, layer_types=("full_attention",) * layers,
-        qk_norm=True,
+        architecture="qwen3" if shape == "tiny" else "llama", vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=mlp, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+        layer_types=("full_attention",) * layers, qk_norm=shape == "tiny",
     )
     drafter_config = DrafterConfig(
-        block_size=16, mask_token_id=vocab - 1, target_layer_ids=(0, layers - 1), num_target_layers=layers,
-        hidden_size=hidden, intermediate_size=2 * hidden, num_layers=1, num_heads=heads, num_kv_heads=2,
+        block_size=16, mask_token_id=vocab - 1, target_layer_ids=taps, num_target_layers=layers,
+        hidden_size=hidden, intermediate_size=mlp, num_layers=draft_layers, num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, vocab_size=vocab, max_position_embeddings=32768,
     )
     torch.manual_seed(seed)
-    target = MODEL_CLASSES["qwen3"](config)
+    target = MODEL_CLASSES[config.architecture](config)
     drafter = DFlashDrafter(drafter_config)
     for module in (target, drafter):
         with torch.no_grad():
@@ -253,7 +261,7 @@ def main() -> None:
     parser.add_argument("--modes", default="plain,linear,ddtree")
     parser.add_argument("--path", choices=("padded", "packed", "graphed"), default="padded")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--shape", choices=("tiny", "qwen3-8b"), default="tiny")
+    parser.add_argument("--shape", choices=("tiny", "smollm2", "qwen3-8b"), default="tiny")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3, help="levels run this many times; the best is kept")
@@ -278,7 +286,7 @@ def main() -> None:
     if args.shape == "qwen3-8b":
         target, drafter = build_large_pair(device)
     else:
-        target, drafter = build_pair(args.vocab, args.layers, args.hidden)
+        target, drafter = build_pair(args.vocab, args.layers, args.hidden, shape=args.shape)
         target, drafter = target.to(device), drafter.to(device)
     decode = None if args.no_tokenizer else smollm2_decode(args.tokenizer_json)
     results = []

@@ -73,7 +73,7 @@ def smollm2_tokenizer(tokenizer_json: Path | None) -> Tokenizer:
 
 
 def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
-    target, drafter = build_pair(args.vocab, args.layers, args.hidden)
+    target, drafter = build_pair(args.vocab, args.layers, args.hidden, shape=args.shape)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target, drafter = target.to(device, dtype), drafter.to(device, dtype)
     max_ctx = args.prompt_tokens + args.max_tokens + 256
@@ -337,6 +337,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--shape", choices=("tiny", "smollm2"), default="tiny",
+                        help="smollm2: the default target's and drafter's shapes (--layers, --hidden ignored)")
     parser.add_argument("--budget", type=int, default=32, help="DDTree budget (the CUDA default)")
     parser.add_argument("--max-step-rows", type=int, default=256, help="verified rows per step (the CUDA default)")
     parser.add_argument("--tokenizer-json", type=Path, default=None,

@@ -31,6 +31,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--shape", choices=("tiny", "smollm2"), default="tiny",
+                        help="smollm2: the default target's and drafter's shapes (--layers, --hidden ignored)")
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--mode", default="plain", choices=("plain", "ddtree"))

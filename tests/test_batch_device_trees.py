@@ -57,7 +57,7 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
     if core.device_trees is None:
         return
     trees = core.device_trees
-    device_pass = trees.drafter_forward
+    device_pass = trees.draft_pass
     # the device rounds' oracle runs inside their graph: no host reads, each request's reference found through its
     # drafter table's first block (filled in before each round)
     assert core.drafter_pool is not None
@@ -86,8 +86,8 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
             drafts[(request, int(starts[index]))] = logits[index, : trees.depth(budget)]
         return previous
 
-    def device_oracle(batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits, features = device_pass(batch)  # [requests, block - 1, vocab]
+    def device_oracle(batch: PaddedBatch, context_rows: torch.Tensor) -> torch.Tensor:
+        logits = device_pass(batch, context_rows)  # [requests, block - 1, vocab]
         first = batch.blocks[:, 0]  # [requests]
         start = batch.past[:, None]  # [requests, 1]
         position = start + 1 + torch.arange(logits.shape[1], device=device)[None]  # [requests, rows]
@@ -103,10 +103,10 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
                                                           old_right)[..., None])
         old_wrong = logits.gather(2, wrong[..., None])[..., 0]
         logits.scatter_(2, wrong[..., None], torch.where(inside & swapped, top + 6.0, old_wrong)[..., None])
-        return logits, features
+        return logits
 
     trees.launch = launch_with_references  # type: ignore[method-assign]
-    trees.drafter_forward = device_oracle
+    trees.draft_pass = device_oracle
 
 
 def _serve(

@@ -144,7 +144,8 @@ class BatchCore:
             )
             if drafter is not None and self.drafter_pool is not None:
                 self.drafter_graphs = GraphedDrafterPasses(
-                    drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed
+                    drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed,
+                    fused=not isinstance(drafter, DFlash2Drafter),
                 )
         # greedy DDTree steps with their trees built on the device (`dflash.batch.device_trees`)
         self.device_trees: DeviceTrees | None = None
@@ -157,6 +158,7 @@ class BatchCore:
                 drafter, self.graphs.graphs.forward, self.drafter_graphs.graphs.forward, self.target_pool,
                 self.drafter_pool, drafter.config.feature_size, settings.max_batch, config.vocab_size,
                 memory=memory, graphed=graphed, sliding_window=target.sliding_window,
+                fused_drafter=(target, self.drafter_graphs.fused) if self.drafter_graphs.fused is not None else None,
             )
         self.overlap: OverlappedSteps | None = None
         if self.graphs is not None and settings.overlap and batch_overlap_enabled():

@@ -8,7 +8,8 @@ instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
 
 1. writes each request's new drafter context (the features of the positions it committed last round, kept on the
    device in `context`) into the drafter pool as keys and values;
-2. runs every request's drafter block (`dflash.batch.graphs.padded_drafter_forward`);
+2. runs every request's drafter block (`dflash.batch.graphs.padded_drafter_forward`; with the fused kernels
+   `dflash.batch.fused_padded.fused_padded_drafter_forward` does steps 1 and 2 in one pass);
 3. grows every request's tree from its block's logits, all trees at once (`dflash.fastpath.batched_trees`), straight
    into the verification's inputs;
 4. verifies every tree in one padded target pass and walks each tree with the argmax of every row;
@@ -26,6 +27,7 @@ the target's greedy decoding whatever the tree (the device and host trees may di
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +41,9 @@ from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetRows
 from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.batched_trees import BatchedTreeBuilder, walk_trees, write_tree_inputs
+from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.kernels.triton_argmax import fast_argmax
+from dflash.models.model import CausalLM
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,14 @@ class DeviceTrees:
         self, drafter: DFlashDrafter, target_forward: PaddedForward, drafter_forward: PaddedForward,
         target_pool: BlockPool, drafter_pool: BlockPool, feature_width: int, max_requests: int, vocab: int,
         *, memory: Any = None, graphed: bool = True, sliding_window: int | None = None,
+        fused_drafter: tuple[CausalLM, FusedDrafterWeights] | None = None,
     ) -> None:
+        """`fused_drafter`: (the target, the drafter's joined weights) to run each round's context store and drafter
+        block as one pass through the fused kernels (`fused_padded_drafter_forward`) instead of `drafter_forward`."""
         self.drafter, self.target_forward, self.drafter_forward = drafter, target_forward, drafter_forward
+        self.fused_drafter = fused_drafter
+        # (drafter batch, context rows [requests]) -> draft logits [requests, block - 1, vocab]: `_draft`
+        self.draft_pass: Callable[[PaddedBatch, torch.Tensor], torch.Tensor] = self._draft
         self.target_pool, self.drafter_pool, self.vocab = target_pool, drafter_pool, vocab
         self.max_requests, self.graphed, self.window = max_requests, graphed, sliding_window
         self.block = drafter.config.block_size
@@ -223,8 +233,7 @@ class DeviceTrees:
     def _round(self, entry: _Entry, budget: int) -> None:
         drafter_batch, target_batch = entry.drafter_batch, entry.target_batch
         depth = self.depth(budget)
-        self._absorb(drafter_batch, entry.context_rows)
-        draft_logits, _ = self.drafter_forward(drafter_batch)  # [requests, block - 1, vocab]
+        draft_logits = self.draft_pass(drafter_batch, entry.context_rows)  # [requests, block - 1, vocab]
         trees = self._builder(budget).grow(draft_logits)
         write_tree_inputs(trees, drafter_batch.tokens[:, 0], target_batch.past, target_batch.tokens,
                           target_batch.positions, target_batch.visibility)
@@ -251,17 +260,29 @@ class DeviceTrees:
         target_batch.past.add_(kept)
         entry.context_rows.copy_(kept)
 
-    def _absorb(self, batch: PaddedBatch, context_rows: torch.Tensor) -> None:
+    def _draft(self, batch: PaddedBatch, context_rows: torch.Tensor) -> torch.Tensor:
         """Every request's new context rows (`context`, `context_rows` [requests] of them, the positions right
-        before its block) as keys and values of every drafter layer, written to their slots in the drafter pool."""
+        before its block) written to the drafter pool as every layer's keys and values, then every request's
+        block drafted -> logits [requests, block - 1, vocab]. Through the fused kernels, one pass does both."""
         requests, rows = batch.shape.requests, self.block
         pool = self.drafter_pool
         offsets = torch.arange(rows, device=pool.device)  # [rows]
         positions = batch.past[:, None] - context_rows[:, None] + offsets[None]  # [requests, rows]
         real = offsets[None] < context_rows[:, None]
         positions = torch.where(real, positions, 0)
-        slots = torch.where(real, _slots(batch, positions), pool.trash_slot).reshape(-1)  # [requests * rows]
-        store_context(self.drafter, pool, self.context[:requests], positions, slots)
+        slots = _slots(batch, positions)  # [requests, rows]
+        if self.fused_drafter is not None:
+            from dflash.batch.fused_padded import fused_padded_drafter_forward
+
+            target, weights = self.fused_drafter
+            stored = torch.where(real, slots, -1).reshape(-1)  # [requests * rows]: -1 stores nothing
+            return fused_padded_drafter_forward(
+                self.drafter, target, pool, weights, batch, self.context[:requests], positions, stored
+            )
+        store_context(self.drafter, pool, self.context[:requests], positions,
+                      torch.where(real, slots, pool.trash_slot).reshape(-1))
+        logits, _ = self.drafter_forward(batch)
+        return logits
 
     def _keep_paths(
         self, batch: PaddedBatch, paths: torch.Tensor, lengths: torch.Tensor, features: torch.Tensor, depth: int

@@ -21,6 +21,8 @@ from dflash.batch.padded import ROW_BUCKETS, PaddedBatch, PaddedShape, padded_fo
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
+from dflash.fastpath.fused_drafter import fuse_drafter_weights, supports_fused_drafter
+from dflash.kernels.triton_paged_attention import paged_attention_usable
 from dflash.models.model import CausalLM
 
 log = logging.getLogger("dflash.batch")
@@ -195,12 +197,26 @@ class GraphedDrafterPasses:
     """The drafter's block pass of every speculating request (its context rows are absorbed eagerly before)."""
 
     def __init__(self, drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, max_requests: int,
-                 memory: Any, *, graphed: bool = True) -> None:
+                 memory: Any, *, graphed: bool = True, fused: bool = True) -> None:
+        """`fused`: a drafter of DFlash's layers (not DFlash2's, whose blocks also convolve)."""
         window = drafter.config.sliding_window if any(drafter.sliding) else None
-        self.graphs = PaddedGraphs(
-            "drafter", lambda batch: padded_drafter_forward(drafter, target, pool, batch), pool, window,
-            max_requests, memory, graphed=graphed,
+        # captured passes through the fused kernels where the drafter allows (`fused_padded_drafter_forward`)
+        self.fused = (
+            fuse_drafter_weights(drafter)
+            if fused and graphed and supports_fused_drafter(drafter)
+            and paged_attention_usable(pool.device, drafter.config.head_dim)
+            else None
         )
+        weights = self.fused
+
+        def forward(batch: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if weights is None:
+                return padded_drafter_forward(drafter, target, pool, batch)
+            from dflash.batch.fused_padded import fused_padded_drafter_forward
+
+            return fused_padded_drafter_forward(drafter, target, pool, weights, batch), None
+
+        self.graphs = PaddedGraphs("drafter", forward, pool, window, max_requests, memory, graphed=graphed)
         self.block = drafter.config.block_size
 
     def run(self, items: Sequence[TargetRows], outputs: Sequence[int]) -> list[torch.Tensor]:
