@@ -218,6 +218,7 @@ def run_level(
             return speculate
 
         core.policy.plan = fixed_plan  # type: ignore[method-assign]
+        core.tree_budgets.forced = speculate
         generator = torch.Generator().manual_seed(seed)
         received: list[str] = []
         for _ in range(requests):

@@ -95,6 +95,7 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     core = engine.loop.core
     plan = core.policy.plan  # its cost stays in the step; its answer is always to speculate
     core.policy.plan = lambda *a, **k: plan(*a, **k) or True  # type: ignore[method-assign]
+    core.tree_budgets.forced = True  # greedy DDTree steps: always the largest budget the row cap allows
     if device.type == "cuda":
         print(f"warm-up: {engine.warm_up()} graphs captured", flush=True)
     else:  # the same shapes set up ahead, run eagerly: what a GPU would capture later shows in `new_shapes`

@@ -195,6 +195,7 @@ def count_level(mode: str, path: str, requests: int, steps: int, args: argparse.
             ops.mark(core.drafter_pool.keys, core.drafter_pool.values)
         plan = core.policy.plan
         core.policy.plan = lambda *a, **k: plan(*a, **k) or True  # type: ignore[method-assign]
+        core.tree_budgets.forced = True
         generator = torch.Generator().manual_seed(0)
         for index in range(requests):
             prompt = torch.randint(0, args.vocab - 1, (PROMPT_TOKENS,), generator=generator).tolist()

@@ -74,6 +74,7 @@ def test_a_greedy_request_gives_the_same_tokens_alone_and_in_a_mixed_batch() -> 
 
 def _always_speculate(core: Any) -> Any:
     core.policy.plan = lambda *args, **kwargs: True  # its timing of real steps must not change the rounds' rows
+    core.tree_budgets.forced = True
     return core
 
 

@@ -124,6 +124,7 @@ def _serve(
     core = make_core(target, drafter, max_batch=3, prefill_chunk=32, ddtree_budget=6, cuda_graphs=cuda,
                      eager_padded=not cuda)
     core.policy.plan = lambda *args, **kwargs: True  # its timing of real steps must not change the rounds
+    core.tree_budgets.forced = True
     assert (core.device_trees is not None) == device_trees
     seqs = [make_sequence(target, p, new, "ddtree") for p, new in zip(prompts, MAX_NEW, strict=True)]
     drafts: Drafts = {}
@@ -193,6 +194,7 @@ def test_requests_that_stop_or_are_cancelled_while_a_device_round_is_in_flight(m
     assert 8 < len(expected) < len(outputs[0])
     core = make_core(target, drafter, max_batch=3, ddtree_budget=6, eager_padded=True)
     core.policy.plan = lambda *args, **kwargs: True
+    core.tree_budgets.forced = True
     holder: list[Sequence] = []
     seqs = [
         make_sequence(target, prompts[0], 80, "ddtree", eos=(eos,)),
@@ -232,6 +234,7 @@ def test_device_rounds_after_prefix_cache_hits_give_each_request_its_tokens() ->
     cache = PrefixCache(64 * 2**20, block_tokens=32, feature_layers=drafter.config.target_layer_ids)
     core = make_core(target, drafter, max_batch=4, prefill_chunk=32, prefix_cache=cache, eager_padded=True)
     core.policy.plan = lambda *args, **kwargs: True
+    core.tree_budgets.forced = True
     assert core.device_trees is not None
     launches = 0
     real_launch = core.device_trees.launch

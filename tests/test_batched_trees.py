@@ -21,7 +21,8 @@ def test_a_batch_of_trees_equals_each_tree_grown_and_walked_alone(budget: int, d
     # target choices that follow each tree for a while, then leave it
     follow = torch.rand((trees, budget + 1), generator=generator) < 0.8
     choices = torch.where(follow, grown.tokens.roll(-1, dims=1), 0)
-    paths, lengths, committed = walk_trees(grown, choices, depth)
+    walk = walk_trees(grown, choices, depth)
+    paths, lengths, committed = walk.path, walk.length, walk.committed
     assert (lengths > 1).any()  # some walks accept nodes
     for index in range(trees):
         tree = single.grow(logits[index, :depth])
@@ -51,3 +52,41 @@ def test_tree_inputs_are_each_tree_s_rows_and_ancestor_mask() -> None:
         assert torch.equal(positions[index, : budget + 1], past[index] + grown.depths[index])
         assert torch.equal(visibility[index, : budget + 1, : budget + 1], grown.ancestors[index])
         assert torch.equal(visibility[index, budget + 1 :], torch.eye(rows, dtype=torch.bool)[budget + 1 :])
+
+
+def _prefix_choices(trees: object, top_ids: torch.Tensor) -> torch.Tensor:
+    """A target whose choice after a row depends only on the row's token prefix: one of the drafter's three best
+    tokens at the next depth, picked by a hash of the prefix -> choices [trees, n+1]."""
+    tokens, parents, depths = trees.tokens, trees.parents, trees.depths  # type: ignore[attr-defined]
+    count, rows = tokens.shape
+    choices = torch.zeros((count, rows), dtype=torch.long)
+    for t in range(count):
+        for row in range(rows):
+            prefix, node = [], row
+            while node != 0:
+                prefix.append(int(tokens[t, node]))
+                node = int(parents[t, node])
+            depth = int(depths[t, row])
+            if depth < top_ids.shape[1]:
+                pick = sum((i + 3) * token for i, token in enumerate(prefix)) % 3
+                choices[t, row] = top_ids[t, depth, pick]
+    return choices
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lengths_within_smaller_budgets_equal_walking_the_smaller_trees(seed: int) -> None:
+    """A walk's length under each smaller budget (from the nodes' score ranks) is the length of walking the tree
+    actually grown with that budget from the same logits, against the same target."""
+    generator = torch.Generator().manual_seed(seed)
+    count, depth, vocab, budget = 6, 7, 40, 31
+    logits = torch.randn((count, depth, vocab), generator=generator) * 3
+    top_ids = logits.topk(3, dim=-1).indices  # [trees, depth, 3]
+    grown = BatchedTreeBuilder(budget, depth, vocab, "cpu").grow(logits)
+    walk = walk_trees(grown, _prefix_choices(grown, top_ids), depth)
+    smaller = [3, 7, 15]
+    within = walk.lengths_within(grown, smaller)  # [trees, 3]
+    assert (within[:, -1] > 1).any() and not torch.equal(within[:, 0], walk.length)
+    for column, small in enumerate(smaller):
+        tree = BatchedTreeBuilder(small, min(depth, small), vocab, "cpu").grow(logits)
+        expected = walk_trees(tree, _prefix_choices(tree, top_ids), min(depth, small)).length
+        assert torch.equal(within[:, column], expected)

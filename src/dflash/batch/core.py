@@ -28,10 +28,12 @@ import torch
 from dflash.batch.device_trees import DeviceTrees, LaunchedRound, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
+from dflash.batch.padded import PaddedShape
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
+from dflash.batch.tree_budgets import TreeBudgetChooser, candidate_budgets
 from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.selector import CandidateLattice
@@ -128,6 +130,9 @@ class BatchCore:
         self.policy = SpeculationPolicy(
             settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
         )
+        self.tree_budgets = TreeBudgetChooser()  # steps of greedy DDTree requests only (`_tree_option`)
+        self._option_memo: tuple[tuple[int, tuple[int, ...]], int] | None = None
+        self._step_index = 0
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
@@ -159,6 +164,7 @@ class BatchCore:
                 self.drafter_pool, drafter.config.feature_size, settings.max_batch, config.vocab_size,
                 memory=memory, graphed=graphed, sliding_window=target.sliding_window,
                 fused_drafter=(target, self.drafter_graphs.fused) if self.drafter_graphs.fused is not None else None,
+                within=tuple(sorted({b for d in range(2, settings.max_batch + 1) for b in self._budgets_for(d)})),
             )
         self.overlap: OverlappedSteps | None = None
         if self.graphs is not None and settings.overlap and batch_overlap_enabled():
@@ -215,7 +221,7 @@ class BatchCore:
         A shape met later is captured then, holding up every request of that step. Returns the graphs held."""
         if self.graphs is None:
             return 0
-        from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedShape, bucket_up
+        from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, bucket_up
 
         block = self.drafter.config.block_size if self.drafter is not None else 1
         rows_of: dict[int, set[int]] = {}  # request bucket -> row buckets
@@ -225,10 +231,8 @@ class BatchCore:
             rows_of.setdefault(requests, set()).update(bucket_up(count, ROW_BUCKETS) for count in rows)
         budgets_of: dict[int, set[int]] = {}  # request bucket -> tree budgets of steps where every request drafts
         for decoding in range(1, self.settings.max_batch + 1):
-            budget = self.policy.share(decoding, plain_rows=0).ddtree_budget
-            if budget > 0:
-                requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
-                budgets_of.setdefault(requests, set()).add(budget)
+            requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
+            budgets_of.setdefault(requests, set()).update(self._budgets_for(decoding))
         for requests, rows in sorted(rows_of.items()):
             keys = MIN_KEY_BUCKET
             while keys <= max_keys:
@@ -248,6 +252,7 @@ class BatchCore:
     @torch.inference_mode()
     def step(self) -> int:
         """Run one batched step; returns the number of sequences it served (0: nothing to do)."""
+        self._step_index += 1
         # every sequence's `should_stop` is polled once per step (before each of its prefill chunks and rounds)
         for seq in list(self.active):
             if seq.stop_requested():
@@ -443,6 +448,11 @@ class BatchCore:
     def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:
         speculating = sum(1 for s in decoders if s.speculative)
         plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
+        if len(decoders) > 1 and self._device_tree_requests(decoders):
+            option = self._tree_option(decoders, plan.ddtree_budget)  # 0: a plain step
+            if option == 0:
+                return [_Round(seq, "plain") for seq in decoders]
+            return [self._round_for(seq, RoundPlan(option, plan.linear_drafts)) for seq in decoders]
         rounds = [self._round_for(seq, plan) for seq in decoders]
         drafting = [r for r in rounds if r.outputs]
         # a request decoding alone keeps its configured strategy (measured as the fastest single stream)
@@ -453,6 +463,33 @@ class BatchCore:
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
             rounds = [_Round(r.seq, "plain") for r in rounds]
         return rounds
+
+    def _budgets_for(self, decoding: int) -> list[int]:
+        """The tree budgets a step of `decoding` greedy DDTree requests may take (alone: the configured one)."""
+        top = self.policy.share(decoding, plain_rows=0).ddtree_budget
+        if decoding == 1:
+            return [top] if top > 0 else []
+        return candidate_budgets(top)
+
+    def _device_tree_requests(self, decoders: list[Sequence]) -> bool:
+        """Whether every decoding request is a greedy DDTree request the device trees serve."""
+        return self.device_trees is not None and all(
+            s.mode == "ddtree" and s.feature_rows is not None and _plain_greedy(s.chooser, s.produced)
+            for s in decoders
+        )
+
+    def _tree_option(self, decoders: list[Sequence], top: int) -> int:
+        """This step's tree budget for `decoders` (0: a plain step), chosen once per step (`TreeBudgetChooser`)."""
+        key = (self._step_index, tuple(map(id, decoders)))
+        if self._option_memo is not None and self._option_memo[0] == key:
+            return self._option_memo[1]
+        chooser = self.tree_budgets
+        option = chooser.choose(
+            PaddedShape.bucket_requests(len(decoders), self.settings.max_batch), len(decoders), candidate_budgets(top),
+            lambda budget: sum(s.expected_tree_tokens(budget, chooser.prior(budget)) for s in decoders),
+        )
+        self._option_memo = (key, option)
+        return option
 
     def _round_for(self, seq: Sequence, plan: RoundPlan) -> _Round:
         block = self.drafter.config.block_size if self.drafter is not None else 1
@@ -617,6 +654,8 @@ class BatchCore:
             committed = [*accepted_tokens(r.tree, visited), bonus]
             if r.tree.num_nodes:
                 self._record_drafted(seq, r.tree.num_nodes, len(visited) - 1)
+                if r.budget:
+                    self._record_tree(seq, r.budget, len(visited), {})
             elif seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
             kept = len(visited)
@@ -635,6 +674,10 @@ class BatchCore:
     def _record_drafted(self, seq: Sequence, drafted: int, accepted: int) -> None:
         seq.record_drafted_round(drafted, accepted)
         self.policy.record_round(seq.mode, accepted + 1)
+
+    def _record_tree(self, seq: Sequence, budget: int, tokens: int, within: dict[int, int]) -> None:
+        seq.record_tree_round(budget, tokens, within)
+        self.tree_budgets.record(budget, tokens, within)
 
     def _commit(self, seq: Sequence, committed: list[int], kept_features: torch.Tensor | None) -> None:
         """A round's committed tokens (its K/V rows already kept): the drafter's new context, the next pending
@@ -701,6 +744,9 @@ class BatchCore:
             return len(seqs)
         assert previous is not None
         self.policy.costs.observe(len(seqs) * (budget + 1), True, now - previous.launched_at)
+        if previous.chained:  # a steady round: launched while the one before it ran
+            bucket = PaddedShape.bucket_requests(len(seqs), self.settings.max_batch)
+            self.tree_budgets.observe(bucket, budget, now - previous.launched_at)
         self._commit_device_round(previous, observe=False)
         self.last_batch = len(seqs)
         return len(seqs)
@@ -728,6 +774,7 @@ class BatchCore:
         the context before the round's start, its next context is the round's rows."""
         assert seq.target is not None and seq.drafter is not None
         self._record_drafted(seq, budget, result.accepted)
+        self._record_tree(seq, budget, result.accepted + 1, result.within)
         kept = result.accepted + 1
         seq.target.crop(seq.start + kept)
         seq.drafter.crop(seq.start)
@@ -776,6 +823,9 @@ class BatchCore:
         if previous is not None:
             if launch:  # consecutive launches: the time between them is what a plain step costs here
                 self.policy.costs.observe(len(previous.seqs), False, now - previous.launched_at)
+                if previous.chained:  # steady: launched while the step before it ran
+                    bucket = PaddedShape.bucket_requests(len(previous.seqs), self.settings.max_batch)
+                    self.tree_budgets.observe(bucket, 0, now - previous.launched_at)
             self._commit_launched(previous)
         self.last_batch = len(rounds)
         return len(rounds)

@@ -62,7 +62,8 @@ class _Entry:
     target_batch: PaddedBatch  # each request's tree rows (tokens, positions, visibility written on the device)
     context_rows: torch.Tensor  # [requests] long: rows of `DeviceTrees.context` that are new drafter context
     host_context_rows: torch.Tensor  # [requests] long, pinned on CUDA
-    out: torch.Tensor  # [requests, depth + 2] long: accepted nodes, then the committed tokens
+    out: torch.Tensor  # [requests, depth + 2 + smaller budgets] long: accepted nodes, the committed tokens, then
+    # the walk's length under each of `DeviceTrees.within` below the round's budget
     host_out: list[torch.Tensor]  # two copies of it, pinned on CUDA, used in turn (a round launched before the
     # previous one is read must not overwrite what that one's copy may still be writing)
     turn: int = 0
@@ -74,9 +75,10 @@ class LaunchedRound:
 
     seqs: list[Sequence]
     shape: TreeShape
-    host_out: torch.Tensor  # [requests, depth + 2], written once `event` has passed
+    host_out: torch.Tensor  # [requests, depth + 2 + smaller budgets], written once `event` has passed
     event: torch.cuda.Event | None
     launched_at: float
+    chained: bool = False  # launched from the state the round before it left, while that one ran
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class RoundResult:
     accepted: int  # drafted nodes accepted (the round commits accepted + 1 tokens)
     tokens: list[int]  # the committed tokens: the accepted nodes' then the bonus token
     features: torch.Tensor  # [accepted + 1, F]: their rows' features (a view of `DeviceTrees.context`)
+    within: dict[int, int]  # budget below the round's -> the tokens its best nodes alone would have committed
 
 
 class DeviceTrees:
@@ -93,10 +96,12 @@ class DeviceTrees:
         self, drafter: DFlashDrafter, target_forward: PaddedForward, drafter_forward: PaddedForward,
         target_pool: BlockPool, drafter_pool: BlockPool, feature_width: int, max_requests: int, vocab: int,
         *, memory: Any = None, graphed: bool = True, sliding_window: int | None = None,
-        fused_drafter: tuple[CausalLM, FusedDrafterWeights] | None = None,
+        fused_drafter: tuple[CausalLM, FusedDrafterWeights] | None = None, within: tuple[int, ...] = (),
     ) -> None:
         """`fused_drafter`: (the target, the drafter's joined weights) to run each round's context store and drafter
-        block as one pass through the fused kernels (`fused_padded_drafter_forward`) instead of `drafter_forward`."""
+        block as one pass through the fused kernels (`fused_padded_drafter_forward`) instead of `drafter_forward`.
+        `within`: budgets whose walk lengths each round also reports, for those below its own (`RoundResult`)."""
+        self.within = tuple(sorted(within))
         self.drafter, self.target_forward, self.drafter_forward = drafter, target_forward, drafter_forward
         self.fused_drafter = fused_drafter
         # (drafter batch, context rows [requests]) -> draft logits [requests, block - 1, vocab]: `_draft`
@@ -168,7 +173,7 @@ class DeviceTrees:
         if entry.out.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.launched = LaunchedRound(seqs, shape, host, event, time.perf_counter())
+        self.launched = LaunchedRound(seqs, shape, host, event, time.perf_counter(), chained=follow)
         return previous
 
     def take(self) -> LaunchedRound | None:
@@ -181,13 +186,17 @@ class DeviceTrees:
         the next round is launched."""
         if launched.event is not None:
             launched.event.synchronize()
-        rows: list[list[int]] = launched.host_out[: len(launched.seqs)].tolist()  # [requests, depth + 2]
+        rows: list[list[int]] = launched.host_out[: len(launched.seqs)].tolist()  # [requests, columns]
+        budget = launched.shape.budget
+        depth = self.depth(budget)
+        smaller = [b for b in self.within if b < budget]
         results = []
         for index, row in enumerate(rows):
             accepted = row[0]
             features = self.context[index, : accepted + 1]
             self._handed[index] = features
-            results.append(RoundResult(accepted, row[1 : accepted + 2], features))
+            within = dict(zip(smaller, row[depth + 2 :], strict=True))
+            results.append(RoundResult(accepted, row[1 : accepted + 2], features, within))
         return results
 
     def _load(self, entry: _Entry, seqs: list[Sequence], budget: int) -> None:
@@ -241,9 +250,13 @@ class DeviceTrees:
         assert features is not None
         requests, rows = logits.shape[:2]
         choices = fast_argmax(logits.view(requests * rows, -1)).view(requests, rows)  # [requests, rows]
-        paths, lengths, committed = walk_trees(trees, choices[:, : budget + 1], depth)
+        walk = walk_trees(trees, choices[:, : budget + 1], depth)
+        paths, lengths, committed = walk.path, walk.length, walk.committed
         entry.out[:, 0].copy_(lengths - 1)
-        entry.out[:, 1:].copy_(committed)
+        entry.out[:, 1 : depth + 2].copy_(committed)
+        smaller = [b for b in self.within if b < budget]
+        if smaller:
+            entry.out[:, depth + 2 :].copy_(walk.lengths_within(trees, smaller))
         self._keep_paths(target_batch, paths, lengths, features, depth)
         self._advance(entry, lengths, committed)
 
@@ -313,6 +326,7 @@ class DeviceTrees:
         device = self.target_pool.device
         pinned = device.type == "cuda"
         requests, depth = shape.requests, self.depth(shape.budget)
+        columns = depth + 2 + sum(1 for b in self.within if b < shape.budget)
         drafter_shape = PaddedShape(requests, bucket_up(self.block, ROW_BUCKETS), shape.keys)
         target_shape = PaddedShape(requests, bucket_up(shape.budget + 1, ROW_BUCKETS), shape.keys)
         entry = _Entry(
@@ -320,8 +334,8 @@ class DeviceTrees:
             PaddedBatch(target_shape, self.target_pool, self.window),
             torch.zeros(requests, dtype=torch.long, device=device),
             torch.zeros(requests, dtype=torch.long, pin_memory=pinned),
-            torch.zeros((requests, depth + 2), dtype=torch.long, device=device),
-            [torch.zeros((requests, depth + 2), dtype=torch.long, pin_memory=pinned) for _ in range(2)],
+            torch.zeros((requests, columns), dtype=torch.long, device=device),
+            [torch.zeros((requests, columns), dtype=torch.long, pin_memory=pinned) for _ in range(2)],
         )
         self._builder(shape.budget)  # made before any capture
         self._entries[shape] = entry

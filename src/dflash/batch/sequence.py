@@ -50,6 +50,9 @@ class Sequence:
     decode_started: float = 0.0
     drafted_rounds: int = 0  # verified rounds that had drafts, and the tokens they committed (the policy's input)
     drafted_tokens: int = 0
+    # DDTree rounds by budget: budget -> [rounds, tokens committed], a round at budget B also counting what each
+    # smaller candidate budget's tree would have committed (`dflash.batch.tree_budgets`)
+    tree_rounds: dict[int, list[int]] = field(default_factory=dict)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     resumed: int = 0  # output tokens at the end of the prompt: it began on the single-request path (`resume_from_output`)
@@ -98,6 +101,19 @@ class Sequence:
         self.stats.record_round(drafted, accepted)
         self.drafted_rounds += 1
         self.drafted_tokens += accepted + 1
+
+    def record_tree_round(self, budget: int, tokens: int, within: dict[int, int]) -> None:
+        for size, committed in ((budget, tokens), *within.items()):
+            totals = self.tree_rounds.setdefault(size, [0, 0])
+            totals[0] += 1
+            totals[1] += committed
+
+    def expected_tree_tokens(self, budget: int, prior: float) -> float:
+        """Tokens a DDTree round at `budget` commits for this request, as measured (`prior` before 3 rounds)."""
+        totals = self.tree_rounds.get(budget)
+        if totals is None or totals[0] < 3:
+            return prior
+        return totals[1] / totals[0]
 
     def resume_from_output(self) -> None:
         """Continue in the batched core after a single-request run stopped early: the prompt extended by every token

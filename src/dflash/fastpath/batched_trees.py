@@ -27,6 +27,8 @@ class TreeBatch:
     parents: torch.Tensor  # [trees, n+1] long, parent row (the root is its own parent)
     valid: torch.Tensor  # [trees, n+1] bool, False for padding candidates and nodes whose parent was not selected
     ancestors: torch.Tensor  # [trees, n+1, n+1] bool, [t, i, j] = j is i or one of its ancestors
+    ranks: torch.Tensor  # [trees, n+1] long: a node's rank by score (0: the best), -1 for the root. The c best
+    # nodes are the tree of budget c < n (ancestors score at least as high, ties broken by depth first)
 
 
 class BatchedTreeBuilder:
@@ -67,7 +69,8 @@ def _assemble(scores: torch.Tensor, parent_index: torch.Tensor, rank: torch.Tens
     trees, depth, n = scores.shape
     device = scores.device
     flat_scores = scores.reshape(trees, depth * n)  # flat index = (d-1) * n + j
-    chosen = flat_scores.sort(dim=1, descending=True, stable=True).indices[:, :n].sort(dim=1).values  # [trees, n]
+    by_score = flat_scores.sort(dim=1, descending=True, stable=True).indices[:, :n]  # [trees, n]
+    chosen, ranks = by_score.sort(dim=1)  # [trees, n]: flat indices ascending (rows by depth), each one's rank
     level_offsets = (torch.arange(depth, device=device) - 1)[:, None] * n  # [depth, 1]
     flat_parent = torch.where(level_offsets < 0, -1, level_offsets + parent_index).reshape(trees, depth * n)
     row_of = torch.full((trees, depth * n), -1, dtype=torch.long, device=device)
@@ -87,7 +90,8 @@ def _assemble(scores: torch.Tensor, parent_index: torch.Tensor, rank: torch.Tens
     while hops < depth:
         reach = torch.bmm(reach, reach).clamp_(max=1.0)
         hops *= 2
-    return TreeBatch(tokens, depths, parents, valid, reach > 0)
+    ranks = torch.cat((zero - 1, ranks), 1)  # [trees, n+1]
+    return TreeBatch(tokens, depths, parents, valid, reach > 0, ranks)
 
 
 def write_tree_inputs(
@@ -106,11 +110,25 @@ def write_tree_inputs(
     visibility[:, :nodes, :nodes].copy_(trees.ancestors)
 
 
-def walk_trees(trees: TreeBatch, choices: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """choices: [trees, n+1] long, the target's choice after each row -> (path [trees, depth+1] rows from the root
-    (row 0 past a path's end), length [trees] (accepted nodes + 1), committed [trees, depth+1] tokens: the accepted
-    nodes' then the bonus token, entries past `length` unspecified). Siblings carry distinct tokens, so the accepted
-    nodes (every node on the path carries the choice at its parent) form one path from the root."""
+@dataclass
+class Walk:
+    path: torch.Tensor  # [trees, depth+1] rows from the root (row 0 past a path's end)
+    length: torch.Tensor  # [trees]: accepted nodes + 1
+    committed: torch.Tensor  # [trees, depth+1]: the accepted nodes' tokens then the bonus token (unspecified after)
+    accepted: torch.Tensor  # [trees, n+1] bool: the root and the accepted nodes
+
+    def lengths_within(self, trees: TreeBatch, budgets: list[int]) -> torch.Tensor:
+        """[trees, len(budgets)]: the length each tree's walk would have had with a tree of only its best `budget`
+        nodes (budgets below the tree's): the accepted path's nodes ranked below it (ranks grow along a path)."""
+        limits = torch.tensor(budgets, dtype=torch.long, device=trees.ranks.device)  # [budgets]
+        inside = (trees.ranks[:, :, None] < limits) & self.accepted[:, :, None]  # [trees, n+1, budgets]
+        return inside.sum(dim=1)  # the root's rank -1 counts it under every budget
+
+
+def walk_trees(trees: TreeBatch, choices: torch.Tensor, depth: int) -> Walk:
+    """choices: [trees, n+1] long, the target's choice after each row -> each tree's walk. Siblings carry distinct
+    tokens, so the accepted nodes (every node on the path carries the choice at its parent) form one path from the
+    root."""
     count, rows = trees.tokens.shape
     device = choices.device
     is_root = torch.arange(rows, device=device)[None] == 0
@@ -125,4 +143,4 @@ def walk_trees(trees: TreeBatch, choices: torch.Tensor, depth: int) -> tuple[tor
     steps = torch.arange(depth + 1, device=device)[None]  # [1, depth+1]
     next_rows = path.gather(1, (steps + 1).clamp(max=depth).expand(count, depth + 1))
     committed = torch.where(steps < (length - 1)[:, None], trees.tokens.gather(1, next_rows), bonus)
-    return path, length, committed
+    return Walk(path, length, committed, accepted)

@@ -1,0 +1,117 @@
+"""Which tree budget a step of greedy DDTree requests verifies, or none (a plain step), from measured step times and
+measured acceptance.
+
+A bigger tree commits more tokens per round and costs more per step, and the more requests share a step, the more
+every verified row costs against the plain rows it delays: the best budget moves with the load and the machine. When
+every decoding request is a greedy DDTree request (the steps `dflash.batch.device_trees` builds on the device), the
+chooser compares, for the step's request bucket, a plain step and a round at each candidate budget, by expected
+tokens per second:
+
+* **step times** are measured, not modelled: the steady time between two consecutive launches of the same kind of
+  step (a chain of launched-ahead rounds or plain steps; the first launch of a chain only starts it), kept per
+  (request bucket, budget) as a decayed mean. An option not measured in a bucket yet is run for a few steps to
+  measure it (the largest budget first: its rounds also tell every smaller budget's acceptance), and every
+  `REFRESH_STEPS` steps of a bucket the option measured longest ago is run again, so that the table follows
+  context lengths and traffic;
+* **acceptance** (tokens committed per round) is kept per budget, engine-wide and per request: a round verified at
+  budget B also reports the tokens the best c nodes alone would have committed for every candidate c < B (the tree
+  of budget c is exactly those nodes: `dflash.fastpath.batched_trees.Walk.lengths_within`), so one budget's rounds
+  measure all smaller ones.
+
+The choice changes only when another option is predicted `SWITCH_MARGIN` faster: each change ends a chain of
+launched-ahead steps. Outputs never depend on the choice (greedy verification commits the target's own tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+CANDIDATES = (7, 15, 31)  # tree budgets whose verification rows (budget + 1) fill a padded row bucket
+EXPLORE_STEPS = 5  # consecutive steps an option runs when it is measured (a chain's first two are not steady)
+REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
+SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
+MIN_STEADY = 2  # steady observations before an option's time is trusted
+TIME_DECAY = 0.8  # weight of the older observations in an option's time
+ROUND_DECAY = 0.99  # weight of the older rounds in the engine-wide acceptance
+MIN_ROUNDS = 8  # rounds before the engine-wide acceptance at a budget replaces the prior
+PRIOR_TOKENS = 2.0  # tokens per round assumed before any is measured
+
+
+def candidate_budgets(top: int) -> list[int]:
+    """The budgets a step may take where at most `top` nodes fit each request: the candidates below it and `top`."""
+    if top <= 0:
+        return []
+    return sorted({b for b in CANDIDATES if b < top} | {top})
+
+
+class TreeBudgetChooser:
+    def __init__(self) -> None:
+        # True: always the largest budget, False: always a plain step (tests and benchmarks that time fixed work)
+        self.forced: bool | None = None
+        self._times: dict[tuple[int, int], list[float]] = {}  # (bucket, option) -> [mean seconds, observations]
+        self._rounds: dict[int, list[float]] = {}  # budget -> [decayed rounds, decayed tokens, rounds]
+        self._current: dict[int, int] = {}  # bucket -> the option its steps take
+        self._pinned: dict[int, list[int]] = {}  # bucket -> [option, steps left] while an option is measured
+        self._steps: dict[int, int] = {}  # bucket -> steps chosen so far
+        self._measured: dict[tuple[int, int], int] = {}  # (bucket, option) -> the bucket's step count then
+
+    # ---- measurements ------------------------------------------------------------------------------------
+    def observe(self, bucket: int, option: int, seconds: float) -> None:
+        """A steady step of `option` (0: plain, else the tree budget) at request bucket `bucket` took `seconds`."""
+        entry = self._times.setdefault((bucket, option), [seconds, 0.0])
+        entry[0] = TIME_DECAY * entry[0] + (1 - TIME_DECAY) * seconds if entry[1] else seconds
+        entry[1] += 1
+        self._measured[(bucket, option)] = self._steps.get(bucket, 0)
+
+    def step_time(self, bucket: int, option: int) -> float | None:
+        entry = self._times.get((bucket, option))
+        return entry[0] if entry is not None and entry[1] >= MIN_STEADY else None
+
+    def record(self, budget: int, tokens: int, within: dict[int, int]) -> None:
+        """A round at `budget` committed `tokens`; `within`: what each smaller budget's tree would have committed."""
+        for size, committed in ((budget, tokens), *within.items()):
+            totals = self._rounds.setdefault(size, [0.0, 0.0, 0.0])
+            totals[0] = ROUND_DECAY * totals[0] + 1.0
+            totals[1] = ROUND_DECAY * totals[1] + committed
+            totals[2] += 1
+
+    def prior(self, budget: int) -> float:
+        """Tokens per round at `budget` for a request with too few rounds of its own: the engine-wide mean."""
+        totals = self._rounds.get(budget)
+        if totals is None or totals[2] < MIN_ROUNDS:
+            return PRIOR_TOKENS
+        return totals[1] / totals[0]
+
+    # ---- the choice --------------------------------------------------------------------------------------
+    def choose(self, bucket: int, requests: int, budgets: list[int], expected: Callable[[int], float]) -> int:
+        """The option for a step of `requests` greedy DDTree requests (request bucket `bucket`): 0 for a plain step
+        or one of `budgets`; `expected(budget)`: the tokens a round at `budget` would commit over all of them."""
+        if self.forced is not None:
+            return budgets[-1] if self.forced and budgets else 0
+        steps = self._steps.get(bucket, 0) + 1
+        self._steps[bucket] = steps
+        options = [0, *budgets]
+        pinned = self._pinned.get(bucket)
+        if pinned is not None and pinned[0] in options and pinned[1] > 0:
+            pinned[1] -= 1
+            return self._take(bucket, pinned[0])
+        unmeasured = [o for o in options if self.step_time(bucket, o) is None]
+        if unmeasured:  # the largest budget first: its rounds measure the smaller budgets' acceptance too
+            return self._pin(bucket, max(unmeasured))
+        stale = min(options, key=lambda o: self._measured.get((bucket, o), 0))
+        if steps - self._measured.get((bucket, stale), 0) > REFRESH_STEPS:
+            return self._pin(bucket, stale)
+        rates = {o: (expected(o) if o else requests) / (self.step_time(bucket, o) or 1e-9) for o in options}
+        best = max(options, key=lambda o: rates[o])
+        current = self._current.get(bucket)
+        if current in rates and rates[current] * SWITCH_MARGIN >= rates[best]:
+            best = current
+        return self._take(bucket, best)
+
+    def _pin(self, bucket: int, option: int) -> int:
+        self._pinned[bucket] = [option, EXPLORE_STEPS - 1]
+        return self._take(bucket, option)
+
+    def _take(self, bucket: int, option: int) -> int:
+        self._current[bucket] = option
+        return option
