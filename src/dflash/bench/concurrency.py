@@ -261,7 +261,15 @@ def measure_concurrency(
         "levels": list(levels),
         "warmup": warmup,
         "modes": results,
+        **_tree_budgets(engine),
     }
+
+
+def _tree_budgets(engine: Engine) -> dict[str, Any]:
+    """What the batched core's tree-budget choice did over the run (`dflash.batch.tree_budgets`), where it ran."""
+    core = getattr(getattr(engine, "loop", None), "core", None)
+    chooser = getattr(core, "tree_budgets", None)
+    return {"tree_budgets": chooser.summary()} if chooser is not None else {}
 
 
 def format_concurrency_table(result: dict[str, Any]) -> str:
