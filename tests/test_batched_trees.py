@@ -84,7 +84,7 @@ def test_lengths_within_smaller_budgets_equal_walking_the_smaller_trees(seed: in
     grown = BatchedTreeBuilder(budget, depth, vocab, "cpu").grow(logits)
     walk = walk_trees(grown, _prefix_choices(grown, top_ids), depth)
     smaller = [3, 7, 15]
-    within = walk.lengths_within(grown, smaller)  # [trees, 3]
+    within = walk.lengths_within(grown, torch.tensor(smaller))  # [trees, 3]
     assert (within[:, -1] > 1).any() and not torch.equal(within[:, 0], walk.length)
     for column, small in enumerate(smaller):
         tree = BatchedTreeBuilder(small, min(depth, small), vocab, "cpu").grow(logits)

@@ -118,6 +118,7 @@ class DeviceTrees:
         self._entries: dict[TreeShape, _Entry] = {}
         self.launched: LaunchedRound | None = None
         self._builders: dict[int, BatchedTreeBuilder] = {}
+        self._smaller: dict[int, torch.Tensor] = {}  # budget -> [smaller budgets of `within`] long
         self._mask_block = torch.full((self.block,), drafter.config.mask_token_id, dtype=torch.long)
         self._visible = torch.ones(self.block, self.block, dtype=torch.bool)  # the block sees itself both ways
 
@@ -254,8 +255,8 @@ class DeviceTrees:
         paths, lengths, committed = walk.path, walk.length, walk.committed
         entry.out[:, 0].copy_(lengths - 1)
         entry.out[:, 1 : depth + 2].copy_(committed)
-        smaller = [b for b in self.within if b < budget]
-        if smaller:
+        smaller = self._smaller[budget]
+        if smaller.numel():
             entry.out[:, depth + 2 :].copy_(walk.lengths_within(trees, smaller))
         self._keep_paths(target_batch, paths, lengths, features, depth)
         self._advance(entry, lengths, committed)
@@ -318,8 +319,12 @@ class DeviceTrees:
     def _builder(self, budget: int) -> BatchedTreeBuilder:
         builder = self._builders.get(budget)
         if builder is None:
-            builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, self.target_pool.device)
+            device = self.target_pool.device
+            builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, device)
             self._builders[budget] = builder
+            # the budgets below this one whose walk lengths its rounds report, made before any capture
+            self._smaller[budget] = torch.tensor([b for b in self.within if b < budget], dtype=torch.long,
+                                                 device=device)
         return builder
 
     def _capture(self, shape: TreeShape) -> _Entry:

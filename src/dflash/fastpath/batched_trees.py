@@ -117,11 +117,11 @@ class Walk:
     committed: torch.Tensor  # [trees, depth+1]: the accepted nodes' tokens then the bonus token (unspecified after)
     accepted: torch.Tensor  # [trees, n+1] bool: the root and the accepted nodes
 
-    def lengths_within(self, trees: TreeBatch, budgets: list[int]) -> torch.Tensor:
-        """[trees, len(budgets)]: the length each tree's walk would have had with a tree of only its best `budget`
-        nodes (budgets below the tree's): the accepted path's nodes ranked below it (ranks grow along a path)."""
-        limits = torch.tensor(budgets, dtype=torch.long, device=trees.ranks.device)  # [budgets]
-        inside = (trees.ranks[:, :, None] < limits) & self.accepted[:, :, None]  # [trees, n+1, budgets]
+    def lengths_within(self, trees: TreeBatch, budgets: torch.Tensor) -> torch.Tensor:
+        """budgets [count] long on the trees' device (below the trees' own) -> [trees, count]: the length each
+        tree's walk would have had with a tree of only its best `budget` nodes: the accepted path's nodes ranked
+        below it (ranks grow along a path)."""
+        inside = (trees.ranks[:, :, None] < budgets) & self.accepted[:, :, None]  # [trees, n+1, count]
         return inside.sum(dim=1)  # the root's rank -1 counts it under every budget
 
 
