@@ -35,7 +35,7 @@ def test_every_option_is_measured_largest_first_then_the_fastest_is_taken() -> N
     chooser = TreeBudgetChooser()
     tokens = {7: 2.7, 15: 3.0, 31: 3.5}  # per request: 8 x 2.7 / 2.0 = 10.8 tokens/s beats plain's 8 / 1.0
     chosen = _run(chooser, 4 * EXPLORE_STEPS + 10, tokens)
-    assert chosen[: 4 * EXPLORE_STEPS] == [31] * EXPLORE_STEPS + [15] * EXPLORE_STEPS + [7] * EXPLORE_STEPS + [0] * 5
+    assert chosen[: 4 * EXPLORE_STEPS] == [31] * EXPLORE_STEPS + [15] * EXPLORE_STEPS + [7] * EXPLORE_STEPS + [0] * EXPLORE_STEPS
     assert chosen[4 * EXPLORE_STEPS :] == [7] * 10
     # a drafter that stops paying: plain steps win
     worse = {7: 1.5, 15: 1.7, 31: 2.0}

@@ -133,6 +133,11 @@ class BatchCore:
         self.tree_budgets = TreeBudgetChooser()  # steps of greedy DDTree requests only (`_tree_option`)
         self._option_memo: tuple[tuple[int, tuple[int, ...]], int] | None = None
         self._step_index = 0
+        # the last step's start, its (request bucket, tree option) if the chooser decided it, and whether a prompt
+        # chunk ran in it: the time to the next step's start is that option's cost (`_account_step`)
+        self._step_started = 0.0
+        self._step_choice: tuple[int, int] | None = None
+        self._step_prefilled = False
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
@@ -253,6 +258,7 @@ class BatchCore:
     def step(self) -> int:
         """Run one batched step; returns the number of sequences it served (0: nothing to do)."""
         self._step_index += 1
+        self._account_step(time.perf_counter())
         # every sequence's `should_stop` is polled once per step (before each of its prefill chunks and rounds)
         for seq in list(self.active):
             if seq.stop_requested():
@@ -274,6 +280,7 @@ class BatchCore:
         if not self.active:
             return 0
         prefills = self._prefill_work()
+        self._step_prefilled = bool(prefills)
         decoders = [s for s in self.active if s.phase == "decode"]
         served = [seq for seq, _, _ in prefills] + decoders
         started = time.perf_counter()
@@ -464,6 +471,13 @@ class BatchCore:
             rounds = [_Round(r.seq, "plain") for r in rounds]
         return rounds
 
+    def _account_step(self, now: float) -> None:
+        """The previous step's whole cost (to this step's start: its host work, its launch and the wait for the
+        round before it) to the option it took, where the chooser decided it and no prompt chunk ran in it."""
+        if self._step_choice is not None and not self._step_prefilled:
+            self.tree_budgets.observe(*self._step_choice, now - self._step_started)
+        self._step_started, self._step_choice, self._step_prefilled = now, None, False
+
     def _budgets_for(self, decoding: int) -> list[int]:
         """The tree budgets a step of `decoding` greedy DDTree requests may take (alone: the configured one)."""
         top = self.policy.share(decoding, plain_rows=0).ddtree_budget
@@ -484,11 +498,13 @@ class BatchCore:
         if self._option_memo is not None and self._option_memo[0] == key:
             return self._option_memo[1]
         chooser = self.tree_budgets
+        bucket = PaddedShape.bucket_requests(len(decoders), self.settings.max_batch)
         option = chooser.choose(
-            PaddedShape.bucket_requests(len(decoders), self.settings.max_batch), len(decoders), candidate_budgets(top),
+            bucket, len(decoders), candidate_budgets(top),
             lambda budget: sum(s.expected_tree_tokens(budget, chooser.prior(budget)) for s in decoders),
         )
         self._option_memo = (key, option)
+        self._step_choice = (bucket, option)
         return option
 
     def _round_for(self, seq: Sequence, plan: RoundPlan) -> _Round:
@@ -744,9 +760,6 @@ class BatchCore:
             return len(seqs)
         assert previous is not None
         self.policy.costs.observe(len(seqs) * (budget + 1), True, now - previous.launched_at)
-        if previous.chained:  # a steady round: launched while the one before it ran
-            bucket = PaddedShape.bucket_requests(len(seqs), self.settings.max_batch)
-            self.tree_budgets.observe(bucket, budget, now - previous.launched_at)
         self._commit_device_round(previous, observe=False)
         self.last_batch = len(seqs)
         return len(seqs)
@@ -823,9 +836,6 @@ class BatchCore:
         if previous is not None:
             if launch:  # consecutive launches: the time between them is what a plain step costs here
                 self.policy.costs.observe(len(previous.seqs), False, now - previous.launched_at)
-                if previous.chained:  # steady: launched while the step before it ran
-                    bucket = PaddedShape.bucket_requests(len(previous.seqs), self.settings.max_batch)
-                    self.tree_budgets.observe(bucket, 0, now - previous.launched_at)
             self._commit_launched(previous)
         self.last_batch = len(rounds)
         return len(rounds)

@@ -78,7 +78,6 @@ class LaunchedRound:
     host_out: torch.Tensor  # [requests, depth + 2 + smaller budgets], written once `event` has passed
     event: torch.cuda.Event | None
     launched_at: float
-    chained: bool = False  # launched from the state the round before it left, while that one ran
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class DeviceTrees:
         if entry.out.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.launched = LaunchedRound(seqs, shape, host, event, time.perf_counter(), chained=follow)
+        self.launched = LaunchedRound(seqs, shape, host, event, time.perf_counter())
         return previous
 
     def take(self) -> LaunchedRound | None:

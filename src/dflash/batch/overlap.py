@@ -44,7 +44,6 @@ class Launched:
     features: RowViews | None  # per request [1, F] on the device: the row's captured features
     launched_at: float
     ids: frozenset[int] = frozenset()  # id() of each sequence in it
-    chained: bool = False  # launched while the step before it was still unread
 
     def tokens(self) -> list[int]:
         """Each request's token (waits for the copy)."""
@@ -98,7 +97,7 @@ class OverlappedSteps:
             ready.record()
         else:
             host.copy_(best)
-        self.launched = Launched(seqs, best, host, ready, features, now, frozenset(map(id, seqs)), previous is not None)
+        self.launched = Launched(seqs, best, host, ready, features, now, frozenset(map(id, seqs)))
         return previous
 
     def take(self) -> Launched | None:

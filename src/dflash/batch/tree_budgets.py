@@ -7,12 +7,13 @@ every decoding request is a greedy DDTree request (the steps `dflash.batch.devic
 chooser compares, for the step's request bucket, a plain step and a round at each candidate budget, by expected
 tokens per second:
 
-* **step times** are measured, not modelled: the steady time between two consecutive launches of the same kind of
-  step (a chain of launched-ahead rounds or plain steps; the first launch of a chain only starts it), kept per
-  (request bucket, budget) as a decayed mean. An option not measured in a bucket yet is run for a few steps to
-  measure it (the largest budget first: its rounds also tell every smaller budget's acceptance), and every
-  `REFRESH_STEPS` steps of a bucket the option measured longest ago is run again, so that the table follows
-  context lengths and traffic;
+* **step times** are measured, not modelled: the whole time from a step's start to the next one's, for every
+  decoding step the option was chosen for (prompt chunks aside): its host work, its launch, the wait for the round
+  before it, and what a steady chain of launched-ahead steps does not show (a chain's first launch, host-built rounds
+  near a request's end, arrivals and ends breaking the chain), kept per (request bucket, option) as a decayed mean. An
+  option not measured in a bucket yet is run for a few steps to measure it (the largest budget first: its rounds
+  also tell every smaller budget's acceptance), and every `REFRESH_STEPS` steps of a bucket the option measured
+  longest ago is run again, so that the table follows context lengths and traffic;
 * **acceptance** (tokens committed per round) is kept per budget, engine-wide and per request: a round verified at
   budget B also reports the tokens the best c nodes alone would have committed for every candidate c < B (the tree
   of budget c is exactly those nodes: `dflash.fastpath.batched_trees.Walk.lengths_within`), so one budget's rounds
@@ -27,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 CANDIDATES = (7, 15, 31)  # tree budgets whose verification rows (budget + 1) fill a padded row bucket
-EXPLORE_STEPS = 5  # consecutive steps an option runs when it is measured (a chain's first two are not steady)
+EXPLORE_STEPS = 6  # consecutive steps an option runs when it is measured
 REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
 SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
-MIN_STEADY = 2  # steady observations before an option's time is trusted
-TIME_DECAY = 0.8  # weight of the older observations in an option's time
+MIN_STEPS = 3  # observed steps before an option's time is trusted
+TIME_DECAY = 0.9  # weight of the older observations in an option's time
 ROUND_DECAY = 0.99  # weight of the older rounds in the engine-wide acceptance
 MIN_ROUNDS = 8  # rounds before the engine-wide acceptance at a budget replaces the prior
 PRIOR_TOKENS = 2.0  # tokens per round assumed before any is measured
@@ -58,7 +59,7 @@ class TreeBudgetChooser:
 
     # ---- measurements ------------------------------------------------------------------------------------
     def observe(self, bucket: int, option: int, seconds: float) -> None:
-        """A steady step of `option` (0: plain, else the tree budget) at request bucket `bucket` took `seconds`."""
+        """A step of `option` (0: plain, else the tree budget) at request bucket `bucket` took `seconds`."""
         entry = self._times.setdefault((bucket, option), [seconds, 0.0])
         entry[0] = TIME_DECAY * entry[0] + (1 - TIME_DECAY) * seconds if entry[1] else seconds
         entry[1] += 1
@@ -66,7 +67,7 @@ class TreeBudgetChooser:
 
     def step_time(self, bucket: int, option: int) -> float | None:
         entry = self._times.get((bucket, option))
-        return entry[0] if entry is not None and entry[1] >= MIN_STEADY else None
+        return entry[0] if entry is not None and entry[1] >= MIN_STEPS else None
 
     def record(self, budget: int, tokens: int, within: dict[int, int]) -> None:
         """A round at `budget` committed `tokens`; `within`: what each smaller budget's tree would have committed."""
