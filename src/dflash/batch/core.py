@@ -138,6 +138,10 @@ class BatchCore:
         self._step_started = 0.0
         self._step_choice: tuple[int, int] | None = None
         self._step_prefilled = False
+        # steps by kind (the device's launched-ahead and loaded rounds, launched-ahead plain steps, steps with a
+        # prompt chunk, other host-built steps) -> [steps, seconds to the next step's start]: where the time goes
+        self._step_kind: str | None = None
+        self.step_kinds: dict[str, list[float]] = {}
         self.capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.graphs: GraphedTargetPasses | None = None
         self.drafter_graphs: GraphedDrafterPasses | None = None
@@ -271,22 +275,26 @@ class BatchCore:
         if self.device_trees is not None and self.device_trees.launched is not None:
             followed = self._follow_device_round()
             if followed is not None:
+                self._step_kind = "device_ahead"
                 return followed
         if self.overlap is not None:
             plain = self._overlapped_rounds()
             if plain is not None:
+                self._step_kind = "plain_ahead"
                 return self._overlapped_step(plain)
             self._read_launched()  # this step needs every request's committed state
         if not self.active:
             return 0
         prefills = self._prefill_work()
         self._step_prefilled = bool(prefills)
+        self._step_kind = "prefill" if prefills else "host"
         decoders = [s for s in self.active if s.phase == "decode"]
         served = [seq for seq, _, _ in prefills] + decoders
         started = time.perf_counter()
         try:
             rounds = self._plan_rounds(decoders)
             if not prefills and self._device_tree_step_fits(rounds):
+                self._step_kind = "device_loaded"
                 return self._device_tree_step(rounds)
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
@@ -459,7 +467,13 @@ class BatchCore:
             option = self._tree_option(decoders, plan.ddtree_budget)  # 0: a plain step
             if option == 0:
                 return [_Round(seq, "plain") for seq in decoders]
-            return [self._round_for(seq, RoundPlan(option, plan.linear_drafts)) for seq in decoders]
+            rounds = [self._round_for(seq, RoundPlan(option, plan.linear_drafts)) for seq in decoders]
+            if any(r.kind != "tree" for r in rounds):  # a request with one token left: a device round serves it too
+                drafts = min(self.device_trees.block - 1, option) if self.device_trees is not None else 0
+                whole = [_Round(seq, "tree", outputs=drafts, budget=option) for seq in decoders]
+                if self._device_tree_step_fits(whole):
+                    return whole
+            return rounds
         rounds = [self._round_for(seq, plan) for seq in decoders]
         drafting = [r for r in rounds if r.outputs]
         # a request decoding alone keeps its configured strategy (measured as the fastest single stream)
@@ -474,9 +488,14 @@ class BatchCore:
     def _account_step(self, now: float) -> None:
         """The previous step's whole cost (to this step's start: its host work, its launch and the wait for the
         round before it) to the option it took, where the chooser decided it and no prompt chunk ran in it."""
+        spent = now - self._step_started
         if self._step_choice is not None and not self._step_prefilled:
-            self.tree_budgets.observe(*self._step_choice, now - self._step_started)
-        self._step_started, self._step_choice, self._step_prefilled = now, None, False
+            self.tree_budgets.observe(*self._step_choice, spent)
+        if self._step_kind is not None:
+            totals = self.step_kinds.setdefault(self._step_kind, [0, 0.0])
+            totals[0] += 1
+            totals[1] += spent
+        self._step_started, self._step_choice, self._step_prefilled, self._step_kind = now, None, False, None
 
     def _budgets_for(self, decoding: int) -> list[int]:
         """The tree budgets a step of `decoding` greedy DDTree requests may take (alone: the configured one)."""
@@ -708,19 +727,21 @@ class BatchCore:
     # ---- DDTree steps built on the device (`dflash.batch.device_trees`) -----------------------------------
     def _device_tree_step_fits(self, rounds: list[_Round], *, ahead: bool = False) -> bool:
         """Whether this step's rounds go through the device trees: every one a greedy tree round of one budget
-        (the choice is the plain argmax), each request able to draft the builder's full depth (`ahead`: after the
-        unread round has committed up to depth + 1 more tokens)."""
+        (the choice is the plain argmax), each request's round writing only positions it reserved (`ahead`: the
+        round starts after the unread one, up to depth + 1 positions later). A round may draft past a request's
+        last token: its sink keeps only what the request asked for."""
         trees = self.device_trees
         if trees is None or not rounds or any(r.kind != "tree" for r in rounds):
             return False
         budget = rounds[0].budget
         depth = trees.depth(budget)
-        needed = 2 * depth + 1 if ahead else depth
+        # the furthest position a round writes past its start: tree rows to depth, the drafter block to block - 1
+        reach = max(depth, trees.block - 1) + (depth + 1 if ahead else 0)
         for r in rounds:
             seq = r.seq
             if r.budget != budget or seq.feature_rows is None or not _plain_greedy(seq.chooser, seq.produced):
                 return False
-            if seq.request.max_new_tokens - seq.produced - 1 < needed:
+            if seq.start + reach >= self.positions_needed(seq):
                 return False
         return True
 

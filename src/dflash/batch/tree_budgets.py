@@ -55,7 +55,7 @@ class TreeBudgetChooser:
         self._pinned: dict[int, list[int]] = {}  # bucket -> [option, steps left] while an option is measured
         self._steps: dict[int, int] = {}  # bucket -> steps chosen so far
         self._measured: dict[tuple[int, int], int] = {}  # (bucket, option) -> the bucket's step count then
-        self._chosen: dict[tuple[int, int], int] = {}  # (bucket, option) -> steps that took it
+        self.chosen: dict[tuple[int, int], int] = {}  # (bucket, option) -> steps that took it
 
     # ---- measurements ------------------------------------------------------------------------------------
     def observe(self, bucket: int, option: int, seconds: float) -> None:
@@ -116,14 +116,14 @@ class TreeBudgetChooser:
 
     def _take(self, bucket: int, option: int) -> int:
         self._current[bucket] = option
-        self._chosen[(bucket, option)] = self._chosen.get((bucket, option), 0) + 1
+        self.chosen[(bucket, option)] = self.chosen.get((bucket, option), 0) + 1
         return option
 
     def summary(self) -> dict[str, dict[str, dict[str, float]]]:
         """By request bucket: the steps each option took and its measured step time (ms); by budget: the
         engine-wide tokens per round (0 stands for plain steps)."""
         steps: dict[str, dict[str, float]] = {}
-        for (bucket, option), count in sorted(self._chosen.items()):
+        for (bucket, option), count in sorted(self.chosen.items()):
             steps.setdefault(str(bucket), {})[str(option)] = count
         times: dict[str, dict[str, float]] = {}
         for (bucket, option), (seconds, _) in sorted(self._times.items()):

@@ -197,11 +197,15 @@ def measure_levels(
             closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=level, max_tokens=max_tokens)
             advance(level)
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    core = getattr(getattr(generator, "loop", None), "core", None)  # the batched core, where the engine has one
     for level, mode in itertools.product(levels, modes):
         count = requests_per_level(level, requests)
+        before = _step_counts(core)
         run = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens)
         advance(count)
         row = summarise(run, level)
+        if core is not None:
+            row["steps"] = _step_difference(_step_counts(core), before)
         if sequential:
             alone = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=1, requests=count, max_tokens=max_tokens)
             advance(count)
@@ -265,8 +269,28 @@ def measure_concurrency(
     }
 
 
+def _step_counts(core: Any) -> dict[str, dict[str, float]]:
+    """The core's steps so far: by kind [steps, seconds], and by (request bucket, tree option) chosen."""
+    if core is None:
+        return {}
+    chosen = {f"{bucket}:{option}": count for (bucket, option), count in core.tree_budgets.chosen.items()}
+    return {"kinds": {k: list(v) for k, v in core.step_kinds.items()}, "chosen": chosen}
+
+
+def _step_difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """A level's steps: by kind {steps, ms}, and the tree options chosen ("bucket:option": steps; 0 is plain)."""
+    kinds = {}
+    for kind, (count, seconds) in sorted(after["kinds"].items()):
+        old = before["kinds"].get(kind, [0, 0.0])
+        if count > old[0]:
+            kinds[kind] = {"steps": int(count - old[0]), "ms": round((seconds - old[1]) * 1e3, 1)}
+    chosen = {key: count - before["chosen"].get(key, 0) for key, count in sorted(after["chosen"].items())}
+    return {"kinds": kinds, "tree_options": {key: count for key, count in chosen.items() if count}}
+
+
 def _tree_budgets(engine: Engine) -> dict[str, Any]:
-    """What the batched core's tree-budget choice did over the run (`dflash.batch.tree_budgets`), where it ran."""
+    """What the batched core's tree-budget choice did over the run (`dflash.batch.tree_budgets`) and its steps by
+    kind (count, time to the next step), where it ran."""
     core = getattr(getattr(engine, "loop", None), "core", None)
     chooser = getattr(core, "tree_budgets", None)
     return {"tree_budgets": chooser.summary()} if chooser is not None else {}
