@@ -293,9 +293,14 @@ class BatchCore:
         started = time.perf_counter()
         try:
             rounds = self._plan_rounds(decoders)
-            if not prefills and self._device_tree_step_fits(rounds):
-                self._step_kind = "device_loaded"
-                return self._device_tree_step(rounds)
+            if self._device_tree_step_fits(rounds):
+                if not prefills:
+                    self._step_kind = "device_loaded"
+                    return self._device_tree_step(rounds)
+                # the decoders' round on the device first, then the prompt chunks in a pass of their own (the host
+                # launches the chunks' kernels while the round runs): no host-built round beside a prompt chunk
+                self._device_tree_step(rounds)
+                rounds = []
             self._draft(rounds)
             items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
             items += self._decoding_rows(rounds)
