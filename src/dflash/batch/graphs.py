@@ -29,6 +29,7 @@ log = logging.getLogger("dflash.batch")
 
 PaddedForward = Callable[[PaddedBatch], tuple[torch.Tensor, torch.Tensor | None]]
 MAX_PREFILL_KEYS = 8192  # positions a prompt chunk may reach through the padded pass (masks [requests, rows, keys])
+MAX_GRAPHED_PREFILL_ROWS = 1024  # prompt-chunk passes of at most this many rows (requests x rows) are captured
 
 
 @dataclass
@@ -43,11 +44,14 @@ class PaddedGraphs:
     """Captured graphs of one padded forward, by shape."""
 
     def __init__(self, name: str, forward: PaddedForward, pool: BlockPool, window: int | None, max_requests: int,
-                 memory: Any, *, graphed: bool = True) -> None:
+                 memory: Any, *, graphed: bool = True, max_graphed_rows: int | None = None) -> None:
+        """`max_graphed_rows`: shapes of more rows (requests x rows) run eagerly (their launches cost little beside
+        their work, and a graph would keep their activations' memory)."""
         self.name, self.forward, self.pool, self.window, self.max_requests = name, forward, pool, window, max_requests
         self._graphs: dict[PaddedShape, _Captured] = {}
         self._memory = memory
         self.graphed = graphed
+        self.max_graphed_rows = max_graphed_rows
 
     @property
     def captured(self) -> int:
@@ -72,7 +76,8 @@ class PaddedGraphs:
 
     def _capture(self, shape: PaddedShape) -> _Captured:
         batch = PaddedBatch(shape, self.pool, self.window)  # all padding: nothing real is written
-        if not self.graphed:
+        too_big = self.max_graphed_rows is not None and shape.requests * shape.rows > self.max_graphed_rows
+        if not self.graphed or too_big:
             entry = _Captured(None, batch, torch.empty(0), None)
             self._graphs[shape] = entry
             return entry
@@ -105,15 +110,17 @@ class GraphedTargetPasses:
             if supports_fused_layers(model):
                 forward = fused_padded_forward
         layers = tuple(capture)
+        memory = memory if memory is not None or not graphed else torch.cuda.graph_pool_handle()
         self.graphs = PaddedGraphs(
             "target", lambda batch: forward(model, pool, batch, layers), pool, model.sliding_window, max_requests,
-            memory if memory is not None or not graphed else torch.cuda.graph_pool_handle(), graphed=graphed,
+            memory, graphed=graphed,
         )
-        # prompt chunks through the same padded pass, run eagerly (their shapes vary too much to capture): every
-        # request's chunk in one pass per layer, where the packed pass attends request by request
+        # prompt chunks through the same padded pass: every request's chunk in one pass per layer, where the packed
+        # pass attends request by request; captured when first met up to `MAX_GRAPHED_PREFILL_ROWS` rows (eagerly,
+        # launching a few hundred kernels from Python costs more than a small chunk's work)
         self.prefills = PaddedGraphs(
             "prefill", lambda batch: forward(model, pool, batch, layers, last_rows=True), pool, model.sliding_window,
-            max_requests, None, graphed=False,
+            max_requests, memory, graphed=graphed, max_graphed_rows=MAX_GRAPHED_PREFILL_ROWS,
         )
 
     @property
@@ -150,8 +157,9 @@ class GraphedTargetPasses:
         entry = self.prefills.replay(items)
         wanted = [slice(0, 1) if item.logit_rows.stop > item.logit_rows.start else slice(0, 0) for item in items]
         features = None
-        if entry.features is not None:  # the eager pass's own tensor: no later pass overwrites it
-            features = RowViews(entry.features, [slice(0, item.count) for item in items])
+        if entry.features is not None:  # kept by the requests: a graph's output is copied (its next replay rewrites it)
+            kept = entry.features if entry.graph is None else entry.features[: len(items)].clone()
+            features = RowViews(kept, [slice(0, item.count) for item in items])
         return TargetOutput(RowViews(entry.logits, wanted), features)
 
     def launch(
