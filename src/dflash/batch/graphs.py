@@ -117,10 +117,13 @@ class GraphedTargetPasses:
         )
         # prompt chunks through the same padded pass: every request's chunk in one pass per layer, where the packed
         # pass attends request by request; captured when first met up to `MAX_GRAPHED_PREFILL_ROWS` rows (eagerly,
-        # launching a few hundred kernels from Python costs more than a small chunk's work)
+        # launching a few hundred kernels from Python costs more than a small chunk's work). Their graphs keep a
+        # memory pool of their own: a step reads a chunk's logits after the decoding rows' graph has run, which
+        # would reuse a shared pool's memory
         self.prefills = PaddedGraphs(
             "prefill", lambda batch: forward(model, pool, batch, layers, last_rows=True), pool, model.sliding_window,
-            max_requests, memory, graphed=graphed, max_graphed_rows=MAX_GRAPHED_PREFILL_ROWS,
+            max_requests, torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed,
+            max_graphed_rows=MAX_GRAPHED_PREFILL_ROWS,
         )
 
     @property
