@@ -293,24 +293,28 @@ class BatchCore:
         started = time.perf_counter()
         try:
             rounds = self._plan_rounds(decoders)
-            if self._device_tree_step_fits(rounds):
-                if not prefills:
-                    self._step_kind = "device_loaded"
-                    return self._device_tree_step(rounds)
-                # the decoders' round on the device first, then the prompt chunks in a pass of their own (the host
-                # launches the chunks' kernels while the round runs): no host-built round beside a prompt chunk
+            device_round = self._device_tree_step_fits(rounds)
+            if device_round:
                 self._device_tree_step(rounds)
-                rounds = []
-            self._draft(rounds)
-            items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
-            items += self._decoding_rows(rounds)
-            for r in rounds:
-                r.greedy = _plain_greedy(r.seq.chooser, r.seq.produced)
-            out = self._target_pass(items, len(prefills), any(r.greedy for r in rounds))
+            else:
+                self._draft(rounds)
+                items = [self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills]
+                items += self._decoding_rows(rounds)
+                for r in rounds:
+                    r.greedy = _plain_greedy(r.seq.chooser, r.seq.produced)
+                out = self._target_pass(items, len(prefills), any(r.greedy for r in rounds))
         except Exception as exc:  # the step's computation failed: every sequence in it ends with the error
             log.exception("batched step failed")
             for seq in served:
                 self._end(seq, exc)
+            return len(served)
+        if device_round:  # the decoders' round is on the device; the prompt chunks, if any, in a pass of their own
+            # (launched after the round: the host queues the chunks' pass while the round runs)
+            if prefills:
+                self._prefill_alone(prefills)
+            else:
+                self._step_kind = "device_loaded"
+            self.last_batch = len(served)
             return len(served)
         features = out.features
         for index, (seq, lo, hi) in enumerate(prefills):
@@ -758,15 +762,18 @@ class BatchCore:
         return len(rounds)
 
     def _follow_device_round(self) -> int | None:
-        """Where the unread device round's requests are this step's only ones and go on with the same shape: launch
-        their next round from the state it leaves on the device, then read and commit it (the host's work overlaps
-        the GPU's). Otherwise read and commit it, and return None: the step goes on from the committed state."""
+        """Where the unread device round's requests are this step's only decoding ones and go on with the same
+        shape: launch their next round from the state it leaves on the device, then read and commit it (the host's
+        work overlaps the GPU's), then run any prompt chunk due in a pass of its own (a request in its prompt does
+        not break the chain). Otherwise read and commit it, and return None: the step goes on from the committed
+        state."""
         trees = self.device_trees
         assert trees is not None and trees.launched is not None
         seqs = trees.launched.seqs
         rounds: list[_Round] = []
-        if len(self.active) == len(seqs) and all(s.phase == "decode" for s in self.active):
-            rounds = self._plan_rounds(self.active)
+        decoding = [s for s in self.active if s.phase == "decode"]
+        if len(decoding) == len(seqs) and all(a is b for a, b in zip(decoding, seqs, strict=True)):
+            rounds = self._plan_rounds(decoding)
         budget = rounds[0].budget if rounds else 0
         if not (
             self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow([r.seq for r in rounds], budget)
@@ -787,8 +794,26 @@ class BatchCore:
         assert previous is not None
         self.policy.costs.observe(len(seqs) * (budget + 1), True, now - previous.launched_at)
         self._commit_device_round(previous, observe=False)
-        self.last_batch = len(seqs)
-        return len(seqs)
+        prefills = self._prefill_work()
+        if prefills:
+            self._step_prefilled = True
+            self._prefill_alone(prefills)
+        self.last_batch = len(seqs) + len(prefills)
+        return self.last_batch
+
+    def _prefill_alone(self, prefills: list[tuple[Sequence, int, int]]) -> None:
+        """Prompt chunks in a pass of their own (the decoding requests' round is on the device)."""
+        try:
+            out = self._target_pass([self._prefill_rows(seq, lo, hi) for seq, lo, hi in prefills], len(prefills), False)
+        except Exception as exc:  # the chunks' computation failed: their sequences end with the error
+            log.exception("batched step failed")
+            for seq, _, _ in prefills:
+                self._end(seq, exc)
+            return
+        features = out.features
+        for index, (seq, lo, hi) in enumerate(prefills):
+            self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index],
+                          features[index] if features is not None else None)
 
     def _commit_device_round(self, launched: LaunchedRound, *, observe: bool) -> None:
         """Read a launched device round and commit it (a request that ended since is skipped). `observe`: its time
