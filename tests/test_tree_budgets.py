@@ -77,3 +77,13 @@ def test_rounds_teach_the_smaller_budgets_acceptance() -> None:
     assert chooser.prior(31) == pytest.approx(4.0)
     assert chooser.prior(15) == pytest.approx(3.0)
     assert chooser.prior(7) == pytest.approx(2.0)
+
+
+def test_the_first_steps_after_a_change_of_option_are_not_its_cost() -> None:
+    """A change of option costs its first steps (a chain of launched-ahead steps starts over): they are left out of
+    the option's time, the steps after them counted."""
+    chooser = TreeBudgetChooser()
+    for step in range(EXPLORE_STEPS):
+        assert chooser.choose(8, 8, BUDGETS, lambda b: 16.0) == 31
+        chooser.observe(8, 31, 0.1 if step < tree_budgets.SETTLE_STEPS else 0.0034)
+    assert chooser.step_time(8, 31) == pytest.approx(0.0034)

@@ -32,6 +32,7 @@ EXPLORE_STEPS = 6  # consecutive steps an option runs when it is measured
 REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
 SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
 MIN_STEPS = 3  # observed steps before an option's time is trusted
+SETTLE_STEPS = 2  # steps after a change of option left unobserved: the change's cost is not the option's
 TIME_DECAY = 0.9  # weight of the older observations in an option's time
 ROUND_DECAY = 0.99  # weight of the older rounds in the engine-wide acceptance
 MIN_ROUNDS = 8  # rounds before the engine-wide acceptance at a budget replaces the prior
@@ -52,6 +53,7 @@ class TreeBudgetChooser:
         self._times: dict[tuple[int, int], list[float]] = {}  # (bucket, option) -> [mean seconds, observations]
         self._rounds: dict[int, list[float]] = {}  # budget -> [decayed rounds, decayed tokens, rounds]
         self._current: dict[int, int] = {}  # bucket -> the option its steps take
+        self._run: dict[int, int] = {}  # bucket -> steps its current option has taken in a row
         self._pinned: dict[int, list[int]] = {}  # bucket -> [option, steps left] while an option is measured
         self._steps: dict[int, int] = {}  # bucket -> steps chosen so far
         self._measured: dict[tuple[int, int], int] = {}  # (bucket, option) -> the bucket's step count then
@@ -59,7 +61,10 @@ class TreeBudgetChooser:
 
     # ---- measurements ------------------------------------------------------------------------------------
     def observe(self, bucket: int, option: int, seconds: float) -> None:
-        """A step of `option` (0: plain, else the tree budget) at request bucket `bucket` took `seconds`."""
+        """A step of `option` (0: plain, else the tree budget) at request bucket `bucket` took `seconds` (the first
+        `SETTLE_STEPS` steps after the bucket changed option are not counted)."""
+        if self._current.get(bucket) == option and self._run.get(bucket, 0) <= SETTLE_STEPS:
+            return
         entry = self._times.setdefault((bucket, option), [seconds, 0.0])
         entry[0] = TIME_DECAY * entry[0] + (1 - TIME_DECAY) * seconds if entry[1] else seconds
         entry[1] += 1
@@ -115,6 +120,7 @@ class TreeBudgetChooser:
         return self._take(bucket, option)
 
     def _take(self, bucket: int, option: int) -> int:
+        self._run[bucket] = self._run.get(bucket, 0) + 1 if self._current.get(bucket) == option else 1
         self._current[bucket] = option
         self.chosen[(bucket, option)] = self.chosen.get((bucket, option), 0) + 1
         return option
