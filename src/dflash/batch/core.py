@@ -762,29 +762,32 @@ class BatchCore:
         return len(rounds)
 
     def _follow_device_round(self) -> int | None:
-        """Where the unread device round's requests are this step's only decoding ones and go on with the same
-        shape: launch their next round from the state it leaves on the device, then read and commit it (the host's
+        """Where the unread device round's requests (less those that ended) are this step's only decoding ones and
+        go on with the same shape: launch their next round from the state it leaves on the device, then read and commit it (the host's
         work overlaps the GPU's), then run any prompt chunk due in a pass of its own (a request in its prompt does
         not break the chain). Otherwise read and commit it, and return None: the step goes on from the committed
         state."""
         trees = self.device_trees
         assert trees is not None and trees.launched is not None
-        seqs = trees.launched.seqs
+        seqs = trees.launched.seqs  # in the launched round's order, requests that ended since included
+        live = [s for s in seqs if s.phase != "done"]
         rounds: list[_Round] = []
         decoding = [s for s in self.active if s.phase == "decode"]
-        if len(decoding) == len(seqs) and all(a is b for a, b in zip(decoding, seqs, strict=True)):
+        same = live and len(decoding) == len(live) and all(a is b for a, b in zip(decoding, live, strict=True))
+        # ended requests' slots ride as padding while the others fill the same request bucket
+        if same and PaddedShape.bucket_requests(len(live), self.settings.max_batch) == trees.launched.shape.requests:
             rounds = self._plan_rounds(decoding)
         budget = rounds[0].budget if rounds else 0
-        if not (
-            self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow([r.seq for r in rounds], budget)
-        ):
+        if not (self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow(seqs, budget)):
             unread = trees.take()
             assert unread is not None
             self._commit_device_round(unread, observe=True)
             return None
         now = time.perf_counter()
         try:
-            previous = trees.launch(seqs, budget, follow=True)
+            # an ended request's slot rides as padding until the requests change (no chain break at its end)
+            ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
+            previous = trees.launch(seqs, budget, follow=True, ended=ended)
         except Exception as exc:  # the launch failed: its requests end with the error (the unread round too)
             log.exception("batched step failed")
             trees.take()

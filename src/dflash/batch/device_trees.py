@@ -151,17 +151,26 @@ class DeviceTrees:
             and launched.shape == self.shape(seqs, budget)
         )
 
-    def launch(self, seqs: list[Sequence], budget: int, *, follow: bool = False) -> LaunchedRound | None:
+    def launch(
+        self, seqs: list[Sequence], budget: int, *, follow: bool = False, ended: list[int] | None = None
+    ) -> LaunchedRound | None:
         """Launch one round for each of `seqs` (greedy DDTree requests, at most `max_requests`, each able to draft
         `depth(budget)` positions), nothing read back; returns the round launched before it, unread (None if none).
         `follow` (`can_follow`): its inputs are what the previous round left on the device (the host state lags one
-        round); otherwise they are loaded from the host, which must have read every earlier round."""
+        round), but for `ended` (indexes of requests that ended since: their slots become padding); otherwise they
+        are loaded from the host, which must have read every earlier round."""
         previous = self.launched
         shape = previous.shape if follow and previous is not None else self.shape(seqs, budget)
         entry = self._entries.get(shape) or self._capture(shape)
         if not follow:
             assert previous is None, "a round loaded from the host needs every earlier round read"
             self._load(entry, seqs, budget)
+        elif ended:  # requests that ended: padding from now on (no rows, nothing read or written in their blocks)
+            index = torch.tensor(ended, dtype=torch.long).to(entry.out.device, non_blocking=True)
+            for batch in (entry.drafter_batch, entry.target_batch):
+                batch.counts.index_fill_(0, index, 0)
+                batch.past.index_fill_(0, index, 0)
+            entry.context_rows.index_fill_(0, index, 0)
         if entry.graph is not None:
             entry.graph.replay()
         else:
