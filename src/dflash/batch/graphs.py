@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-from dflash.batch.padded import ROW_BUCKETS, PaddedBatch, PaddedShape, padded_forward
+from dflash.batch.padded import (
+    MIN_KEY_BUCKET,
+    ROW_BUCKETS,
+    PaddedBatch,
+    PaddedShape,
+    bucket_up,
+    padded_forward,
+)
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
@@ -29,7 +36,6 @@ log = logging.getLogger("dflash.batch")
 
 PaddedForward = Callable[[PaddedBatch], tuple[torch.Tensor, torch.Tensor | None]]
 MAX_PREFILL_KEYS = 8192  # positions a prompt chunk may reach through the padded pass (masks [requests, rows, keys])
-MAX_GRAPHED_PREFILL_ROWS = 1024  # prompt-chunk passes of at most this many rows (requests x rows) are captured
 
 
 @dataclass
@@ -44,14 +50,14 @@ class PaddedGraphs:
     """Captured graphs of one padded forward, by shape."""
 
     def __init__(self, name: str, forward: PaddedForward, pool: BlockPool, window: int | None, max_requests: int,
-                 memory: Any, *, graphed: bool = True, max_graphed_rows: int | None = None) -> None:
-        """`max_graphed_rows`: shapes of more rows (requests x rows) run eagerly (their launches cost little beside
-        their work, and a graph would keep their activations' memory)."""
+                 memory: Any, *, graphed: bool = True, max_graphed_requests: int | None = None) -> None:
+        """`max_graphed_requests`: shapes of more requests run eagerly (few steps meet them, and each shape met
+        would be captured)."""
         self.name, self.forward, self.pool, self.window, self.max_requests = name, forward, pool, window, max_requests
         self._graphs: dict[PaddedShape, _Captured] = {}
         self._memory = memory
         self.graphed = graphed
-        self.max_graphed_rows = max_graphed_rows
+        self.max_graphed_requests = max_graphed_requests
 
     @property
     def captured(self) -> int:
@@ -76,8 +82,8 @@ class PaddedGraphs:
 
     def _capture(self, shape: PaddedShape) -> _Captured:
         batch = PaddedBatch(shape, self.pool, self.window)  # all padding: nothing real is written
-        too_big = self.max_graphed_rows is not None and shape.requests * shape.rows > self.max_graphed_rows
-        if not self.graphed or too_big:
+        eager = self.max_graphed_requests is not None and shape.requests > self.max_graphed_requests
+        if not self.graphed or eager:
             entry = _Captured(None, batch, torch.empty(0), None)
             self._graphs[shape] = entry
             return entry
@@ -116,14 +122,15 @@ class GraphedTargetPasses:
             memory, graphed=graphed,
         )
         # prompt chunks through the same padded pass: every request's chunk in one pass per layer, where the packed
-        # pass attends request by request; captured when first met up to `MAX_GRAPHED_PREFILL_ROWS` rows (eagerly,
-        # launching a few hundred kernels from Python costs more than a small chunk's work). Their graphs keep a
-        # memory pool of their own: a step reads a chunk's logits after the decoding rows' graph has run, which
-        # would reuse a shared pool's memory
+        # pass attends request by request. A step with one request's chunk (the usual one: requests arrive one by
+        # one) replays a graph (`capture_prefills`; eagerly, launching a few hundred kernels from Python costs more
+        # than a small chunk's work); several requests' chunks run eagerly. Their graphs keep a memory pool of their
+        # own: a step reads a chunk's logits after the decoding rows' graph has run, which would reuse a shared
+        # pool's memory
         self.prefills = PaddedGraphs(
             "prefill", lambda batch: forward(model, pool, batch, layers, last_rows=True), pool, model.sliding_window,
             max_requests, torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed,
-            max_graphed_rows=MAX_GRAPHED_PREFILL_ROWS,
+            max_graphed_requests=1,
         )
 
     @property
@@ -148,6 +155,16 @@ class GraphedTargetPasses:
         if copied is not None:
             features = RowViews(copied, [slice(0, item.count) for item in items])
         return TargetOutput(RowViews(entry.logits, wanted), features, best)
+
+    def capture_prefills(self, chunk: int, max_keys: int) -> None:
+        """The one-request prompt-chunk graphs ahead of traffic: every row bucket up to `chunk`'s, every key
+        bucket up to `max_keys` that holds it."""
+        keys = MIN_KEY_BUCKET
+        while keys <= max_keys:
+            for rows in ROW_BUCKETS:
+                if rows <= min(keys, bucket_up(min(chunk, ROW_BUCKETS[-1]), ROW_BUCKETS)):
+                    self.prefills.ensure(PaddedShape(1, rows, keys))
+            keys *= 2
 
     def prefill_fits(self, items: Sequence[TargetRows]) -> bool:
         """Whether these prompt chunks go through `prefill`: rows within the largest row bucket, keys within
