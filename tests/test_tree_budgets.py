@@ -87,3 +87,20 @@ def test_the_first_steps_after_a_change_of_option_are_not_its_cost() -> None:
         assert chooser.choose(8, 8, BUDGETS, lambda b: 16.0) == 31
         chooser.observe(8, 31, 0.1 if step < tree_budgets.SETTLE_STEPS else 0.0034)
     assert chooser.step_time(8, 31) == pytest.approx(0.0034)
+
+
+def test_a_measured_again_option_takes_its_new_time() -> None:
+    """An option run again to measure it (it was stale) gets the time measured now, not a blend with the old one
+    (which may have been taken while graphs were captured or under other traffic)."""
+    chooser = TreeBudgetChooser()
+    slow_plain = dict(TIMES)
+    slow_plain[0] = 3.0
+    tokens = {7: 1.8, 15: 2.0, 31: 2.4}  # budget 7: 8 x 1.8 / 2.0 = 7.2 tokens a second, plain 8 / 1.0
+    chosen = []
+    for _ in range(4 * EXPLORE_STEPS + tree_budgets.REFRESH_STEPS + 4 * EXPLORE_STEPS):
+        option = chooser.choose(8, 8, BUDGETS, lambda b: tokens[b] * 8)
+        chooser.observe(8, option, slow_plain[option] if len(chosen) < 4 * EXPLORE_STEPS else TIMES[option])
+        chosen.append(option)
+    assert chooser.step_time(8, 0) == pytest.approx(TIMES[0])
+    assert chosen[4 * EXPLORE_STEPS] == 7  # while plain's time was the slow one
+    assert chosen[-3:] == [0] * 3

@@ -253,7 +253,6 @@ class BatchCore:
                     for budget in sorted(budgets_of.get(requests, ())):
                         self.device_trees.ensure(TreeShape(requests, keys, budget))
                 keys *= 2
-        self.graphs.capture_prefills(self.settings.prefill_chunk, max_keys)
         drafter = self.drafter_graphs.graphs.captured if self.drafter_graphs is not None else 0
         trees = self.device_trees.captured if self.device_trees is not None else 0
         return self.graphs.captured + drafter + trees

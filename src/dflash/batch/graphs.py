@@ -18,11 +18,9 @@ from typing import Any
 import torch
 
 from dflash.batch.padded import (
-    MIN_KEY_BUCKET,
     ROW_BUCKETS,
     PaddedBatch,
     PaddedShape,
-    bucket_up,
     padded_forward,
 )
 from dflash.batch.pool import BlockPool
@@ -123,7 +121,7 @@ class GraphedTargetPasses:
         )
         # prompt chunks through the same padded pass: every request's chunk in one pass per layer, where the packed
         # pass attends request by request. A step with one request's chunk (the usual one: requests arrive one by
-        # one) replays a graph (`capture_prefills`; eagerly, launching a few hundred kernels from Python costs more
+        # one) replays a graph, captured when its shape is first met (eagerly, launching a few hundred kernels from Python costs more
         # than a small chunk's work); several requests' chunks run eagerly. Their graphs keep a memory pool of their
         # own: a step reads a chunk's logits after the decoding rows' graph has run, which would reuse a shared
         # pool's memory
@@ -155,16 +153,6 @@ class GraphedTargetPasses:
         if copied is not None:
             features = RowViews(copied, [slice(0, item.count) for item in items])
         return TargetOutput(RowViews(entry.logits, wanted), features, best)
-
-    def capture_prefills(self, chunk: int, max_keys: int) -> None:
-        """The one-request prompt-chunk graphs ahead of traffic: every row bucket up to `chunk`'s, every key
-        bucket up to `max_keys` that holds it."""
-        keys = MIN_KEY_BUCKET
-        while keys <= max_keys:
-            for rows in ROW_BUCKETS:
-                if rows <= min(keys, bucket_up(min(chunk, ROW_BUCKETS[-1]), ROW_BUCKETS)):
-                    self.prefills.ensure(PaddedShape(1, rows, keys))
-            keys *= 2
 
     def prefill_fits(self, items: Sequence[TargetRows]) -> bool:
         """Whether these prompt chunks go through `prefill`: rows within the largest row bucket, keys within

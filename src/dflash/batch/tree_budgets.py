@@ -117,6 +117,7 @@ class TreeBudgetChooser:
 
     def _pin(self, bucket: int, option: int) -> int:
         self._pinned[bucket] = [option, EXPLORE_STEPS - 1]
+        self._times.pop((bucket, option), None)  # measured afresh: an old time (a capture, other traffic) goes
         return self._take(bucket, option)
 
     def _take(self, bucket: int, option: int) -> int:
