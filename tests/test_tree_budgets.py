@@ -104,3 +104,12 @@ def test_a_measured_again_option_takes_its_new_time() -> None:
     assert chooser.step_time(8, 0) == pytest.approx(TIMES[0])
     assert chosen[4 * EXPLORE_STEPS] == 7  # while plain's time was the slow one
     assert chosen[-3:] == [0] * 3
+
+
+def test_a_tree_must_beat_a_plain_step_by_a_clear_margin() -> None:
+    """Budget 7 predicted 5% faster than plain steps: plain steps are kept; 20% faster: the tree."""
+    for gain, expected in ((1.05, 0), (1.2, 7)):
+        chooser = TreeBudgetChooser()
+        per_request = gain * TIMES[7] / TIMES[0]  # tokens a round at budget 7 must commit for that gain
+        tokens = {7: per_request, 15: 1.0, 31: 1.0}
+        assert _run(chooser, 4 * EXPLORE_STEPS + 5, tokens)[-5:] == [expected] * 5

@@ -19,8 +19,9 @@ tokens per second:
   of budget c is exactly those nodes: `dflash.fastpath.batched_trees.Walk.lengths_within`), so one budget's rounds
   measure all smaller ones.
 
-The choice changes only when another option is predicted `SWITCH_MARGIN` faster: each change ends a chain of
-launched-ahead steps. Outputs never depend on the choice (greedy verification commits the target's own tokens).
+A tree budget is taken over a plain step only where it is predicted `TREE_GAIN` faster (what trees cost at
+arrivals and ends is not in their step times), and the choice changes only when another option is predicted
+`SWITCH_MARGIN` faster: each change ends a chain of launched-ahead steps. Outputs never depend on the choice (greedy verification commits the target's own tokens).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ CANDIDATES = (7, 15, 31)  # tree budgets whose verification rows (budget + 1) fi
 EXPLORE_STEPS = 6  # consecutive steps an option runs when it is measured
 REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
 SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
+# predicted speed-up a tree budget needs over a plain step: the step times leave out what trees add when requests
+# arrive and end (a round loaded from the host instead of launched ahead, a round beside each prompt chunk), which
+# measured ~10% of a tree step's time at 8 and 16 clients (results/gpu_concurrency_h100.json, "tree_budgets")
+TREE_GAIN = 1.1
 MIN_STEPS = 3  # observed steps before an option's time is trusted
 SETTLE_STEPS = 2  # steps after a change of option left unobserved: the change's cost is not the option's
 TIME_DECAY = 0.9  # weight of the older observations in an option's time
@@ -109,6 +114,7 @@ class TreeBudgetChooser:
         if steps - self._measured.get((bucket, stale), 0) > REFRESH_STEPS:
             return self._pin(bucket, stale)
         rates = {o: (expected(o) if o else requests) / (self.step_time(bucket, o) or 1e-9) for o in options}
+        rates[0] *= TREE_GAIN  # a tree must beat a plain step by this much (the costs it adds at arrivals and ends)
         best = max(options, key=lambda o: rates[o])
         current = self._current.get(bucket)
         if current in rates and rates[current] * SWITCH_MARGIN >= rates[best]:
