@@ -473,7 +473,7 @@ class BatchCore:
         speculating = sum(1 for s in decoders if s.speculative)
         plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
         if len(decoders) > 1 and self._device_tree_requests(decoders):
-            option = self._tree_option(decoders, plan.ddtree_budget)  # 0: a plain step
+            option = self._tree_option(decoders)  # 0: a plain step
             if option == 0:
                 return [_Round(seq, "plain") for seq in decoders]
             rounds = [self._round_for(seq, RoundPlan(option, plan.linear_drafts)) for seq in decoders]
@@ -507,11 +507,13 @@ class BatchCore:
         self._step_started, self._step_choice, self._step_prefilled, self._step_kind = now, None, False, None
 
     def _budgets_for(self, decoding: int) -> list[int]:
-        """The tree budgets a step of `decoding` greedy DDTree requests may take (alone: the configured one)."""
-        top = self.policy.share(decoding, plain_rows=0).ddtree_budget
+        """The tree budgets a step of `decoding` greedy DDTree requests may take (alone: the configured one); the
+        same for every count of one request bucket (the bucket's row share), so that each bucket measures a few."""
         if decoding == 1:
+            top = self.policy.share(1, plain_rows=0).ddtree_budget
             return [top] if top > 0 else []
-        return candidate_budgets(top)
+        bucket = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
+        return candidate_budgets(self.policy.share(bucket, plain_rows=0).ddtree_budget)
 
     def _device_tree_requests(self, decoders: list[Sequence]) -> bool:
         """Whether every decoding request is a greedy DDTree request the device trees serve."""
@@ -520,7 +522,7 @@ class BatchCore:
             for s in decoders
         )
 
-    def _tree_option(self, decoders: list[Sequence], top: int) -> int:
+    def _tree_option(self, decoders: list[Sequence]) -> int:
         """This step's tree budget for `decoders` (0: a plain step), chosen once per step (`TreeBudgetChooser`)."""
         key = (self._step_index, tuple(map(id, decoders)))
         if self._option_memo is not None and self._option_memo[0] == key:
@@ -528,7 +530,7 @@ class BatchCore:
         chooser = self.tree_budgets
         bucket = PaddedShape.bucket_requests(len(decoders), self.settings.max_batch)
         option = chooser.choose(
-            bucket, len(decoders), candidate_budgets(top),
+            bucket, len(decoders), self._budgets_for(len(decoders)),
             lambda budget: sum(s.expected_tree_tokens(budget, chooser.prior(budget)) for s in decoders),
         )
         self._option_memo = (key, option)
