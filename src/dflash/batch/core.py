@@ -783,9 +783,8 @@ class BatchCore:
         if not (self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow(seqs, budget)):
             unread = trees.take()
             assert unread is not None
-            self._commit_device_round(unread, observe=True)
+            self._commit_device_round(unread)
             return None
-        now = time.perf_counter()
         try:
             # an ended request's slot rides as padding until the requests change (no chain break at its end)
             ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
@@ -797,8 +796,7 @@ class BatchCore:
                 self._end(seq, exc)
             return len(seqs)
         assert previous is not None
-        self.policy.costs.observe(len(seqs) * (budget + 1), True, now - previous.launched_at)
-        self._commit_device_round(previous, observe=False)
+        self._commit_device_round(previous)
         prefills = self._prefill_work()
         if prefills:
             self._step_prefilled = True
@@ -820,9 +818,9 @@ class BatchCore:
             self._guarded(seq, self._after_prefill, seq, lo, hi, out.logits[index],
                           features[index] if features is not None else None)
 
-    def _commit_device_round(self, launched: LaunchedRound, *, observe: bool) -> None:
-        """Read a launched device round and commit it (a request that ended since is skipped). `observe`: its time
-        from launch to read feeds the policy (a followed round's cost is the time between launches instead)."""
+    def _commit_device_round(self, launched: LaunchedRound) -> None:
+        """Read a launched device round and commit it (a request that ended since is skipped). Its cost is measured
+        by the tree-budget choice (`_account_step`), not the policy's fit of host-built steps."""
         assert self.device_trees is not None
         try:
             results = self.device_trees.read(launched)
@@ -832,8 +830,6 @@ class BatchCore:
                 self._end(seq, exc)
             return
         budget = launched.shape.budget
-        if observe:
-            self.policy.costs.observe(len(launched.seqs) * (budget + 1), True, time.perf_counter() - launched.launched_at)
         for seq, result in zip(launched.seqs, results, strict=True):
             if seq.phase != "done":
                 self._guarded(seq, self._after_device_round, seq, budget, result)

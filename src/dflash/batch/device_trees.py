@@ -26,7 +26,6 @@ the target's greedy decoding whatever the tree (the device and host trees may di
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +76,6 @@ class LaunchedRound:
     shape: TreeShape
     host_out: torch.Tensor  # [requests, depth + 2 + smaller budgets], written once `event` has passed
     event: torch.cuda.Event | None
-    launched_at: float
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,7 @@ class DeviceTrees:
         if entry.out.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.launched = LaunchedRound(seqs, shape, host, event, time.perf_counter())
+        self.launched = LaunchedRound(seqs, shape, host, event)
         return previous
 
     def take(self) -> LaunchedRound | None:
