@@ -58,5 +58,8 @@ def test_the_fused_drafter_pass_equals_the_module_pass() -> None:
     kept = torch.ones(pool.keys.shape[2], dtype=torch.bool)
     kept[pool.trash_slot] = False
     for fused_rows, module_rows, old_rows in zip((pool.keys, pool.values), module_kv, before, strict=True):
-        torch.testing.assert_close(fused_rows[:, :, kept], module_rows[:, :, kept], atol=1e-5, rtol=1e-5)
-        assert not torch.equal(module_rows[:, :, kept], old_rows[:, :, kept])  # the pass did write the pool
+        # slots neither pass wrote keep the pool's uninitialised memory, the same in both (NaN bits included)
+        torch.testing.assert_close(fused_rows[:, :, kept], module_rows[:, :, kept], atol=1e-5, rtol=1e-5,
+                                   equal_nan=True)
+        written = (module_rows != old_rows) & ~(module_rows.isnan() & old_rows.isnan())
+        assert written[:, :, kept].any()  # the pass did write the pool
