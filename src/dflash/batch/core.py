@@ -275,7 +275,7 @@ class BatchCore:
         if self.device_trees is not None and self.device_trees.launched is not None:
             followed = self._follow_device_round()
             if followed is not None:
-                self._step_kind = "device_ahead"
+                self._step_kind = "prefill" if self._step_prefilled else "device_ahead"
                 return followed
         if self.overlap is not None:
             plain = self._overlapped_rounds()
@@ -765,10 +765,10 @@ class BatchCore:
 
     def _follow_device_round(self) -> int | None:
         """Where the unread device round's requests (less those that ended) are this step's only decoding ones and
-        go on with the same shape: launch their next round from the state it leaves on the device, then read and commit it (the host's
-        work overlaps the GPU's), then run any prompt chunk due in a pass of its own (a request in its prompt does
-        not break the chain). Otherwise read and commit it, and return None: the step goes on from the committed
-        state."""
+        go on with the same shape: launch their next round from the state it leaves on the device, then read and
+        commit it (the host's work overlaps the GPU's), then run any prompt chunk due in a pass of its own (a request
+        in its prompt does not break the chain). Otherwise read and commit it, and return None: the step goes on from
+        the committed state."""
         trees = self.device_trees
         assert trees is not None and trees.launched is not None
         seqs = trees.launched.seqs  # in the launched round's order, requests that ended since included

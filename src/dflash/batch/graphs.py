@@ -121,10 +121,10 @@ class GraphedTargetPasses:
         )
         # prompt chunks through the same padded pass: every request's chunk in one pass per layer, where the packed
         # pass attends request by request. A step with one request's chunk (the usual one: requests arrive one by
-        # one) replays a graph, captured when its shape is first met (eagerly, launching a few hundred kernels from Python costs more
-        # than a small chunk's work); several requests' chunks run eagerly. Their graphs keep a memory pool of their
-        # own: a step reads a chunk's logits after the decoding rows' graph has run, which would reuse a shared
-        # pool's memory
+        # one) replays a graph captured when its shape is first met (eagerly, launching a few hundred kernels from
+        # Python costs more than a small chunk's work); several requests' chunks run eagerly. Their graphs keep a
+        # memory pool of their own: a step reads a chunk's logits after the decoding rows' graph has run, which
+        # would reuse a shared pool's memory
         self.prefills = PaddedGraphs(
             "prefill", lambda batch: forward(model, pool, batch, layers, last_rows=True), pool, model.sliding_window,
             max_requests, torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed,

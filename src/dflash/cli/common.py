@@ -25,7 +25,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--spec", default="ddtree", choices=["none", "linear", "ddtree"],
         help="decoding strategy: ddtree (default: the drafter's block verified as a tree of its likeliest "
-        "continuations, the fastest on CPU and GPU), linear (its single most likely chain) or none (plain decoding)",
+        "continuations, the fastest on a GPU and on CPUs with AMX; plain decoding measured faster on an AVX-512 CPU "
+        "without AMX), linear (its single most likely chain) or none (plain decoding)",
     )
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument(
@@ -70,7 +71,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="on a GPU, run every forward eagerly instead of replaying CUDA graphs")
     group.add_argument("--ddtree-budget", type=int, default=None,
                        help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 8 with AMX or AMX-INT8 "
-                       "products, 32 on GPU)")
+                       "products, 32 on GPU; on a GPU under load each step may take a smaller tree, or a plain step, "
+                       "where its measured times say so)")
     group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                        help="requests decoded together in one batched step (`dflash serve` runs this many at once "
                        "and queues the rest); default: 8 on the CPU, 1 on a GPU (the single-request graphed path)")

@@ -60,7 +60,7 @@ class EngineOptions:
     """How an `Engine` decodes. Fields left None take the default of the device class; the engine keeps the
     resolved copy (`resolve_options`) as `Engine.options`."""
 
-    spec: str = "ddtree"  # "none" | "linear" | "ddtree" (the fastest on CPU and GPU: results/README.md)
+    spec: str = "ddtree"  # "none" | "linear" | "ddtree" (the fastest on a GPU and with AMX: results/README.md)
     prefill_chunk: int = 256
     max_ctx: int | None = None  # defaults to the model's max positions
     draft_window: int | None = None
