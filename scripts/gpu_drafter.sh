@@ -7,7 +7,7 @@
 #   scripts/gpu_drafter.sh eval DIR         # acceptance on the three evaluation sets (real decoding loop)
 #   scripts/gpu_drafter.sh replay DIR       # the same figure by exact batched replay (fast)
 # Settings from the environment: PROMPTS (prompt files, space-separated; .stage/train_prompts.jsonl.gz), DATA_BATCH (512), DATA (answered sets,
-# space-separated; $RUN/data.jsonl.gz), STEPS (5000), BATCH (32), LR (6e-4), DISTILL (0: hard labels only),
+# space-separated; $RUN/data.jsonl.gz), STEPS (5000), BATCH (32), ANCHORS (48 blocks per sequence), LR (6e-4), DISTILL (0: hard labels only),
 # LAYERS (4), MLP (the target's width), INIT (a drafter or a run folder to continue from, grown to LAYERS / MLP).
 # ARCH=dflash2 trains a DFlash2 drafter (block convolutions + candidate selector; docs/dflash2.md): BLOCK (8 for
 # dflash2, 16 for dflash), SELECTOR_RANK (256), SELECTOR_WEIGHT (1.0, the selector loss's weight); with INIT=default
@@ -18,8 +18,9 @@ set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 RUN=${RUN:-/tmp/run}
 DATA=${DATA:-$RUN/data.jsonl.gz}
-MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
-SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+# another target: MODEL (its staged path) and SHA (the whole file's sha256), e.g. Gemma-3-270M (docs in its drafter's README)
+MODEL=${MODEL:-$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf}
+SHA=${SHA:-b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53}
 DFLASH="python3 -m dflash"
 . scripts/gpu_env.sh
 mkdir -p "$STAGE" "$RUN"
@@ -53,7 +54,7 @@ case "$1" in
       extra+=(--selector-rank "${SELECTOR_RANK:-256}" --selector-loss-weight "${SELECTOR_WEIGHT:-1.0}")
     fi
     $DFLASH train fit --model "$MODEL" --arch "$arch" "${extra[@]}" --out "$RUN" --layers "${LAYERS:-4}" --block-size "$block" \
-      --steps "${STEPS:-5000}" --batch-size "${BATCH:-32}" --max-length 768 --anchors 48 --lr "${LR:-6e-4}" \
+      --steps "${STEPS:-5000}" --batch-size "${BATCH:-32}" --max-length 768 --anchors "${ANCHORS:-48}" --lr "${LR:-6e-4}" \
       --distill "${DISTILL:-0}" --max-minutes "$2" ;;
   export)
     $DFLASH train export --run "$RUN" --out "$2" ;;

@@ -316,6 +316,19 @@ class StreamDecoder:
 
 
 # ------------------------------------------------------------------------------------------- helpers
+def conversation_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A conversation as plain text, for a base model without a chat template (prompt sets used as completion
+    prompts): the messages' text, joined by blank lines."""
+    parts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+        if content:
+            parts.append(str(content))
+    return "\n\n".join(parts)
+
+
 def _common_prefix(a: str, b: str) -> str:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:

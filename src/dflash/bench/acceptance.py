@@ -34,7 +34,7 @@ def measure_acceptance(
         tokens = rounds = 0
         with progress_bar(f"acceptance {name}", len(chats)) as bar:
             for index, chat in enumerate(chats):
-                request = GenerationRequest(prompt_ids=engine.chat_prompt_ids(chat), max_new_tokens=max_tokens)
+                request = GenerationRequest(prompt_ids=engine.prompt_set_ids(chat), max_new_tokens=max_tokens)
                 result = engine.generate(request, spec=spec)
                 s = result.stats
                 values.append(s.acceptance_length)

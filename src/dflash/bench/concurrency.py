@@ -218,7 +218,7 @@ def measure_levels(
 
 def interleaved_prompts(engine: Engine, prompt_files: Sequence[Path]) -> list[list[int]]:
     """Every prompt of every file, alternating between the files, so the first requests of a level mix the sets."""
-    per_file = [[engine.chat_prompt_ids(chat) for chat in read_prompt_file(path)] for path in prompt_files]
+    per_file = [[engine.prompt_set_ids(chat) for chat in read_prompt_file(path)] for path in prompt_files]
     return [ids for group in itertools.zip_longest(*per_file) for ids in group if ids is not None]
 
 

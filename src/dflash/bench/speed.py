@@ -201,7 +201,7 @@ def measure_speed(
     (default: found from `model_arg` and the environment, `llama_cpp_peer.prepare_peer`) before our modes, with this
     process's torch thread count."""
     ours = [mode for mode in modes if mode != LLAMA_CPP_MODE]
-    prompts = [engine.chat_prompt_ids(chat) for path in prompt_files for chat in read_prompt_file(path)[:limit]]
+    prompts = [engine.prompt_set_ids(chat) for path in prompt_files for chat in read_prompt_file(path)[:limit]]
     llama_cpp: dict[str, Any] | None = None
     if LLAMA_CPP_MODE in modes:  # first: a failing peer then costs none of our runs
         llama_cpp = run_llama_bench(LlamaBenchRun(

@@ -223,7 +223,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from dflash.drafter.dflash2 import DFlash2Drafter
     from dflash.drafter.loader import load_drafter
     from dflash.generation.batched import BatchedDecoder, generate_batch
-    from dflash.training.prompts import read_prompt_file
+    from dflash.training.prompts import prompt_ids, read_prompt_file
     from dflash.training.replay import replay
 
     model, tokenizer = _load_target(args)
@@ -246,8 +246,7 @@ def run_eval(args: argparse.Namespace) -> int:
     every: list[float] = []
     every_tree: dict[int, list[float]] = {budget: [] for budget in budgets}
     for path in args.prompts_file:
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
-                   for chat in read_prompt_file(path)][: args.limit]
+        prompts = [prompt_ids(tokenizer, chat) for chat in read_prompt_file(path)][: args.limit]
         answers: list[list[int]] = []
         decoder = None  # reused by every full batch of this file (its captured steps too)
         for lo in range(0, len(prompts), args.batch_size):

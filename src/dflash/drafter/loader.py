@@ -16,14 +16,16 @@ from dflash.models.materialize import materialize
 
 PACKAGED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 DEFAULT_DRAFTER = "smollm2-135m-instruct"
+GEMMA3_270M_DRAFTER = "gemma3-270m"  # the drafter of `--model gemma3-270m`
+_PACKAGED = (DEFAULT_DRAFTER, GEMMA3_270M_DRAFTER)
 
 
 def resolve_drafter_path(name: str) -> Path:
     """`default` (or a packaged drafter's name) -> its folder inside the package; anything else is a path."""
-    if name in ("default", DEFAULT_DRAFTER):
-        path = PACKAGED_DRAFTERS / DEFAULT_DRAFTER
+    if name == "default" or name in _PACKAGED:
+        path = PACKAGED_DRAFTERS / (DEFAULT_DRAFTER if name == "default" else name)
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"the packaged default drafter is missing from {path}")
+            raise ModelLoadError(f"the packaged drafter {path.name} is missing from {path.parent}")
         return path
     path = Path(name).expanduser()
     if not path.exists():

@@ -39,7 +39,7 @@ from dflash.kv.prefix_cache import PrefixCache
 from dflash.kv.recurrent import ROLLBACK_MAX_ROWS
 from dflash.models.model import CausalLM
 from dflash.special_text import SpecialTextGuard
-from dflash.tokenizer import Tokenizer
+from dflash.tokenizer import Tokenizer, conversation_text
 
 log = logging.getLogger("dflash.engine")
 
@@ -245,6 +245,13 @@ class Engine:
             add_generation_prompt=add_generation_prompt, **template_kwargs
         )
         return self.encode(text, guard)
+
+    def prompt_set_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A prompt set's conversation (benchmarks): through the chat template, or for a base model without one,
+        its text as a completion prompt (`conversation_text`)."""
+        if self.tokenizer.chat_template:
+            return self.chat_prompt_ids(messages)
+        return self.encode(conversation_text(messages))
 
     def encode(self, text: str, guard: SpecialTextGuard | None = None) -> list[int]:
         """Token ids of `text`, BOS first where the model wants one. With `guard` (a chat prompt rendered from the

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import torch
 
-from dflash.drafter.loader import DEFAULT_DRAFTER, PACKAGED_DRAFTERS, load_drafter, resolve_drafter_path
+from dflash.drafter.loader import (
+    DEFAULT_DRAFTER,
+    GEMMA3_270M_DRAFTER,
+    PACKAGED_DRAFTERS,
+    load_drafter,
+    resolve_drafter_path,
+)
 from dflash.drafter.model import DFlashDrafter
 from dflash.engine.devices import pick_device, pick_dtype
 from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
@@ -18,6 +24,7 @@ from dflash.errors import DFlashError, ModelLoadError
 from dflash.kernels.openmp import release_thread_workers
 from dflash.models.cpu_matmul import choose_cpu_matmul, tile_products, use_cpu_matmul
 from dflash.models.model import CausalLM
+from dflash.models.packaged import GEMMA3_270M_NAME
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.quantized_weights import QuantizedCheckpoint
 from dflash.models.registry import build_model
@@ -32,8 +39,14 @@ def is_default_model(name: str | None) -> bool:
     return name in (None, "", "default")
 
 
+def packaged_drafter(model: str | None) -> str | None:
+    """The shipped drafter of a packaged model (`--model default` / `gemma3-270m`), when its folder is present."""
+    name = DEFAULT_DRAFTER if is_default_model(model) else GEMMA3_270M_DRAFTER if model == GEMMA3_270M_NAME else None
+    return name if name is not None and (PACKAGED_DRAFTERS / name / "config.json").is_file() else None
+
+
 def default_drafter_available() -> bool:
-    return (PACKAGED_DRAFTERS / DEFAULT_DRAFTER / "config.json").is_file()
+    return packaged_drafter("default") is not None
 
 
 @dataclass(frozen=True)
@@ -104,8 +117,8 @@ def _load(
     )
     if checkpoint.tokenizer is None:
         raise DFlashError(f"{checkpoint.source}: no tokenizer found beside the weights")
-    if draft is None and is_default_model(model) and default_drafter_available():
-        draft = "default"
+    if draft is None or draft == "default":  # a packaged model's own drafter
+        draft = packaged_drafter(model) or draft
     speculative = draft not in (None, "", "none") and options.spec != "none"
     products = None
     if (choice.kind == "quantized" and torch_device.type == "cpu") or draft_format == "q8_0":
@@ -138,7 +151,7 @@ def _load(
             log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
     if products is not None and tile_products(products.kind) and options.ddtree_budget is None:
         options = replace(options, ddtree_budget=AMX_DDTREE_BUDGET)
-    name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
+    name = DEFAULT_DRAFTER if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
     log.info("loaded %s in %.2f s on %s (%s, %s weights: %s%s)", name, time.perf_counter() - started, torch_device,
              torch_dtype, choice.kind, choice.reason,
              "" if products is None else f"; {products.kind} products: {products.reason}")

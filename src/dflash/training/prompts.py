@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import DFlashError
+from dflash.tokenizer import Tokenizer, conversation_text
 
 HELDOUT_EVERY = 50
 Messages = list[dict[str, Any]]
@@ -89,6 +90,16 @@ def humaneval_prompts(path: Path) -> list[str]:
 def mtbench_first_turns(path: Path) -> list[str]:
     with path.open(encoding="utf-8") as handle:
         return [json.loads(line)["turns"][0] for line in handle if line.strip()]
+
+
+def prompt_ids(tokenizer: Tokenizer, chat: Messages) -> list[int]:
+    """A prompt set's conversation as the target's input: rendered with the chat template, or for a base model
+    without one, its text as a completion prompt (BOS first where the model wants one)."""
+    if tokenizer.chat_template:
+        return tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True))
+    ids = tokenizer.encode(conversation_text(chat))
+    bos = tokenizer.bos_token_id
+    return [bos, *ids] if tokenizer.add_bos and bos is not None else ids
 
 
 def read_prompt_file(path: Path) -> list[Messages]:
