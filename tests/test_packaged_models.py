@@ -74,3 +74,28 @@ def test_packaged_models_pick_their_own_drafters(monkeypatch: pytest.MonkeyPatch
     assert loading.packaged_drafter(str(tmp_path / "other.gguf")) is None
     assert drafter_loader.resolve_drafter_path("gemma3-270m") == tmp_path / "gemma3-270m"
     assert drafter_loader.resolve_drafter_path("default") == tmp_path / "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+def test_gemma_decodes_losslessly_with_its_shipped_drafter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model gemma3-270m` takes its shipped drafter (no `--draft`), which fits it and accepts drafts on a code
+    prompt, and greedy linear DFlash and DDTree equal plain decoding on it (CPU, the default products)."""
+    from dflash.drafter.loader import GEMMA3_270M_DRAFTER
+    from dflash.generation.request import GenerationRequest
+    from dflash.models.packaged import gemma3_270m_path
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    if gemma3_270m_path() is None:
+        pytest.skip("Gemma-3-270M packages not installed")
+    if loading.packaged_drafter("gemma3-270m") != GEMMA3_270M_DRAFTER:
+        pytest.fail("the Gemma-3-270M drafter is not in the package")
+    engine = loading.load_engine("gemma3-270m")
+    assert engine.drafter is not None and engine.drafter.config.hidden_size == engine.target.config.hidden_size
+    ids = engine.prompt_set_ids([{"role": "user", "content": "def is_palindrome(text: str) -> bool:\n"}])
+    assert ids[0] == engine.tokenizer.bos_token_id
+    plain = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=48), spec="none")
+    assert len(plain.token_ids) == 48
+    for spec in ("linear", "ddtree"):
+        out = engine.generate(GenerationRequest(prompt_ids=ids, max_new_tokens=48), spec=spec)
+        assert out.token_ids == plain.token_ids, spec
+        assert out.stats.acceptance_length > 1.2, spec

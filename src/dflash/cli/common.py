@@ -16,11 +16,15 @@ if TYPE_CHECKING:
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default="default", help="HF folder, GGUF file, or 'default' (SmolLM2-135M-Instruct)")
+    group.add_argument(
+        "--model", default="default",
+        help="HF folder, GGUF file, 'default' (SmolLM2-135M-Instruct) or 'gemma3-270m' (Gemma-3-270M base from its "
+        "packages: text completion, 32K context)",
+    )
     group.add_argument(
         "--draft", default=None,
-        help="DFlash drafter folder, 'default' (the shipped drafter of the default model) or 'none'; "
-        "the default model uses its shipped drafter unless 'none' is given",
+        help="DFlash drafter folder, 'default' (the shipped drafter of the packaged model) or 'none'; "
+        "the packaged models (default, gemma3-270m) use their shipped drafters unless 'none' is given",
     )
     group.add_argument(
         "--spec", default="ddtree", choices=["none", "linear", "ddtree"],
