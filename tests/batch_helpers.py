@@ -70,10 +70,11 @@ def drain(core: BatchCore, limit: int = 10_000) -> int:
 
 def sampled_counts(
     target: CausalLM, drafter: DFlashDrafter, mode: str, samples: int, new: int, *, budget: int, block: int,
-    prepare: Callable[[BatchCore], None] | None = None,
+    prepare: Callable[[BatchCore], None] | None = None, rounds: list[int] | None = None,
 ) -> list[Counter[int]]:
     """Token counts per output position of `samples` requests on prompt [1, 2, 3] (seeds 0..), sampled at
-    temperature 1, 64 in a batch; `prepare` adjusts each batch's core first (e.g. its speculation policy)."""
+    temperature 1, 64 in a batch; `prepare` adjusts each batch's core first (e.g. its speculation policy).
+    `rounds` gains each request's speculative rounds."""
     per_position: list[Counter[int]] = [Counter() for _ in range(new)]
     for first in range(0, samples, 64):
         core = make_core(target, drafter, max_batch=64, ddtree_budget=budget, linear_drafts=block - 1)
@@ -89,6 +90,8 @@ def sampled_counts(
         for seq in seqs:
             for position, token in enumerate(seq.sink.token_ids):
                 per_position[position][token] += 1
+            if rounds is not None:
+                rounds.append(seq.stats.rounds)
     return per_position
 
 

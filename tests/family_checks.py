@@ -1,8 +1,10 @@
 """Lossless-decoding checks every model family's tests run on their tiny target: a small random drafter, linear
-DFlash and DDTree against plain greedy (random and mostly right drafters), and the batched core with plain, linear
-and DDTree requests together."""
+DFlash and DDTree against plain greedy (random and mostly right drafters), the batched core with plain, linear
+and DDTree requests together, and sampled requests' distributions (`SAMPLED_VOCAB`-token targets)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -10,18 +12,18 @@ import torch
 from dflash.batch.core import BatchCore
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.models.model import CausalLM
-from tests.batch_helpers import drain, make_core, make_sequence
-from tests.spec_helpers import random_prompts, run
+from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
+from tests.spec_helpers import random_prompts, run, total_variation
 from tests.test_batch_core import _install_oracle as install_batch_oracle
 from tests.test_ddtree_decode import install_oracle, run_ddtree
 
 
-def tiny_drafter(vocab: int, target_layers: int, layer_ids: list[int]) -> DFlashDrafter:
-    """A one-layer random drafter (block 8) reading `layer_ids` of a target with `target_layers` layers."""
+def tiny_drafter(vocab: int, target_layers: int, layer_ids: list[int], block: int = 8) -> DFlashDrafter:
+    """A one-layer random drafter reading `layer_ids` of a target with `target_layers` layers."""
     raw = {
         "num_hidden_layers": 1, "num_target_layers": target_layers, "hidden_size": 64, "intermediate_size": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
-        "block_size": 8, "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": layer_ids},
+        "block_size": block, "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": layer_ids},
     }
     torch.manual_seed(7)
     return DFlashDrafter(DrafterConfig.from_dict(raw)).eval().requires_grad_(False)
@@ -62,3 +64,33 @@ def check_batched_core_equals_plain(
     for i, seq in enumerate(seqs):
         assert seq.error is None and seq.sink.token_ids == references[i], seq.mode
     return core
+
+
+SAMPLED_VOCAB = 8  # a target's vocabulary for `check_sampling_keeps_the_distribution`
+
+
+def check_sampling_keeps_the_distribution(
+    monkeypatch: pytest.MonkeyPatch, target: CausalLM, layer_ids: list[int], *, samples: int = 3000,
+    tolerance: float = 0.06,
+) -> None:
+    """Per-position token distributions of sampled linear and DDTree requests (temperature 1, 64 per batch, every
+    step speculating, a random drafter with blocks of 4: paths that often end inside the tree) agree with plain
+    sampling's within total variation `tolerance`. `target` has `SAMPLED_VOCAB` tokens (its head scaled up by the
+    caller so that next-token distributions are far from uniform)."""
+    assert target.config.vocab_size == SAMPLED_VOCAB
+    block, new = 4, 4
+    drafter = tiny_drafter(SAMPLED_VOCAB, target.config.num_layers, layer_ids, block=block)
+
+    def speculate(core: BatchCore) -> None:
+        monkeypatch.setattr(core.policy, "plan", lambda *args, **kwargs: True)
+
+    def counts(mode: str, rounds: list[int] | None = None) -> list[Counter[int]]:
+        return sampled_counts(target, drafter, mode, samples, new, budget=6, block=block, prepare=speculate,
+                              rounds=rounds)
+
+    reference = counts("none")
+    for mode in ("linear", "ddtree"):
+        rounds: list[int] = []
+        distances = [total_variation(p, s) for p, s in zip(reference, counts(mode, rounds), strict=True)]
+        assert max(distances) < tolerance, (mode, distances)
+        assert sum(rounds) >= samples, mode  # the requests did speculate

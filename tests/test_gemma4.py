@@ -42,8 +42,10 @@ from dflash.models.weight_choice import choose_weights
 from dflash.parallel.sharding import shard_config
 from dflash.tokenizer import Tokenizer
 from tests.family_checks import (
+    SAMPLED_VOCAB,
     check_batched_core_equals_plain,
     check_linear_and_ddtree_equal_plain,
+    check_sampling_keeps_the_distribution,
     tiny_drafter,
 )
 from tests.loading_helpers import (
@@ -471,3 +473,13 @@ def test_engine_serves_the_hf_folder_with_its_greedy_tokens(hf_folder: Path, max
         assert engine.prefix_cache is not None and engine.prefix_cache.stats().reused_tokens > 0
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled linear and DDTree requests in a batch (soft-capped logits, K/V-sharing layers) keep plain
+    sampling's per-position distributions."""
+    hf = hf_gemma4(vocab_size=SAMPLED_VOCAB, tie_word_embeddings=False)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # next-token distributions far from uniform
+    check_sampling_keeps_the_distribution(monkeypatch, ours_from_hf(hf), [1, 5])

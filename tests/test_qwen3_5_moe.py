@@ -23,7 +23,8 @@ from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
 from dflash.parallel.sharding import shard_config
 from tests.batch_helpers import drain, make_core, make_sequence
-from tests.hybrid_models import TINY_35_MOE, hf_tiny_35_moe
+from tests.family_checks import SAMPLED_VOCAB, check_sampling_keeps_the_distribution
+from tests.hybrid_models import TINY_35_MOE, hf_tiny_35_moe, ours_from_hf_hybrid
 from tests.loading_helpers import train_byte_level_tokenizer
 from tests.spec_helpers import one_torch_thread, random_prompts, run
 from tests.test_batch_core import _install_oracle as install_batch_oracle
@@ -242,3 +243,13 @@ def test_absent_fields_take_transformers_defaults(folder: Path) -> None:
     )
     assert config.shared_expert_intermediate_size == defaults.shared_expert_intermediate_size
     assert config.norm_topk_prob and all(config.sparse_layer(i) for i in range(config.num_layers))
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled linear and DDTree requests in a batch (recurrent states rolled back, every layer a mixture) keep
+    plain sampling's per-position distributions."""
+    hf = hf_tiny_35_moe(seed=3, vocab_size=SAMPLED_VOCAB)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # next-token distributions far from uniform
+    check_sampling_keeps_the_distribution(monkeypatch, ours_from_hf_hybrid(hf), [1, 3])

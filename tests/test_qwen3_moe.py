@@ -34,8 +34,10 @@ from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
 from dflash.parallel.sharding import shard_config
 from tests.family_checks import (
+    SAMPLED_VOCAB,
     check_batched_core_equals_plain,
     check_linear_and_ddtree_equal_plain,
+    check_sampling_keeps_the_distribution,
     tiny_drafter,
 )
 from tests.loading_helpers import (
@@ -61,8 +63,8 @@ def hf_moe(**overrides: Any) -> Any:
     """4 layers (layer 2 dense through `mlp_only_layers`), 8 experts of width 32, top-2 with renormalisation."""
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
-        vocab_size=train_byte_level_tokenizer().get_vocab_size(), hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=overrides.pop("vocab_size", train_byte_level_tokenizer().get_vocab_size()), hidden_size=64,
+        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[DENSE_LAYER], max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0,
         **overrides,
@@ -430,3 +432,13 @@ def test_fused_expert_layers_give_the_eager_logits_within_bf16_rounding() -> Non
     assert (fused[0, 0] - reference[0, 0]).abs().max().item() <= 0.01 * scale  # the first row: no cache read
     assert (fused - reference).abs().mean().item() <= 0.01 * scale  # a wiring mistake is off by the logits' size
     assert (fused.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled linear and DDTree requests in a batch (rows routed to experts together) keep plain sampling's
+    per-position distributions."""
+    hf = hf_moe(vocab_size=SAMPLED_VOCAB)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # next-token distributions far from uniform
+    check_sampling_keeps_the_distribution(monkeypatch, ours_from_hf(hf), [1, 3])

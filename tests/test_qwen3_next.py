@@ -20,7 +20,8 @@ from dflash.models.model import CausalLM
 from dflash.models.moe import SharedExpertMoeBlock, SparseMoeBlock
 from dflash.models.registry import build_model
 from dflash.parallel.sharding import shard_config
-from tests.hybrid_models import TINY_NEXT, hf_tiny_next
+from tests.family_checks import SAMPLED_VOCAB, check_sampling_keeps_the_distribution
+from tests.hybrid_models import TINY_NEXT, hf_tiny_next, ours_from_hf_hybrid
 from tests.loading_helpers import train_byte_level_tokenizer
 from tests.spec_helpers import one_torch_thread, random_prompts, run
 from tests.test_hybrid_spec import _drafter
@@ -189,3 +190,13 @@ def test_guards_of_both_families_apply(pair: tuple[Any, CausalLM]) -> None:
     assert not options.cuda_graphs and options.spec == "ddtree"  # the batched step verifies a hybrid's trees
     with pytest.raises(ModelLoadError, match="tensor-parallel"):
         shard_config(ours.config, 2)
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled linear and DDTree requests in a batch (recurrent states rolled back, experts shared) keep plain
+    sampling's per-position distributions."""
+    hf = hf_tiny_next(seed=3, vocab_size=SAMPLED_VOCAB)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # next-token distributions far from uniform
+    check_sampling_keeps_the_distribution(monkeypatch, ours_from_hf_hybrid(hf), [1, 3])
