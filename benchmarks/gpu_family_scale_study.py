@@ -13,10 +13,14 @@ For each model, in one run and on the same device:
 * for the hybrid, the rollback of a rejected draft: cropping the linear-attention state back into the last
   16-row forward (the kept rows replayed from the state before it) after 1 and after 8 accepted rows;
 * verification over step, and the break-even acceptance it implies: a speculative round pays when its committed
-  tokens exceed (verify + rollback) / step, drafter excluded. No projection of tokens/s is made here: no published
-  acceptance for these targets was at hand.
+  tokens exceed (verify + rollback) / step, drafter excluded;
+* for the hybrid, a PROJECTION (labelled so in the file) from the acceptance lengths Lucebox published for
+  Qwen3.5-27B with DDTree budget 22: tokens/s <= acceptance / (16-row verify + rollback keeping 8 rows), an upper
+  bound (a 22-node tree costs more than 16 rows, the drafter round is left out). No published acceptance for a
+  Qwen3-30B-A3B drafter was at hand.
 
 Usage: python benchmarks/gpu_family_scale_study.py --out results/gpu_family_scale_study_h100.json
+       python benchmarks/gpu_family_scale_study.py --project-into results/gpu_family_scale_study_h200.json  # no GPU
 """
 
 from __future__ import annotations
@@ -241,6 +245,24 @@ def study(
     del model, cache
     torch.cuda.empty_cache()
     return out
+# acceptance lengths Lucebox published for Qwen3.5-27B (Q4_K_M, DDTree budget 22, 256 new tokens), projection only
+PUBLISHED_HYBRID_TAU = {"HumanEval": 8.31, "Math500": 7.04, "GSM8K": 6.14}
+
+
+def hybrid_projection(row: dict[str, Any]) -> dict[str, Any]:
+    """Tokens/s from published acceptance over the measured graphed costs of the hybrid (see the module doc)."""
+    step = row.get("step_1_engine_ms", row["step_1_graph_ms"])
+    round_ms = row.get("verify_16_engine_ms", row["verify_16_graph_ms"]) + row["rollback_16_keep8_ms"]
+    projected = {"ar_tokens_per_s": round(1e3 / step, 1)}
+    for name, tau in PUBLISHED_HYBRID_TAU.items():
+        projected[f"dflash_tokens_per_s_at_tau_{tau}({name})"] = round(tau * 1e3 / round_ms, 1)
+        projected[f"speedup_at_tau_{tau}({name})"] = round(tau * step / round_ms, 2)
+    return {
+        "label": "PROJECTION, not a measurement: tokens/s <= published acceptance length (Lucebox, Qwen3.5-27B "
+        "Q4_K_M, DDTree budget 22) / (16-row verify + rollback keeping 8 rows, graphed); an upper bound: a 22-node "
+        "tree costs more than 16 rows and the drafter round is left out. AR = 1 / one-token graphed step",
+        "qwen3.5-27b": projected,
+    }
 
 
 def main() -> None:
@@ -251,7 +273,15 @@ def main() -> None:
     parser.add_argument("--prefill", default="", help="comma list of prompt chunk lengths to time (hybrids)")
     parser.add_argument("--prefill-only", action="store_true", help="only the --prefill timings")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--project-into", type=Path, default=None,
+                        help="add the hybrid's projection to an earlier result file and exit (no GPU)")
     args = parser.parse_args()
+    if args.project_into is not None:
+        earlier = json.loads(args.project_into.read_text())
+        earlier["projection"] = hybrid_projection(earlier["models"]["qwen3.5-27b"])
+        args.project_into.write_text(json.dumps(earlier, indent=1) + "\n")
+        print(json.dumps(earlier["projection"], indent=1))
+        return
     prefill = [int(n) for n in args.prefill.split(",") if n]
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -264,6 +294,8 @@ def main() -> None:
     }
     for name in args.models.split(","):
         result["models"][name] = study(name, configs[name], args.context, bandwidth, device, prefill, args.prefill_only)
+    if "qwen3.5-27b" in result["models"] and not args.prefill_only:
+        result["projection"] = hybrid_projection(result["models"]["qwen3.5-27b"])
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
