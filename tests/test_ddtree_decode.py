@@ -29,6 +29,7 @@ from dflash.generation.selection import TokenChooser
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM
 from dflash.speculative.ddtree import decode_ddtree
+from dflash.speculative.gate import SpeculationGate
 from dflash.speculative.tree import DraftTree, linear_chain_tree
 from tests.spec_helpers import (
     golden_pair,
@@ -64,6 +65,7 @@ def run_ddtree(
     seed_top1_chain: bool = False,
     sink: OutputSink | None = None,
     should_stop: Callable[[], bool] | None = None,
+    gate: SpeculationGate | None = None,
 ) -> tuple[list[int], GenerationStats]:
     sampling = sampling or SamplingParams()
     request = GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new, sampling=sampling, min_tokens=min_tokens)
@@ -73,7 +75,7 @@ def run_ddtree(
     )
     stats = decode_ddtree(
         target, drafter, request, sink, chooser, prefill_chunk=prefill_chunk, budget=budget,
-        seed_top1_chain=seed_top1_chain, should_stop=should_stop,
+        seed_top1_chain=seed_top1_chain, should_stop=should_stop, gate=gate,
     )
     return sink.token_ids, stats
 

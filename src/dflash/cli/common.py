@@ -29,8 +29,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--spec", default="ddtree", choices=["none", "linear", "ddtree"],
         help="decoding strategy: ddtree (default: the drafter's block verified as a tree of its likeliest "
-        "continuations, the fastest on a GPU and on CPUs with AMX; plain decoding measured faster on an AVX-512 CPU "
-        "without AMX), linear (its single most likely chain) or none (plain decoding)",
+        "continuations, the fastest on a GPU and on CPUs with AMX; on a CPU a request alone takes plain steps where "
+        "they measure faster, see --always-speculate), linear (its single most likely chain) or none (plain decoding)",
     )
     group.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     group.add_argument(
@@ -77,6 +77,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        help="tree nodes verified per round with --spec ddtree (default: 4 on CPU, 8 with AMX or AMX-INT8 "
                        "products, 32 on GPU; on a GPU under load each step may take a smaller tree, or a plain step, "
                        "where its measured times say so)")
+    group.add_argument("--always-speculate", action="store_true",
+                       help="with --spec ddtree on the CPU, speculate every round (default: a request decoding alone "
+                       "takes a plain step instead wherever its measured rounds say plain steps give more tokens "
+                       "per second; the output is the same either way)")
     group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                        help="requests decoded together in one batched step (`dflash serve` runs this many at once "
                        "and queues the rest); default: 8 on the CPU, 1 on a GPU (the single-request graphed path)")
@@ -143,7 +147,8 @@ def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel |
     options = EngineOptions(
         spec=args.spec, prefill_chunk=args.prefill_chunk, max_ctx=args.max_ctx, draft_window=args.draft_window,
         ddtree_budget=args.ddtree_budget, num_drafts=args.num_drafts,
-        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs, **batching,
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", 0.0), cuda_graphs=args.cuda_graphs,
+        always_speculate=getattr(args, "always_speculate", False), **batching,
     )
     loading = LoadOptions(
         device=args.device, dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights,

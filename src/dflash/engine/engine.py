@@ -39,6 +39,7 @@ from dflash.kv.prefix_cache import PrefixCache
 from dflash.kv.recurrent import ROLLBACK_MAX_ROWS
 from dflash.models.model import CausalLM
 from dflash.special_text import SpecialTextGuard
+from dflash.speculative.gate import GateCosts, SpeculationGate
 from dflash.tokenizer import Tokenizer, conversation_text
 
 log = logging.getLogger("dflash.engine")
@@ -73,6 +74,9 @@ class EngineOptions:
     max_step_rows: int | None = None  # verified rows per batched step (None: the policy's device default)
     # with max_batch > 1, a request decoding alone takes the single-request loops until another one arrives
     single_request_path: bool = True
+    # False: a lone DDTree request on the CPU chooses per round between a speculative round and a plain step from
+    # measured times (`dflash.speculative.gate`); True: it speculates every round
+    always_speculate: bool = False
 
 
 def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter: bool,
@@ -164,6 +168,10 @@ class Engine:
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
         self.step_observer: Callable[[int], None] | None = None  # called after each batched step with its size
+        # round times of lone DDTree requests on the CPU (host-clocked, so only on a synchronous device)
+        self.gate_costs: GateCosts | None = (
+            GateCosts() if self.device.type == "cpu" and not self.options.always_speculate else None
+        )
         self._serial = threading.Lock()  # max_batch 1: one generation at a time
         self._loop: BatchLoop | None = None
         self._loop_lock = threading.Lock()
@@ -452,6 +460,14 @@ class Engine:
         return decode_ddtree(
             self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
             budget=self.options.ddtree_budget or 0, draft_window=self.options.draft_window, should_stop=should_stop,
-            prefix_cache=prefix_cache,
+            prefix_cache=prefix_cache, gate=self._gate(request),
         )
+
+    def _gate(self, request: GenerationRequest) -> SpeculationGate | None:
+        """A gate for a lone DDTree request on the CPU. Not for a sampled request with a seed: sampling draws its
+        numbers in a different order in rounds and in plain steps, so a seed reproduces its text only if every run
+        mixes them alike, which measured choices do not."""
+        if self.gate_costs is None or (request.sampling.seed is not None and not request.sampling.greedy):
+            return None
+        return SpeculationGate(self.gate_costs)
 

@@ -39,6 +39,7 @@ class GenerationStats:
     acceptance_histogram: list[int] = field(default_factory=list)  # [k] = rounds that accepted k drafts
     accepted_per_round: list[int] = field(default_factory=list)  # drafts accepted in each round, in order
     fallbacks: int = 0
+    plain_steps: int = 0  # steps a speculative request took plainly where they measured faster (not rounds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,6 +76,8 @@ class GenerationStats:
                 acceptance_length=round(self.acceptance_length, 4),
                 acceptance_histogram=list(self.acceptance_histogram),
             )
+        if self.plain_steps:
+            out["plain_steps"] = self.plain_steps
         out["fallbacks"] = self.fallbacks
         return out
 

@@ -31,6 +31,7 @@ one call (nothing to suppress), so EOS suppression matches plain decoding exactl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -44,6 +45,7 @@ from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
+from dflash.speculative.gate import SpeculationGate
 from dflash.speculative.selector_tree import selector_tree
 from dflash.speculative.session import SpecState, begin_speculation
 from dflash.speculative.tree import (
@@ -94,9 +96,12 @@ def decode_ddtree(
     seed_top1_chain: bool = False,
     prefix_cache: PrefixCache | None = None,
     forwards: Forwards | None = None,
+    gate: SpeculationGate | None = None,
 ) -> GenerationStats:
     """Generate with DDTree verification; `budget` is the number of drafted tree nodes per round (root excluded).
-    `forwards` runs both models (default: the ones registered for the target)."""
+    `forwards` runs both models (default: the ones registered for the target). With `gate` each round speculates
+    or is a plain step as its measurements say (`dflash.speculative.gate`; for synchronous devices: it times rounds
+    on the host clock)."""
     if budget < 0:
         raise GenerationError(f"ddtree budget must be >= 0, got {budget}")
     forwards = forwards_for(target) if forwards is None else forwards
@@ -118,7 +123,7 @@ def decode_ddtree(
     # a DFlash2 drafter's tree grows from its candidate selector (`dflash.speculative.selector_tree`), eagerly
     selector = drafter if isinstance(drafter, DFlash2Drafter) else None
     resident = None
-    if drafting and draft_window is None and not seed_top1_chain and selector is None:
+    if drafting and draft_window is None and not seed_top1_chain and selector is None and gate is None:
         resident = forwards.resident(
             target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=draft_rows,
             capture=tuple(layer_ids), budget=budget,
@@ -134,6 +139,12 @@ def decode_ddtree(
         produced = len(sink.token_ids)
         # Nodes deeper than this could only yield tokens past max_new_tokens.
         max_depth = min(block_size - 1, request.max_new_tokens - produced - 1)
+        gated = gate is not None and drafting and max_depth > 0
+        if gated:
+            assert gate is not None
+            if not gate.speculate():
+                max_depth = 0  # a plain step this round
+            started = time.perf_counter()
         carried: torch.Tensor | None = None
         if drafting and max_depth > 0 and selector is not None:
             lattice = selector.draft_lattice(
@@ -170,7 +181,10 @@ def decode_ddtree(
         choices = tree_choices(chooser, out.logits[0], tree, produced)  # [n+1]
         visited, bonus = follow_tree(tree, choices)
         committed = [*accepted_tokens(tree, visited), bonus]
-        stats.record_round(tree.num_nodes, len(visited) - 1)
+        if gated and max_depth == 0:
+            stats.plain_steps += 1  # the gate's choice: not a speculative round
+        else:
+            stats.record_round(tree.num_nodes, len(visited) - 1)
 
         kept = len(visited)
         if visited == list(range(kept)):  # a prefix of the block: the rows are already in place
@@ -187,4 +201,7 @@ def decode_ddtree(
         state = SpecState(start=state.start + kept, pending=bonus, new_features=path_features)
         chooser.observe(committed)
         finished = sink.push_many(committed)
+        if gated:
+            assert gate is not None
+            gate.record(max_depth > 0, time.perf_counter() - started, len(committed))
     return session.close(sink)

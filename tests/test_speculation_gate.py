@@ -1,0 +1,112 @@
+"""The speculation gate of lone DDTree requests on the CPU: which rounds speculate, from measured round times, and
+that its choices never change the output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from dflash.generation.sampling import SamplingParams
+from dflash.speculative import gate as gate_module
+from dflash.speculative.gate import PROBE_EVERY, PROBE_ROUNDS, WARM_ROUNDS, GateCosts, SpeculationGate
+from tests.spec_helpers import golden_pair, run
+from tests.test_ddtree_decode import GOLDEN_PROMPTS, run_ddtree
+
+
+def _drive(gate: SpeculationGate, rounds: int, spec_seconds: float, plain_seconds: float,
+           tokens: Callable[[int], int]) -> list[bool]:
+    """Run `rounds` rounds: speculative ones take `spec_seconds` and commit `tokens(round)`, plain ones take
+    `plain_seconds` and commit one token."""
+    for index in range(rounds):
+        speculative = gate.speculate()
+        gate.record(speculative, spec_seconds if speculative else plain_seconds, tokens(index) if speculative else 1)
+    return gate.choices[-rounds:]
+
+
+def test_both_modes_are_measured_first_then_the_faster_is_taken() -> None:
+    gate = SpeculationGate(GateCosts())
+    # 3 tokens per 10 ms round against 1 per 5 ms step: speculating gives 300 tokens/s, plain steps 200
+    choices = _drive(gate, 2 * WARM_ROUNDS + 20, 0.010, 0.005, lambda _: 3)
+    assert choices[:2 * WARM_ROUNDS] == [True] * WARM_ROUNDS + [False] * WARM_ROUNDS
+    assert all(choices[2 * WARM_ROUNDS:])
+    # the same costs, a request whose rounds commit 1.2 tokens: 120 tokens/s, plain steps win once it has its own mean
+    slow = SpeculationGate(gate.costs)
+    later = _drive(slow, 30, 0.010, 0.005, lambda _: 1)
+    assert later[:WARM_ROUNDS] == [True] * WARM_ROUNDS  # the engine's mean (about 3) until its own
+    assert not any(later[WARM_ROUNDS + 1:])
+
+
+def test_the_mode_not_taken_is_measured_again_every_so_often() -> None:
+    gate = SpeculationGate(GateCosts())
+    choices = _drive(gate, 2 * WARM_ROUNDS + 3 * (PROBE_EVERY + PROBE_ROUNDS), 0.020, 0.005, lambda _: 2)
+    steady = choices[2 * WARM_ROUNDS:]
+    assert sum(steady) == 3 * PROBE_ROUNDS  # plain steps win (100 against 200 tokens/s); three probes of two rounds
+    first_probe = steady.index(True)
+    assert first_probe == PROBE_EVERY and steady[first_probe:first_probe + PROBE_ROUNDS] == [True] * PROBE_ROUNDS
+
+
+def test_a_round_that_feeds_the_drafter_context_is_not_timed() -> None:
+    costs = GateCosts()
+    gate = SpeculationGate(costs)
+    gate.speculate()
+    gate.record(True, 5.0, 3)  # a request's first round also reads its prompt's features: not timed
+    assert costs.spec_seconds is None and costs.tokens == 3.0
+    gate.speculate()
+    gate.record(True, 0.010, 3)
+    assert costs.spec_seconds == pytest.approx(0.010)
+    gate.choices.append(False)  # a plain step, then a round that feeds the drafter its features
+    gate.record(False, 0.005, 1)
+    gate.choices.append(True)
+    gate.record(True, 1.0, 2)
+    assert costs.spec_seconds == pytest.approx(0.010) and costs.spec_rounds == 3 and costs.plain_rounds == 1
+
+
+def test_any_mix_of_rounds_and_plain_steps_gives_the_plain_greedy_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy DDTree with the gate's choices forced into a pattern (and with the real gate on the CPU's clock)
+    commits what plain decoding commits; plain steps are counted apart from rounds."""
+    target, drafter = golden_pair()
+    prompt = GOLDEN_PROMPTS[3]
+    sampling = SamplingParams()
+    plain, _ = run(target, None, prompt, 60, sampling=sampling)
+    pattern = [True, False, False, True, True, False, True, False, False, False]
+
+    def patterned(self: SpeculationGate) -> bool:
+        choice = pattern[len(self.choices) % len(pattern)]
+        self.choices.append(choice)
+        return choice
+
+    tokens, stats = run_ddtree(target, drafter, prompt, 60, budget=8, sampling=sampling,
+                               gate=SpeculationGate(GateCosts()))
+    assert tokens == plain
+    with monkeypatch.context() as mp:
+        mp.setattr(gate_module.SpeculationGate, "speculate", patterned)
+        gate = SpeculationGate(GateCosts())
+        tokens, stats = run_ddtree(target, drafter, prompt, 60, budget=8, sampling=sampling, gate=gate)
+    assert tokens == plain
+    assert stats.plain_steps == len(gate.choices) - sum(gate.choices) > 0
+    assert stats.rounds >= sum(gate.choices) > 0  # + the last rounds, too short to draft
+
+
+def test_the_engine_gates_lone_requests_on_the_cpu_but_not_seeded_sampling() -> None:
+    from dflash.engine.engine import Engine, EngineOptions
+    from dflash.generation.request import GenerationRequest
+    from dflash.models.resolve import load_checkpoint
+
+    target, drafter = golden_pair()
+    tokenizer = load_checkpoint("default").tokenizer
+    assert tokenizer is not None
+    engine = Engine(target, tokenizer, drafter, EngineOptions(max_batch=1))
+    assert engine.gate_costs is not None
+    prompt = GOLDEN_PROMPTS[2]
+    assert engine._gate(GenerationRequest(prompt_ids=prompt)) is not None
+    assert engine._gate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.7))) is not None
+    seeded = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.7, seed=3))
+    assert engine._gate(seeded) is None
+    first = engine.generate(seeded, spec="ddtree").token_ids
+    assert engine.generate(seeded, spec="ddtree").token_ids == first
+    greedy = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=40), spec="ddtree")
+    assert greedy.token_ids == run(target, None, prompt, 40)[0]
+    assert engine.gate_costs.spec_rounds > 0
+    always = Engine(target, tokenizer, drafter, EngineOptions(max_batch=1, always_speculate=True))
+    assert always.gate_costs is None
