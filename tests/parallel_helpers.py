@@ -77,9 +77,11 @@ def word_tokenizer(vocab: int) -> Tokenizer:
 
 def engine_options() -> EngineOptions:
     """Small chunks and trees, a prefix cache (each rank keeps its own, of its key/value heads); eager forwards on a
-    GPU too, so that one GPU runs what each rank runs."""
+    GPU too, so that one GPU runs what each rank runs; every round speculative (the one-process engine's rounds are
+    compared with the ranks')."""
     return EngineOptions(
-        spec="ddtree", prefill_chunk=8, ddtree_budget=6, num_drafts=3, cuda_graphs=False, prefix_cache_mb=4.0
+        spec="ddtree", prefill_chunk=8, ddtree_budget=6, num_drafts=3, cuda_graphs=False, prefix_cache_mb=4.0,
+        always_speculate=True,
     )
 
 

@@ -107,7 +107,8 @@ def test_a_stream_without_usage_counts_output_deltas() -> None:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    engine = load_engine("default", options=EngineOptions(prefill_chunk=32, prefix_cache_mb=128))
+    # every round speculative: cold and warm calls' acceptance are compared
+    engine = load_engine("default", options=EngineOptions(prefill_chunk=32, prefix_cache_mb=128, always_speculate=True))
     with serving(create_app(engine, ServerSettings())) as running:
         yield running
 

@@ -31,7 +31,8 @@ TOOLS = (ToolSpec("read_file", "Read a file of the repository", {"type": "object
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return load_engine("default", options=EngineOptions(prefill_chunk=CHUNK, prefix_cache_mb=64))
+    # every round speculative: warm and cold answers are compared round for round
+    return load_engine("default", options=EngineOptions(prefill_chunk=CHUNK, prefix_cache_mb=64, always_speculate=True))
 
 
 @pytest.fixture()

@@ -110,3 +110,17 @@ def test_the_engine_gates_lone_requests_on_the_cpu_but_not_seeded_sampling() -> 
     assert engine.gate_costs.spec_rounds > 0
     always = Engine(target, tokenizer, drafter, EngineOptions(max_batch=1, always_speculate=True))
     assert always.gate_costs is None
+
+
+def test_tensor_parallel_ranks_are_not_gated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank must take the same rounds: measured times differ between ranks, so no gate there."""
+    from types import SimpleNamespace
+
+    from dflash.engine.engine import Engine, EngineOptions
+    from dflash.models.resolve import load_checkpoint
+
+    target, drafter = golden_pair()
+    tokenizer = load_checkpoint("default").tokenizer
+    assert tokenizer is not None
+    monkeypatch.setattr(target, "tensor_parallel", SimpleNamespace(rank=0, world=2), raising=False)
+    assert Engine(target, tokenizer, drafter, EngineOptions(max_batch=1)).gate_costs is None

@@ -168,10 +168,11 @@ class Engine:
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
         self.step_observer: Callable[[int], None] | None = None  # called after each batched step with its size
-        # round times of lone DDTree requests on the CPU (host-clocked, so only on a synchronous device)
-        self.gate_costs: GateCosts | None = (
-            GateCosts() if self.device.type == "cpu" and not self.options.always_speculate else None
-        )
+        # round times of lone DDTree requests on the CPU (host-clocked, so only on a synchronous device; not under
+        # tensor parallelism, whose ranks must take the same rounds)
+        gated = self.device.type == "cpu" and not self.options.always_speculate
+        tensor_parallel = getattr(target, "tensor_parallel", None) is not None
+        self.gate_costs: GateCosts | None = GateCosts() if gated and not tensor_parallel else None
         self._serial = threading.Lock()  # max_batch 1: one generation at a time
         self._loop: BatchLoop | None = None
         self._loop_lock = threading.Lock()
