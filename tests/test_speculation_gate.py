@@ -4,8 +4,10 @@ that its choices never change the output."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
 from dflash.generation.sampling import SamplingParams
 from dflash.speculative import gate as gate_module
@@ -99,15 +101,15 @@ def test_the_engine_gates_lone_requests_on_the_cpu_but_not_seeded_sampling() -> 
     engine = Engine(target, tokenizer, drafter, EngineOptions(max_batch=1))
     assert engine.gate_costs is not None
     prompt = GOLDEN_PROMPTS[2]
-    assert engine._gate(GenerationRequest(prompt_ids=prompt)) is not None
-    assert engine._gate(GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.7))) is not None
+    assert engine._gate("ddtree", GenerationRequest(prompt_ids=prompt)) is not None
+    assert engine._gate("ddtree", GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.7))) is not None
     seeded = GenerationRequest(prompt_ids=prompt, sampling=SamplingParams(temperature=0.7, seed=3))
-    assert engine._gate(seeded) is None
+    assert engine._gate("ddtree", seeded) is None
     first = engine.generate(seeded, spec="ddtree").token_ids
     assert engine.generate(seeded, spec="ddtree").token_ids == first
     greedy = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=40), spec="ddtree")
     assert greedy.token_ids == run(target, None, prompt, 40)[0]
-    assert engine.gate_costs.spec_rounds > 0
+    assert engine.gate_costs["ddtree"].spec_rounds > 0
     always = Engine(target, tokenizer, drafter, EngineOptions(max_batch=1, always_speculate=True))
     assert always.gate_costs is None
 
@@ -124,3 +126,57 @@ def test_tensor_parallel_ranks_are_not_gated(monkeypatch: pytest.MonkeyPatch) ->
     assert tokenizer is not None
     monkeypatch.setattr(target, "tensor_parallel", SimpleNamespace(rank=0, world=2), raising=False)
     assert Engine(target, tokenizer, drafter, EngineOptions(max_batch=1)).gate_costs is None
+
+
+@pytest.mark.parametrize("mode", ["linear", "ddtree"])
+def test_rounds_mixed_with_plain_steps_feed_the_drafter_every_committed_position(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """With the gate's choices forced into a pattern and a mostly right drafter, each drafter call after plain
+    steps gets the features of every position it has not read ([its cache length, start)), equal to a fresh
+    forward's; the output is plain decoding's and rounds still accept drafts."""
+    from dflash.generation.output import OutputSink
+    from dflash.generation.request import GenerationRequest
+    from dflash.generation.selection import TokenChooser
+    from dflash.speculative.linear import decode_linear
+    from tests.spec_helpers import patch_draft_logits
+    from tests.test_ddtree_decode import install_oracle
+
+    target, drafter = golden_pair()
+    prompt, max_new = GOLDEN_PROMPTS[4], 60
+    plain, _ = run(target, None, prompt, max_new)
+    pattern = [True, False, False, True, True, False]
+
+    def patterned(self: SpeculationGate) -> bool:
+        choice = pattern[len(self.choices) % len(pattern)]
+        self.choices.append(choice)
+        return choice
+
+    seen: list[tuple[int, torch.Tensor, int]] = []
+
+    def spy(original: Any, tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any,
+            **kw: Any) -> torch.Tensor:
+        seen.append((cache.length, new_features.clone(), start))
+        return original(tgt, pending, start, new_features, cache, **kw)
+
+    monkeypatch.setattr(gate_module.SpeculationGate, "speculate", patterned)
+    install_oracle(monkeypatch, drafter, prompt + run(target, None, prompt, max_new + 16)[0])
+    patch_draft_logits(monkeypatch, drafter, spy)
+    gate = SpeculationGate(GateCosts())
+    if mode == "linear":
+        sink = OutputSink(lambda ids: "", eos_ids=(), max_new_tokens=max_new)
+        chooser = TokenChooser(SamplingParams(), eos_ids=(), min_tokens=0, vocab_size=target.config.vocab_size,
+                               device="cpu")
+        stats = decode_linear(target, drafter, GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new), sink,
+                              chooser, prefill_chunk=64, num_drafts=4, gate=gate)
+        tokens = sink.token_ids
+    else:
+        tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=8, gate=gate)
+    monkeypatch.undo()
+    assert tokens == plain
+    assert stats.plain_steps == len(gate.choices) - sum(gate.choices) > 0 and stats.acceptance_length > 2.0
+    reference = target(torch.tensor([prompt + tokens]), capture=drafter.config.target_layer_ids, logits="none").features
+    assert reference is not None and len(seen) >= sum(gate.choices)
+    for drafter_len, new_features, start in seen:
+        assert drafter_len + new_features.shape[1] == start
+        torch.testing.assert_close(new_features, reference[:, drafter_len:start], atol=1e-4, rtol=1e-4)

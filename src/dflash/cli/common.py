@@ -78,7 +78,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        "products, 32 on GPU; on a GPU under load each step may take a smaller tree, or a plain step, "
                        "where its measured times say so)")
     group.add_argument("--always-speculate", action="store_true",
-                       help="with --spec ddtree on the CPU, speculate every round (default: a request decoding alone "
+                       help="with --spec ddtree or linear on the CPU, speculate every round (default: a request decoding alone "
                        "takes a plain step instead wherever its measured rounds say plain steps give more tokens "
                        "per second; the output is the same either way)")
     group.add_argument("--max-concurrency", type=int, default=None, metavar="N",

@@ -74,8 +74,8 @@ class EngineOptions:
     max_step_rows: int | None = None  # verified rows per batched step (None: the policy's device default)
     # with max_batch > 1, a request decoding alone takes the single-request loops until another one arrives
     single_request_path: bool = True
-    # False: a lone DDTree request on the CPU chooses per round between a speculative round and a plain step from
-    # measured times (`dflash.speculative.gate`); True: it speculates every round
+    # False: a lone linear or DDTree request on the CPU chooses per round between a speculative round and a plain
+    # step from measured times (`dflash.speculative.gate`); True: it speculates every round
     always_speculate: bool = False
 
 
@@ -168,11 +168,13 @@ class Engine:
         self.max_ctx = self.options.max_ctx or target.config.max_position_embeddings
         self.eos_ids = tuple(dict.fromkeys((*tokenizer.eos_token_ids, *target.config.eos_token_ids)))
         self.step_observer: Callable[[int], None] | None = None  # called after each batched step with its size
-        # round times of lone DDTree requests on the CPU (host-clocked, so only on a synchronous device; not under
-        # tensor parallelism, whose ranks must take the same rounds)
+        # round times of lone speculative requests on the CPU, per mode (host-clocked, so only on a synchronous
+        # device; not under tensor parallelism, whose ranks must take the same rounds)
         gated = self.device.type == "cpu" and not self.options.always_speculate
         tensor_parallel = getattr(target, "tensor_parallel", None) is not None
-        self.gate_costs: GateCosts | None = GateCosts() if gated and not tensor_parallel else None
+        self.gate_costs: dict[str, GateCosts] | None = (
+            {"linear": GateCosts(), "ddtree": GateCosts()} if gated and not tensor_parallel else None
+        )
         self._serial = threading.Lock()  # max_batch 1: one generation at a time
         self._loop: BatchLoop | None = None
         self._loop_lock = threading.Lock()
@@ -454,21 +456,21 @@ class Engine:
             return decode_linear(
                 self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
                 draft_window=self.options.draft_window, num_drafts=self.options.num_drafts, should_stop=should_stop,
-                prefix_cache=prefix_cache,
+                prefix_cache=prefix_cache, gate=self._gate(mode, request),
             )
         from dflash.speculative.ddtree import decode_ddtree
 
         return decode_ddtree(
             self.target, self.drafter, request, sink, chooser, prefill_chunk=chunk,
             budget=self.options.ddtree_budget or 0, draft_window=self.options.draft_window, should_stop=should_stop,
-            prefix_cache=prefix_cache, gate=self._gate(request),
+            prefix_cache=prefix_cache, gate=self._gate(mode, request),
         )
 
-    def _gate(self, request: GenerationRequest) -> SpeculationGate | None:
-        """A gate for a lone DDTree request on the CPU. Not for a sampled request with a seed: sampling draws its
-        numbers in a different order in rounds and in plain steps, so a seed reproduces its text only if every run
-        mixes them alike, which measured choices do not."""
+    def _gate(self, mode: str, request: GenerationRequest) -> SpeculationGate | None:
+        """A gate for a lone linear or DDTree request on the CPU. Not for a sampled request with a seed: sampling
+        draws its numbers in a different order in rounds and in plain steps, so a seed reproduces its text only if
+        every run mixes them alike, which measured choices do not."""
         if self.gate_costs is None or (request.sampling.seed is not None and not request.sampling.greedy):
             return None
-        return SpeculationGate(self.gate_costs)
+        return SpeculationGate(self.gate_costs[mode])
 

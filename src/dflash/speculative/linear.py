@@ -14,7 +14,8 @@ the selector returns (`dflash.speculative.sampled_acceptance`). It runs eagerly 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,9 +25,11 @@ from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
+from dflash.kv.cache import KVCache
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
+from dflash.speculative.gate import SpeculationGate
 from dflash.speculative.sampled_acceptance import speculative_sample
 from dflash.speculative.session import SpecState, begin_speculation
 
@@ -45,9 +48,11 @@ def decode_linear(
     should_stop: Callable[[], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
     forwards: Forwards | None = None,
+    gate: SpeculationGate | None = None,
 ) -> GenerationStats:
     """`num_drafts` caps the drafts verified per round (default: block size - 1). `forwards` runs both models
-    (default: the ones registered for the target)."""
+    (default: the ones registered for the target). With `gate` each round speculates or is a plain step as its
+    measurements say (`dflash.speculative.gate`; host-clocked: for synchronous devices)."""
     forwards = forwards_for(target) if forwards is None else forwards
     block_size = drafter.config.block_size
     drafts_per_round = min(num_drafts or block_size - 1, block_size - 1)
@@ -64,7 +69,7 @@ def decode_linear(
     # speculative sampling with q needs the target's distribution on this rank (no token agreement across ranks)
     sample_with_q = selector is not None and not chooser.params.greedy and chooser.agreement is None
     resident = None
-    if draft_window is None and selector is None:
+    if draft_window is None and selector is None and gate is None:
         resident = forwards.resident(
             target, chooser, target_cache, drafter=drafter, drafter_cache=drafter_cache, drafts=drafts_per_round,
             capture=tuple(layer_ids),
@@ -77,6 +82,13 @@ def decode_linear(
             state, drafter_cache, request.max_new_tokens, sink, chooser, stats, should_stop
         ):  # greedy rounds as device-resident graph replays, one queued ahead (`dflash.fastpath.resident`)
             break
+        if gate is not None and not gate.speculate():
+            started = time.perf_counter()
+            state, finished = _plain_step(target, forwards, state, target_cache, chooser, sink, layer_ids)
+            stats.plain_steps += 1
+            gate.record(False, time.perf_counter() - started, 1)
+            continue
+        started = time.perf_counter()
         chain = None
         if selector is not None:
             chain = selector.draft_chain(
@@ -112,4 +124,24 @@ def decode_linear(
         )
         chooser.observe(committed)
         finished = sink.push_many(committed)
+        if gate is not None:
+            gate.record(True, time.perf_counter() - started, len(committed))
     return session.close(sink)
+
+
+def _plain_step(
+    target: CausalLM, forwards: Forwards, state: SpecState, target_cache: KVCache, chooser: TokenChooser,
+    sink: OutputSink, layer_ids: Sequence[int],
+) -> tuple[SpecState, bool]:
+    """One plain decoding step inside a linear loop: the target's next token; its features join the ones the drafter
+    has not read yet. -> (the new state, whether the output is finished)."""
+    block = torch.tensor([[state.pending]], dtype=torch.long, device=target.embed_tokens.weight.device)  # [1, 1]
+    out = forwards.forward(target, block, cache=target_cache, capture=layer_ids)
+    assert out.logits is not None and out.features is not None
+    allowed = chooser.allowed([]) if chooser.constrained else None
+    token = int(chooser.choose(out.logits[0], len(sink.token_ids), allowed)[0])
+    state = SpecState(
+        start=state.start + 1, pending=token, new_features=torch.cat((state.new_features, out.features), dim=1)
+    )
+    chooser.observe([token])
+    return state, sink.push_many([token])
