@@ -43,6 +43,7 @@ from torch import nn
 
 from dflash.errors import ModelLoadError
 from dflash.kernels.build import KernelUnavailable, load_amx_kernel, load_int8_kernel
+from dflash.models.gguf_transcode import effective_format
 from dflash.models.quantized_layers import QuantizedLinear
 from dflash.models.quantized_weights import float_kernels_read, is_supported_type
 
@@ -83,7 +84,8 @@ def int8_obstacle() -> str | None:
 
 def int8_only_formats(formats: Iterable[GGMLQuantizationType]) -> list[str]:
     """The names of `formats` that only the int8 kernel reads, sorted."""
-    return sorted({qtype.name for qtype in formats if is_supported_type(qtype) and not float_kernels_read(qtype)})
+    kept = {effective_format(qtype) for qtype in formats}  # as loaded (`gguf_transcode`)
+    return sorted({qtype.name for qtype in kept if is_supported_type(qtype) and not float_kernels_read(qtype)})
 
 
 def choose_cpu_matmul(

@@ -2,9 +2,9 @@
 GPU programs.
 
 Every 2-D tensor (projections, embedding, LM head) must be in a format the device's code reads (Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K, Q6_K: on the CPU the int8 kernel reads them all, the float32 and bf16 kernels Q4_1 and Q8_0); its
-blocks are copied out of the file as they are, with llama's Q/K rows put back in Hugging Face order (a row
-permutation). 1-D tensors (norms, biases) are dequantised and converted exactly as the dense loader does.
+Q4_K, Q5_K, Q6_K: on the CPU the int8 kernel reads them all, the float32 and bf16 kernels Q4_1 and Q8_0) or one
+rewritten into such a format without loss (`gguf_transcode`: Q5_0 as Q8_0); its blocks are copied out of the file
+as they are, with llama's Q/K rows put back in Hugging Face order (a row permutation). 1-D tensors (norms, biases) are dequantised and converted exactly as the dense loader does.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import validate_weights
 from dflash.models.gguf_file import GGUFFile
 from dflash.models.gguf_loader import open_gguf_model, undo_conversion
+from dflash.models.gguf_transcode import effective_format, transcode_blocks
 from dflash.models.quantized_weights import (
     QuantizedCheckpoint,
     QuantizedMatrix,
@@ -40,8 +41,10 @@ _NON_PARAMETERS = {"rope_freqs.weight"}
 
 
 def reads_format(device_type: str, qtype: GGMLQuantizationType) -> bool:
-    """Whether the quantized code of `device_type` ("cpu": the CPU kernels, "cuda": the GPU programs) reads `qtype`."""
-    return is_gpu_supported_type(qtype) if device_type == "cuda" else is_supported_type(qtype)
+    """Whether the quantized code of `device_type` ("cpu": the CPU kernels, "cuda": the GPU programs) reads `qtype`
+    once loaded (a format of `TRANSCODED` as the one it is rewritten into)."""
+    kept = effective_format(qtype)
+    return is_gpu_supported_type(kept) if device_type == "cuda" else is_supported_type(kept)
 
 
 def unsupported_matrices(gguf: GGUFFile, device_type: str = "cpu") -> dict[str, str]:
@@ -76,7 +79,7 @@ def describe_unsupported(unsupported: dict[str, str], device_type: str = "cpu") 
     types = sorted(set(unsupported.values()))
     example = next(iter(unsupported))
     reader = "the quantized GPU programs" if device_type == "cuda" else "the quantized CPU kernels"
-    reader += " read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K"
+    reader += " read Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (Q5_0 rewritten as Q8_0)"
     return f"{len(unsupported)} matrices are in {', '.join(types)} (e.g. {example}); {reader}"
 
 
@@ -102,8 +105,9 @@ def load_gguf_quantized(path: Path, device_type: str = "cpu") -> QuantizedCheckp
         info = gguf.tensors[gguf_name]
         if len(info.shape) == 2:
             blocks = torch.from_numpy(np.array(gguf.raw(info), dtype=np.uint8, order="C"))  # a copy, writable
+            blocks = transcode_blocks(blocks, info.qtype)  # [rows, bytes] in effective_format(info.qtype)
             blocks = undo_conversion(blocks, gguf_name, config).contiguous()
-            matrices[hf_name] = QuantizedMatrix(blocks, info.qtype, info.shape[1])
+            matrices[hf_name] = QuantizedMatrix(blocks, effective_format(info.qtype), info.shape[1])
         else:
             values = np.array(gguf.dequantize(info), dtype=np.float32, order="C")
             dense[hf_name] = undo_conversion(torch.from_numpy(values), gguf_name, config)
