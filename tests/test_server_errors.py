@@ -291,3 +291,23 @@ def test_stream_failure_is_an_error_event(server: ServerThread, fake: FakeEngine
     events = sse_events(post(server, "/v1/responses", {"model": "any", "input": "x", "stream": True}).text)
     assert events[-1][0] == "response.failed"
     assert "kernel panic" in json.loads(events[-1][1])["response"]["error"]["message"]
+
+
+def test_a_base_model_without_a_chat_template_serves_completions_and_refuses_chats() -> None:
+    """A model whose tokenizer has no chat template (a base model such as `--model gemma3-270m`): chat requests of
+    every API are a 400 that says to use completions, in each API's own error format; completions are served."""
+    from tests.server_helpers import CharTokenizer
+
+    base = FakeEngine(max_ctx=512, tokenizer=CharTokenizer(chat_template=None), default="continued text")
+    with serving(create_app(base, ServerSettings())) as running:
+        error = openai_error(post(running, "/v1/chat/completions", {"model": "any", "messages": ASK}), 400)
+        assert error["code"] == "no_chat_template" and "/v1/completions" in error["message"]
+        error = anthropic_error(
+            post(running, "/v1/messages", {"model": "any", "max_tokens": 8, "messages": ASK}), 400
+        )
+        assert error["type"] == "invalid_request_error" and "/v1/completions" in error["message"]
+        openai_error(post(running, "/v1/responses", {"model": "any", "input": "hi"}), 400)
+        assert base.requests == []  # nothing reached the engine
+        done = post(running, "/v1/completions", {"model": "any", "prompt": "def f(x):", "max_tokens": 20})
+        assert done.status_code == 200, done.text
+        assert done.json()["choices"][0]["text"] == "continued text" and base.prompts == ["def f(x):"]
