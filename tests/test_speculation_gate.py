@@ -15,6 +15,15 @@ from dflash.speculative.gate import PROBE_EVERY, PROBE_ROUNDS, WARM_ROUNDS, Gate
 from tests.spec_helpers import golden_pair, run
 from tests.test_ddtree_decode import GOLDEN_PROMPTS, run_ddtree
 
+PATTERN = [True, False, False, True, True, False, True, False, False, False]
+
+
+def _patterned(self: SpeculationGate) -> bool:
+    """`SpeculationGate.speculate` forced to follow `PATTERN` (rounds and plain steps mixed)."""
+    choice = PATTERN[len(self.choices) % len(PATTERN)]
+    self.choices.append(choice)
+    return choice
+
 
 def _drive(gate: SpeculationGate, rounds: int, spec_seconds: float, plain_seconds: float,
            tokens: Callable[[int], int]) -> list[bool]:
@@ -71,18 +80,11 @@ def test_any_mix_of_rounds_and_plain_steps_gives_the_plain_greedy_output(monkeyp
     prompt = GOLDEN_PROMPTS[3]
     sampling = SamplingParams()
     plain, _ = run(target, None, prompt, 60, sampling=sampling)
-    pattern = [True, False, False, True, True, False, True, False, False, False]
-
-    def patterned(self: SpeculationGate) -> bool:
-        choice = pattern[len(self.choices) % len(pattern)]
-        self.choices.append(choice)
-        return choice
-
     tokens, stats = run_ddtree(target, drafter, prompt, 60, budget=8, sampling=sampling,
                                gate=SpeculationGate(GateCosts()))
     assert tokens == plain
     with monkeypatch.context() as mp:
-        mp.setattr(gate_module.SpeculationGate, "speculate", patterned)
+        mp.setattr(gate_module.SpeculationGate, "speculate", _patterned)
         gate = SpeculationGate(GateCosts())
         tokens, stats = run_ddtree(target, drafter, prompt, 60, budget=8, sampling=sampling, gate=gate)
     assert tokens == plain
@@ -145,13 +147,6 @@ def test_rounds_mixed_with_plain_steps_feed_the_drafter_every_committed_position
     target, drafter = golden_pair()
     prompt, max_new = GOLDEN_PROMPTS[4], 60
     plain, _ = run(target, None, prompt, max_new)
-    pattern = [True, False, False, True, True, False]
-
-    def patterned(self: SpeculationGate) -> bool:
-        choice = pattern[len(self.choices) % len(pattern)]
-        self.choices.append(choice)
-        return choice
-
     seen: list[tuple[int, torch.Tensor, int]] = []
 
     def spy(original: Any, tgt: Any, pending: int, start: int, new_features: torch.Tensor, cache: Any,
@@ -159,7 +154,7 @@ def test_rounds_mixed_with_plain_steps_feed_the_drafter_every_committed_position
         seen.append((cache.length, new_features.clone(), start))
         return original(tgt, pending, start, new_features, cache, **kw)
 
-    monkeypatch.setattr(gate_module.SpeculationGate, "speculate", patterned)
+    monkeypatch.setattr(gate_module.SpeculationGate, "speculate", _patterned)
     install_oracle(monkeypatch, drafter, prompt + run(target, None, prompt, max_new + 16)[0])
     patch_draft_logits(monkeypatch, drafter, spy)
     gate = SpeculationGate(GateCosts())

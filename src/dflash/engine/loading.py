@@ -45,10 +45,6 @@ def packaged_drafter(model: str | None) -> str | None:
     return name if name is not None and (PACKAGED_DRAFTERS / name / "config.json").is_file() else None
 
 
-def default_drafter_available() -> bool:
-    return packaged_drafter("default") is not None
-
-
 @dataclass(frozen=True)
 class LoadOptions:
     """Where and in which form `load_engine` loads the weights; "auto" picks for the machine.
@@ -151,7 +147,7 @@ def _load(
             log.info("drafter: %d projections as int8 rows", quantize_drafter_int8(drafter))
     if products is not None and tile_products(products.kind) and options.ddtree_budget is None:
         options = replace(options, ddtree_budget=AMX_DDTREE_BUDGET)
-    name = DEFAULT_DRAFTER if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
+    name = "smollm2-135m-instruct" if is_default_model(model) else Path(str(model)).name.removesuffix(".gguf")
     log.info("loaded %s in %.2f s on %s (%s, %s weights: %s%s)", name, time.perf_counter() - started, torch_device,
              torch_dtype, choice.kind, choice.reason,
              "" if products is None else f"; {products.kind} products: {products.reason}")

