@@ -21,7 +21,8 @@ tokens per second:
 
 A tree budget is taken over a plain step only where it is predicted `TREE_GAIN` faster (what trees cost at
 arrivals and ends is not in their step times), and the choice changes only when another option is predicted
-`SWITCH_MARGIN` faster: each change ends a chain of launched-ahead steps. Outputs never depend on the choice (greedy verification commits the target's own tokens).
+`SWITCH_MARGIN` faster: each change ends a chain of launched-ahead steps. Outputs never depend on the choice
+(greedy verification commits the target's own tokens).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ EXPLORE_STEPS = 6  # consecutive steps an option runs when it is measured
 REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
 SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
 # predicted speed-up a tree budget needs over a plain step: the step times leave out what trees add when requests
-# arrive and end (a round loaded from the host instead of launched ahead, a round beside each prompt chunk), which
-# measured ~10% of a tree step's time at 8 and 16 clients (results/gpu_concurrency_h100.json, "tree_budgets")
+# arrive and end (a round loaded from the host instead of launched ahead, a round beside each prompt chunk: the
+# gap between steady-state and measured DDTree speed in results/gpu_concurrency_h200.json, "tree_budgets_under_load");
+# a chosen margin, not a measured figure
 TREE_GAIN = 1.1
 MIN_STEPS = 3  # observed steps before an option's time is trusted
 SETTLE_STEPS = 2  # steps after a change of option left unobserved: the change's cost is not the option's
