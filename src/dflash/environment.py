@@ -6,6 +6,8 @@
 |                                |          | (default: the platform's user cache dir, `dflash.cache_paths`)         |
 | `DFLASH_NO_CACHE`              | off      | 1/true/yes/on: keep no converted GGUF on disk (`dflash.models.gguf_cache`) |
 | `DFLASH_CPU_LAYER_OPS`         | on       | 0/false/no/off: torch operations instead of the fused CPU kernel        |
+| `DFLASH_CPU_NATIVE_LAYERS`     | on       | 0/false/no/off: CPU decoder layers run from Python, not in one native   |
+|                                |          | call (`dflash.models.native_stack`; the same values either way)         |
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
 | `DFLASH_PADDED_ATTENTION`      | paged    | the batched padded step's attention: paged reads the K/V pool in place; |
 |                                |          | gather copies each request's keys first, then SDPA                      |
@@ -43,6 +45,7 @@ from dflash.errors import DFlashError
 CACHE_DIR = "DFLASH_CACHE_DIR"
 NO_CACHE = "DFLASH_NO_CACHE"
 CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
+CPU_NATIVE_LAYERS = "DFLASH_CPU_NATIVE_LAYERS"
 ATTENTION = "DFLASH_ATTENTION"
 PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
 BATCH_OVERLAP = "DFLASH_BATCH_OVERLAP"
@@ -87,6 +90,11 @@ def gguf_cache_enabled(env: Mapping[str, str] | None = None) -> bool:
 def cpu_layer_ops_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_CPU_LAYER_OPS`: on unless 0, false, no or off."""
     return _switched_on(env, CPU_LAYER_OPS)
+
+
+def cpu_native_layers_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_CPU_NATIVE_LAYERS`: on unless 0, false, no or off."""
+    return _switched_on(env, CPU_NATIVE_LAYERS)
 
 
 def attention(env: Mapping[str, str] | None = None) -> str:

@@ -279,4 +279,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("matmul", &amx_matmul, "y[M, N] = bf16(x)[M, K] @ bf16(dequant(blocks))[N, K]^T, float32 sums",
              py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
   module.def("available", &available, "whether this build has AMX and the process may use the tile state");
+  // for the native decoder layers (cpu_decoder.cpp), which call this very function
+  module.attr("matmul_capsule") = py::capsule(reinterpret_cast<void*>(&amx_matmul), "dflash.amx_matmul");
 }

@@ -1,6 +1,6 @@
 """Compiling and loading the CPU kernels: quantized-weights products in float32 (`quant_matmul.cpp`), on AMX
 tiles with bf16 inputs (`amx_matmul.cpp`) and as integer dot products with int8 inputs (`int8_matmul.cpp`), and
-the fused layer operations (`cpu_layer_ops.cpp`).
+the fused layer operations (`cpu_layer_ops.cpp`) and the native decoder layers that call them (`cpu_decoder.cpp`).
 
 Each extension is built once with `torch.utils.cpp_extension.load` (g++ and ninja) into
 `<cache root>/kernels/<key>/`, where the key hashes the source and the shared headers, the compiler flags, the compiler, the torch
@@ -31,12 +31,14 @@ from dflash.errors import DFlashError
 __all__ = [
     "BUILD_FLAGS",
     "AmxKernel",
+    "DecoderKernel",
     "Int8Kernel",
     "KernelUnavailable",
     "LayerOpsKernel",
     "QuantKernel",
     "kernel_source",
     "load_amx_kernel",
+    "load_decoder_kernel",
     "load_int8_kernel",
     "load_layer_ops",
     "load_quant_kernel",
@@ -48,6 +50,7 @@ SOURCE_NAME = "quant_matmul.cpp"
 LAYER_OPS_SOURCE = "cpu_layer_ops.cpp"
 AMX_SOURCE = "amx_matmul.cpp"
 INT8_SOURCE = "int8_matmul.cpp"
+DECODER_SOURCE = "cpu_decoder.cpp"
 # -ffp-contract=off: no multiply-add fusion chosen by the compiler (see the source's batch-invariance note).
 BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
@@ -59,6 +62,8 @@ class KernelUnavailable(DFlashError):
 
 class QuantKernel(Protocol):
     """The functions the compiled extension exports."""
+
+    matmul_capsule: object  # the matmul function's pointer, for the native decoder layers (`cpu_decoder.cpp`)
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32."""
@@ -76,6 +81,8 @@ class QuantKernel(Protocol):
 class AmxKernel(Protocol):
     """The functions `amx_matmul.cpp` exports."""
 
+    matmul_capsule: object  # the matmul function's pointer, for the native decoder layers (`cpu_decoder.cpp`)
+
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32 (bf16 products, float32 sums)."""
         ...
@@ -87,6 +94,8 @@ class AmxKernel(Protocol):
 
 class Int8Kernel(Protocol):
     """The functions `int8_matmul.cpp` exports."""
+
+    matmul_capsule: object  # the matmul function's pointer, for the native decoder layers (`cpu_decoder.cpp`)
 
     def matmul(
         self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, tiles: bool = True, parts: int = 1
@@ -115,6 +124,12 @@ class Int8Kernel(Protocol):
 
 class LayerOpsKernel(Protocol):
     """The functions `cpu_layer_ops.cpp` exports (float32 CPU tensors; every output row from its own input row)."""
+
+    # the functions' pointers, for the native decoder layers (`cpu_decoder.cpp`)
+    rms_norm_capsule: object
+    rotary_capsule: object
+    attention_capsule: object
+    silu_mul_capsule: object
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool) -> torch.Tensor:
         """x: [..., D], weight: [D] -> [..., D]."""
@@ -153,6 +168,20 @@ class LayerOpsKernel(Protocol):
         ...
 
 
+class DecoderKernel(Protocol):
+    """What `cpu_decoder.cpp` exports: `bind` takes the other extensions' function capsules; `Product`, `Linear`,
+    `Norm`, `Layer` and `DecoderStack` describe and run a model's decoder layers (see `dflash.models.native_stack`)."""
+
+    def bind(self, int8_matmul: object, float_matmul: object, amx_matmul: object, rms_norm: object, rotary: object,
+             attention: object, silu_mul: object) -> None: ...
+
+    Product: type
+    Linear: type
+    Norm: type
+    Layer: type
+    DecoderStack: type
+
+
 _lock = threading.Lock()
 _loaded: dict[tuple[str, ...], object] = {}
 _failed: dict[tuple[str, ...], str] = {}
@@ -184,6 +213,11 @@ def load_layer_ops(extra_flags: tuple[str, ...] = ()) -> LayerOpsKernel:
     """The compiled fused layer operations (built on first use); `extra_flags` are appended to `BUILD_FLAGS`
     (tests use them to build the portable paths)."""
     return cast(LayerOpsKernel, _load(LAYER_OPS_SOURCE, "dflash_layer_ops", (*BUILD_FLAGS, *extra_flags)))
+
+
+def load_decoder_kernel() -> DecoderKernel:
+    """The compiled native decoder layers (built on first use), before `bind` (`dflash.kernels.native_decoder`)."""
+    return cast(DecoderKernel, _load(DECODER_SOURCE, "dflash_decoder", BUILD_FLAGS))
 
 
 def _load(source_name: str, prefix: str, flags: tuple[str, ...]) -> object:

@@ -508,4 +508,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   module.def("argmax_rows", &argmax_rows, "[rows, vocab] -> first index of each row's maximum", py::arg("logits"),
              py::call_guard<py::gil_scoped_release>());
+  // for the native decoder layers (cpu_decoder.cpp), which call these very functions
+  module.attr("rms_norm_capsule") = py::capsule(reinterpret_cast<void*>(&rms_norm), "dflash.rms_norm");
+  module.attr("rotary_capsule") = py::capsule(reinterpret_cast<void*>(&rotary), "dflash.rotary");
+  module.attr("attention_capsule") = py::capsule(reinterpret_cast<void*>(&attention), "dflash.attention");
+  module.attr("silu_mul_capsule") = py::capsule(reinterpret_cast<void*>(&silu_mul), "dflash.silu_mul");
 }

@@ -766,4 +766,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("available", &available, "whether this build has an integer dot product path");
   module.def("has_tiles", &has_tiles, "whether products of several input rows run on AMX-INT8 tiles here");
   module.def("isa", &isa, "the instruction set this build uses: avx512-vnni, avx-vnni, avx2 or none");
+  // for the native decoder layers (cpu_decoder.cpp), which call this very function
+  module.attr("matmul_capsule") = py::capsule(reinterpret_cast<void*>(&int8_matmul), "dflash.int8_matmul");
 }

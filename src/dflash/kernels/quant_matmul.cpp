@@ -208,4 +208,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("dequantize", &dequantize, "blocks [R, bytes] -> float32 [R, K]", py::arg("blocks"),
              py::arg("qtype"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   module.def("isa", &isa, "the instruction set this build uses: avx512, avx2 or generic");
+  // for the native decoder layers (cpu_decoder.cpp), which call this very function
+  module.attr("matmul_capsule") = py::capsule(reinterpret_cast<void*>(&quant_matmul), "dflash.quant_matmul");
 }

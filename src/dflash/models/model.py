@@ -19,6 +19,7 @@ from dflash.config import SLIDING_ATTENTION, ModelConfig
 from dflash.errors import ModelLoadError
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.models.layers import CAUSAL, AttentionMask, DecoderLayer, RMSNorm, embedding
+from dflash.models.native_stack import native_layers
 from dflash.models.rope import Rotary
 from dflash.parallel.layers import VocabParallelEmbedding, VocabParallelHead, split_layers
 from dflash.parallel.sharding import shard_config
@@ -169,9 +170,12 @@ class CausalLM(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         cos, sin = self.rotary.cos_sin(positions, dtype)
         local_cos, local_sin = (cos, sin) if self.rotary_local is self.rotary else self.rotary_local.cos_sin(positions, dtype)
+        x = self.embed(input_ids)
+        native = native_layers(self, x, cos, sin, full_mask, cache, capture)
+        if native is not None:  # every layer in one native call, bitwise the loop below
+            return native
         wanted = set(capture)
         captured: dict[int, torch.Tensor] = {}
-        x = self.embed(input_ids)
         for index, layer in enumerate(self.layers):
             if self.sliding[index]:
                 x = layer(x, local_cos, local_sin, sliding_mask, cache)

@@ -20,7 +20,7 @@ attn_v in Q6_K beside attn_q and attn_k in Q4_K): one product per format, output
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import ClassVar, cast
 
 import numpy as np
 import torch
@@ -52,6 +52,9 @@ class QuantizedLinear(nn.Module):
 
     blocks: torch.Tensor
     weight: torch.Tensor
+    # counts `use_products` calls: descriptions of layers that name their products kind are rebuilt after one
+    # (`dflash.models.native_stack`)
+    products_changes: ClassVar[int] = 0
 
     def __init__(self, matrix: QuantizedMatrix, bias: bool = False) -> None:
         super().__init__()
@@ -88,6 +91,7 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"unknown products {products!r}")
         self.products = products
+        QuantizedLinear.products_changes += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -1,0 +1,143 @@
+"""The native decoder layers (`dflash.models.native_stack`, `kernels/cpu_decoder.cpp`) compute bitwise what the
+Python layers compute: logits, captured features and every cache slot, for decode steps, tree verifications and
+short prompts, on each products kind (int8x2, int8, float32; AMX where the CPU has it) and dense float32 weights
+with biases; they step aside where they do not apply, and a products change is picked up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.bench.random_gguf import write_random_gguf
+from dflash.models.cpu_matmul import amx_obstacle, use_cpu_matmul
+from dflash.models.model import CausalLM, ForwardOutput
+from dflash.models.native_stack import native_layers
+from dflash.models.quantized_layers import QuantizedStack
+from dflash.models.quantized_model import build_quantized_model
+from dflash.models.resolve import load_checkpoint
+from tests.spec_helpers import one_torch_thread
+from tests.test_int8_kernel import needs_int8
+from tests.test_quantized_model import mixed_types, requantized_tiny_gguf
+from tests.tiny_models import hf_tiny, ours_from_hf
+
+_one_thread = one_torch_thread  # autouse, module scope
+NATIVE = "DFLASH_CPU_NATIVE_LAYERS"
+
+
+@pytest.fixture(autouse=True)
+def _no_gguf_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_NO_CACHE", "1")
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CausalLM]:
+    """The bench's tiny random Qwen3 in Q4_K_M: q/k norms, a QuantizedStack (Q4_K q/k beside Q6_K v)."""
+    path = write_random_gguf(tmp_path_factory.mktemp("native") / "tiny-q4_k_m.gguf", "tiny", "q4_k_m")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_NO_CACHE", "1")
+        model = build_quantized_model(load_checkpoint(path, weights="quantized")).eval()
+    yield model
+
+
+def session(model: CausalLM, native: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """A prompt, three plain steps and a 5-node tree verification, then two more steps, native or not ->
+    every forward's logits and features, and the cache's slots at the end."""
+    monkeypatch.setenv(NATIVE, "1" if native else "0")
+    config = model.config
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, config.vocab_size, (1, 11), generator=generator)
+    cache = model.new_cache(64)
+    capture = (0, config.num_layers - 1)
+    outputs: list[ForwardOutput] = []
+    with torch.inference_mode():
+        outputs.append(model(prompt, cache=cache, capture=capture))
+        for token in (5, 17, 2):
+            outputs.append(model(torch.tensor([[token]]), cache=cache, capture=capture))
+        start = cache.length
+        tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]])
+        depth = torch.tensor([0, 1, 1, 2, 2])
+        nodes = torch.tensor([[7, 8, 9, 10, 11]])
+        outputs.append(model(nodes, positions=(start + depth)[None], cache=cache, tree_mask=tree.bool(), capture=capture))
+        cache.compact(start, torch.tensor([start, start + 2, start + 4]))
+        for token in (4, 6):
+            outputs.append(model(torch.tensor([[token]]), cache=cache, capture=capture))
+    tensors = [t for out in outputs for t in (out.logits, out.features) if t is not None]
+    return [*tensors, cache.keys[:, :, :, : cache.length].clone(), cache.values[:, :, :, : cache.length].clone()]
+
+
+def assert_native_is_python(model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    python = session(model, False, monkeypatch)
+    native = session(model, True, monkeypatch)
+    assert getattr(model, "_native_plan").stack is not None, "the native layers did not take this model"
+    assert len(python) == len(native)
+    for index, (want, got) in enumerate(zip(python, native, strict=True)):
+        assert torch.equal(want, got), f"tensor {index} differs"
+
+
+@needs_int8
+@pytest.mark.parametrize("products", ["int8x2", "int8"])
+def test_native_layers_are_the_python_layers_on_int8_products(
+    q4_k_m_model: CausalLM, products: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_cpu_matmul(q4_k_m_model, products)
+    assert any(isinstance(m, QuantizedStack) for m in q4_k_m_model.modules())
+    assert_native_is_python(q4_k_m_model, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_native_layers_are_the_python_layers_on_the_float32_kernel(
+    tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build_quantized_model(load_checkpoint(requantized_tiny_gguf(tmp_path, arch, mixed_types), weights="quantized"))
+    use_cpu_matmul(model, "float32")
+    assert_native_is_python(model.eval(), monkeypatch)
+
+
+@pytest.mark.skipif(amx_obstacle() is not None, reason="no AMX tiles on this CPU")
+def test_native_layers_are_the_python_layers_on_amx_tiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_quantized_model(load_checkpoint(requantized_tiny_gguf(tmp_path, "llama", mixed_types), weights="quantized"))
+    use_cpu_matmul(model, "amx")
+    assert_native_is_python(model.eval(), monkeypatch)
+
+
+def test_native_layers_are_the_python_layers_with_dense_weights_and_biases(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ours_from_hf(hf_tiny("llama", seed=4, attention_bias=True)).eval()
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    assert_native_is_python(model, monkeypatch)
+
+
+@needs_int8
+def test_a_products_change_rebuilds_the_native_layers(q4_k_m_model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A description kept from int8x2 products would give int8x2 values after the switch to int8."""
+    use_cpu_matmul(q4_k_m_model, "int8x2")
+    on_int8x2 = session(q4_k_m_model, True, monkeypatch)
+    use_cpu_matmul(q4_k_m_model, "int8")
+    assert_native_is_python(q4_k_m_model, monkeypatch)
+    assert not torch.equal(on_int8x2[0], session(q4_k_m_model, True, monkeypatch)[0])
+
+
+def test_the_native_layers_step_aside_where_they_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ours_from_hf(hf_tiny("llama", seed=5)).eval()
+    hidden, head_dim = model.config.hidden_size, model.config.head_dim
+    cache = model.new_cache(128)
+    cos, sin = model.rotary.cos_sin(torch.arange(3)[None], torch.float32)
+    x = torch.randn(1, 3, hidden)
+    with torch.no_grad():
+        assert native_layers(model, x, cos, sin, None, cache, ()) is not None
+        assert native_layers(model, x, cos, sin, None, None, ()) is None  # no cache
+        assert native_layers(model, x.double(), cos, sin, None, cache, ()) is None
+        long_cos, long_sin = model.rotary.cos_sin(torch.arange(65)[None], torch.float32)
+        assert native_layers(model, torch.randn(1, 65, hidden), long_cos, long_sin, None, cache, ()) is None
+        assert native_layers(model, x, cos, sin, torch.zeros(1, 3, 3), cache, ()) is None  # a float mask
+        monkeypatch.setenv(NATIVE, "0")
+        assert native_layers(model, x, cos, sin, None, cache, ()) is None
+    monkeypatch.setenv(NATIVE, "1")
+    assert native_layers(model, x, cos, sin, None, cache, ()) is None  # autograd on
+    gemma = ours_from_hf(hf_tiny("gemma3", seed=5)).eval()
+    with torch.no_grad():
+        assert native_layers(gemma, x[..., : gemma.config.hidden_size], cos[..., :head_dim], sin[..., :head_dim],
+                             None, gemma.new_cache(16), ()) is None
+    assert getattr(gemma, "_native_plan").stack is None
