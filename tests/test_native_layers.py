@@ -132,6 +132,10 @@ def test_the_native_layers_step_aside_where_they_do_not_apply(monkeypatch: pytes
         long_cos, long_sin = model.rotary.cos_sin(torch.arange(65)[None], torch.float32)
         assert native_layers(model, torch.randn(1, 65, hidden), long_cos, long_sin, None, cache, ()) is None
         assert native_layers(model, x, cos, sin, torch.zeros(1, 3, 3), cache, ()) is None  # a float mask
+        handle = model.layers[1].mlp.down_proj.register_forward_hook(lambda *args: None)  # hooks must fire
+        assert native_layers(model, x, cos, sin, None, cache, ()) is None
+        handle.remove()
+        assert native_layers(model, x, cos, sin, None, cache, ()) is not None
         monkeypatch.setenv(NATIVE, "0")
         assert native_layers(model, x, cos, sin, None, cache, ()) is None
     monkeypatch.setenv(NATIVE, "1")

@@ -11,7 +11,8 @@ parallelism, prefill chunks, the batched core's attention backend, GPUs) runs th
 
 The description of the layers handed to the extension (`DecoderStack`) is built at a model's first such forward
 and kept on the model; it is built again after any `QuantizedLinear.use_products` (the products kind is part of
-it). `DFLASH_CPU_NATIVE_LAYERS=0` turns this off.
+it). Forward hooks on the layers' modules (or global ones) send the forward through the Python layers, where they
+fire. `DFLASH_CPU_NATIVE_LAYERS=0` turns this off.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ DENSE_KIND = 0
 class _Plan:
     stack: Any  # the extension's DecoderStack, or None where the model's layers are not ones it runs
     generation: int  # QuantizedLinear.products_changes when it was built
+    hooks: tuple[dict[Any, Any], ...]  # the layers' modules' forward (pre-)hook tables: hooks must see the modules run
 
 
 class _Unsupported(Exception):
@@ -73,20 +75,27 @@ def native_layers(
         return None
     if cos.dtype != torch.float32 or cos.dim() != 4 or cos.shape[1] != 1:
         return None
-    stack = _stack_of(model)
-    if stack is None:
+    plan = _plan_of(model)
+    if plan.stack is None or any(plan.hooks) or _global_hooks():
         return None
+    stack = plan.stack
     out, captured = stack.run(x, cos, sin, mask, cache.keys, cache.values, cache.length, list(capture))
     features = torch.cat(captured, dim=-1) if capture else None
     return out, features
 
 
-def _stack_of(model: CausalLM) -> Any:
+def _plan_of(model: CausalLM) -> _Plan:
     plan: _Plan | None = getattr(model, "_native_plan", None)
     if plan is None or plan.generation != QuantizedLinear.products_changes:
-        plan = _Plan(_build(model), QuantizedLinear.products_changes)
+        modules = list(model.layers.modules())
+        hooks = tuple(table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks))
+        plan = _Plan(_build(model), QuantizedLinear.products_changes, hooks)
         model._native_plan = plan  # type: ignore[assignment]  # kept on the model, out of its modules
-    return plan.stack
+    return plan
+
+
+def _global_hooks() -> bool:
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
 def _build(model: CausalLM) -> Any:
