@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from dflash.bench.random_gguf import write_random_gguf
+from dflash.engine.engine import EngineOptions
+from dflash.engine.loading import load_engine
 from dflash.models.cpu_matmul import amx_obstacle, use_cpu_matmul
 from dflash.models.model import CausalLM, ForwardOutput
-from dflash.models.native_stack import native_layers
+from dflash.models.native_stack import native_layers, runs_natively
 from dflash.models.quantized_layers import QuantizedStack
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.resolve import load_checkpoint
+from dflash.speculative.gate import GateCosts
 from tests.spec_helpers import one_torch_thread
 from tests.test_int8_kernel import needs_int8
 from tests.test_quantized_model import mixed_types, requantized_tiny_gguf
@@ -71,7 +74,7 @@ def session(model: CausalLM, native: bool, monkeypatch: pytest.MonkeyPatch) -> l
 def assert_native_is_python(model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     python = session(model, False, monkeypatch)
     native = session(model, True, monkeypatch)
-    assert getattr(model, "_native_plan").stack is not None, "the native layers did not take this model"
+    assert runs_natively(model), "the native layers did not take this model"
     assert len(python) == len(native)
     for index, (want, got) in enumerate(zip(python, native, strict=True)):
         assert torch.equal(want, got), f"tensor {index} differs"
@@ -144,4 +147,18 @@ def test_the_native_layers_step_aside_where_they_do_not_apply(monkeypatch: pytes
     with torch.no_grad():
         assert native_layers(gemma, x[..., : gemma.config.hidden_size], cos[..., :head_dim], sin[..., :head_dim],
                              None, gemma.new_cache(16), ()) is None
-    assert getattr(gemma, "_native_plan").stack is None
+    assert runs_natively(gemma) is False
+
+
+@needs_int8
+def test_a_cpu_engine_warm_up_builds_the_native_layers_before_the_first_request() -> None:
+    """On the CPU `warm_up` runs a short generation: the kernels compile and the layers are described then, and
+    the speculation gate's round times start afresh (not from a run that paid for compiling)."""
+    engine = load_engine("default", options=EngineOptions(max_batch=1, spec="ddtree"))
+    assert runs_natively(engine.target) is None
+    before = engine.gate_costs
+    assert engine.warm_up() == 0
+    assert runs_natively(engine.target)
+    assert engine.gate_costs is not None and before is not None
+    assert all(engine.gate_costs[mode] is not before[mode] for mode in before)
+    assert all(costs == GateCosts() for costs in engine.gate_costs.values())

@@ -212,7 +212,7 @@ def _http_stack() -> tuple[Any, Any, Any]:
 
 def _serve(engine: Any, args: argparse.Namespace, settings: Any, key: APIKey | None) -> int:
     run_server, create_app, header_deadline_protocol = _http_stack()
-    engine.warm_up()  # CUDA graphs of the first shapes are captured before the first request
+    engine.warm_up()  # CUDA graphs of the first shapes captured, CPU kernels built, before the first request
     app = create_app(engine, settings)
     print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key),
           file=sys.stderr, flush=True)

@@ -224,7 +224,9 @@ class Engine:
     def warm_up(self) -> int:
         """Capture the CUDA graphs of the first decode shapes now rather than during the first request: one short
         generation with the engine's strategy, or the batched step's shapes up to a few thousand keys. Returns the
-        forwards served by the graph runner, or the graphs captured for the batched step (0 without graphs)."""
+        forwards served by the graph runner, or the graphs captured for the batched step (0 without graphs).
+        On the CPU the same short generation builds the CPU kernels (compiled at their first use: about half a
+        minute each on a new machine) and the native layers' description, rather than the first request."""
         from dflash.fastpath.dispatch import graph_runner_of
 
         if self.batched and self.device.type == "cuda" and self.options.cuda_graphs:
@@ -234,6 +236,10 @@ class Engine:
             return captured
         runner = graph_runner_of(self.target)
         if runner is None:
+            if self.device.type == "cpu":
+                self.generate(self.warm_up_request())
+                if self.gate_costs is not None:  # the gate's round times start from requests', not a first run's
+                    self.gate_costs = {mode: GateCosts() for mode in self.gate_costs}
             return 0
         self.generate(self.warm_up_request())
         release_thread_workers()  # requests decode on other threads (`dflash.kernels.openmp`)

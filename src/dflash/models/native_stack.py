@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from dflash.kernels.build import DecoderKernel
     from dflash.models.model import CausalLM
 
-__all__ = ["native_layers"]
+__all__ = ["native_layers", "runs_natively"]
 
 # QuantizedLinear.products -> (the extension that computes it, the kind code of cpu_decoder.cpp)
 PRODUCT_KINDS = {"float32": ("float32", 1), "amx": ("amx", 2), "int8": ("int8", 3), "int8x2": ("int8", 4)}
@@ -82,6 +82,12 @@ def native_layers(
     out, captured = stack.run(x, cos, sin, mask, cache.keys, cache.values, cache.length, list(capture))
     features = torch.cat(captured, dim=-1) if capture else None
     return out, features
+
+
+def runs_natively(model: CausalLM) -> bool | None:
+    """Whether the model's layers are ones the native call runs; None before a forward has asked."""
+    plan: _Plan | None = getattr(model, "_native_plan", None)
+    return None if plan is None else plan.stack is not None
 
 
 def _plan_of(model: CausalLM) -> _Plan:
