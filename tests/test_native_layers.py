@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import dflash.models.model as model_module
+from dflash.batch.target_pass import TargetRows, run_target
 from dflash.bench.random_gguf import write_random_gguf
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
@@ -21,7 +23,9 @@ from dflash.models.quantized_layers import QuantizedStack
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.resolve import load_checkpoint
 from dflash.speculative.gate import GateCosts
-from tests.spec_helpers import one_torch_thread
+from dflash.speculative.tree import build_tree, tree_verify_inputs
+from tests.batch_helpers import make_core, make_sequence
+from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
 from tests.test_int8_kernel import needs_int8
 from tests.test_quantized_model import mixed_types, requantized_tiny_gguf
 from tests.tiny_models import hf_tiny, ours_from_hf
@@ -162,3 +166,48 @@ def test_a_cpu_engine_warm_up_builds_the_native_layers_before_the_first_request(
     assert engine.gate_costs is not None and before is not None
     assert all(engine.gate_costs[mode] is not before[mode] for mode in before)
     assert all(costs == GateCosts() for costs in engine.gate_costs.values())
+
+
+def test_native_layers_are_the_python_layers_over_the_batched_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed forward of the batched core (a plain step, a 4-row chain, a 7-node tree): logits, features and the
+    pool's written slots bitwise the same natively and from Python, and the native call took it."""
+    target, drafter = golden_pair()
+    core = make_core(target, drafter)
+    prompts = random_prompts(3, target.config.vocab_size, seed=31, lengths=(9, 40, 20))
+    seqs = [make_sequence(target, p, 10, "ddtree") for p in prompts]
+    for seq in seqs:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in seqs):
+        core.step()
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for index, seq in enumerate(seqs):
+        if index == 1:
+            tree = build_tree(torch.randn(5, target.config.vocab_size, generator=g), 7)
+            tokens, positions, visibility = tree_verify_inputs(tree, seq.pending, seq.start, 0)
+            items.append(TargetRows(seq.target, tokens, positions, visibility, logit_rows=slice(0, len(tokens))))
+        else:
+            n = 1 + 3 * (index // 2)
+            tokens = torch.tensor([seq.pending] + [3] * (n - 1))
+            items.append(TargetRows(seq.target, tokens, torch.arange(seq.start, seq.start + n), logit_rows=slice(0, n)))
+    taken: list[bool] = []
+
+    def recorded(*args: object) -> object:
+        out = native_layers(*args)  # type: ignore[arg-type]
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(model_module, "native_layers", recorded)
+    written = torch.cat([seq.target.slots(seq.target.length, seq.target.length + item.count)
+                         for seq, item in zip(seqs, items, strict=True)])
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv(NATIVE, flag)
+        with torch.inference_mode():
+            out = run_target(target, core.target_pool, items, core.capture)
+        assert out.features is not None
+        pool = core.target_pool
+        results.append([*out.logits, *out.features, pool.keys[:, :, written].clone(), pool.values[:, :, written].clone()])
+    assert taken == [False, True]
+    for want, got in zip(*results, strict=True):
+        assert torch.equal(want, got)

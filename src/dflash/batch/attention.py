@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.kernels.fused_cpu import layer_ops
+from dflash.kv.cache import PackedRows
 from dflash.kv.recurrent import RecurrentStates
-from dflash.models.layers import fits_attention_kernel
+from dflash.models.layers import FUSED_ATTENTION_MAX_ROWS, fits_attention_kernel
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,20 @@ class PackedAttention:
         self.recurrent_segments: list[tuple[slice, RecurrentStates | None]] | None = None
         if any(state is not None for state in recurrent):
             self.recurrent_segments = [(s.rows, state) for s, state in zip(self.segments, recurrent, strict=True)]
+
+    def native_rows(self) -> PackedRows | None:
+        """This forward for the native decoder layers, or None where `attend` would not take the fused CPU
+        attention for every segment (a long prompt chunk, a linear-attention state) or a layer uses the window."""
+        if self.recurrent_segments is not None or any(self.sliding) or self.pool.keys.dtype != torch.float32:
+            return None
+        segments = []
+        for s in self.segments:
+            count = s.rows.stop - s.rows.start
+            mask = s.full_mask
+            if count > FUSED_ATTENTION_MAX_ROWS or (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4)):
+                return None
+            segments.append((s.rows.start, count, s.read_slots, None if mask is None else mask[0, 0]))
+        return PackedRows(self.pool.keys, self.pool.values, self.write_slots, segments)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [1, heads, rows, head_dim]; k, v: [1, kv_heads, rows, head_dim] -> [1, rows, heads * head_dim]."""

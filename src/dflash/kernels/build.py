@@ -129,6 +129,7 @@ class LayerOpsKernel(Protocol):
     rms_norm_capsule: object
     rotary_capsule: object
     attention_capsule: object
+    attention_slots_capsule: object
     silu_mul_capsule: object
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool) -> torch.Tensor:
@@ -173,12 +174,13 @@ class DecoderKernel(Protocol):
     `Norm`, `Layer` and `DecoderStack` describe and run a model's decoder layers (see `dflash.models.native_stack`)."""
 
     def bind(self, int8_matmul: object, float_matmul: object, amx_matmul: object, rms_norm: object, rotary: object,
-             attention: object, silu_mul: object) -> None: ...
+             attention: object, attention_slots: object, silu_mul: object) -> None: ...
 
     Product: type
     Linear: type
     Norm: type
     Layer: type
+    Segment: type
     DecoderStack: type
 
 

@@ -27,6 +27,8 @@ using RmsNorm = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, do
 using Rotary = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&);
 using Attention = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                     const c10::optional<torch::Tensor>&, double);
+using AttentionSlots = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                         const torch::Tensor&, const c10::optional<torch::Tensor>&, double);
 using SiluMul = torch::Tensor (*)(const torch::Tensor&);
 
 // The functions of the other extensions, set once by `bind` (null where that extension is not loaded).
@@ -37,6 +39,7 @@ struct Functions {
   RmsNorm rms_norm = nullptr;
   Rotary rotary = nullptr;
   Attention attention = nullptr;
+  AttentionSlots attention_slots = nullptr;
   SiluMul silu_mul = nullptr;
 };
 
@@ -50,13 +53,14 @@ void set_from(Fn& slot, const py::object& capsule) {
 
 void bind(const py::object& int8_matmul, const py::object& float_matmul, const py::object& amx_matmul,
           const py::object& rms_norm, const py::object& rotary, const py::object& attention,
-          const py::object& silu_mul) {
+          const py::object& attention_slots, const py::object& silu_mul) {
   set_from(functions.int8_matmul, int8_matmul);
   set_from(functions.float_matmul, float_matmul);
   set_from(functions.amx_matmul, amx_matmul);
   set_from(functions.rms_norm, rms_norm);
   set_from(functions.rotary, rotary);
   set_from(functions.attention, attention);
+  set_from(functions.attention_slots, attention_slots);
   set_from(functions.silu_mul, silu_mul);
 }
 
@@ -149,26 +153,82 @@ struct Layer {
   double scale;
 };
 
+// One request's rows in a packed forward of the batched core (`dflash.batch.attention.Segment`): rows
+// [start, start + count) read the pool's slots `read_slots` under `mask` (bool [count, keys], or none).
+struct Segment {
+  int64_t start, count;
+  torch::Tensor read_slots;
+  c10::optional<torch::Tensor> mask;
+};
+
 class DecoderStack {
  public:
   explicit DecoderStack(std::vector<Layer> layers) : layers_(std::move(layers)) {}
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x: [B, S, hidden]; cos, sin: [B or 1, 1, S, head_dim]; mask: bool [B or 1, 1, S, length + S] or none (every
-  // key visible); keys, values: the cache's [layers, B, kv_heads, capacity, head_dim], slots [0, length) committed
-  // -> (x after the last layer, x after each layer of `capture`, in that order). The new K/V go to slots
-  // [length, length + S).
-  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(torch::Tensor x, const torch::Tensor& cos,
+  // Into a KVCache. x: [B, S, hidden]; cos, sin: [B or 1, 1, S, head_dim]; mask: bool [B or 1, 1, S, length + S]
+  // or none (every key visible); keys, values: the cache's [layers, B, kv_heads, capacity, head_dim], slots
+  // [0, length) committed -> (x after the last layer, x after each layer of `capture`, in that order). The new
+  // K/V go to slots [length, length + S) (KVCache.write, then Attention.attend).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run(const torch::Tensor& x, const torch::Tensor& cos,
                                                             const torch::Tensor& sin,
                                                             const c10::optional<torch::Tensor>& mask,
                                                             const torch::Tensor& keys, const torch::Tensor& values,
                                                             int64_t length, const std::vector<int64_t>& capture) const {
+    TORCH_CHECK(x.dim() == 3, "x must be [batch, seq, hidden]");
+    const int64_t seq = x.size(1), end = length + seq;
+    TORCH_CHECK(end <= keys.size(3), "the cache holds ", keys.size(3), " slots, not ", end);
+    return layers(x, cos, sin, capture, [&](const Layer& layer, const torch::Tensor& q, const torch::Tensor& k,
+                                               const torch::Tensor& v) {
+      const torch::Tensor layer_keys = keys.select(0, layer.index).narrow(1, 0, layer.kv_heads);
+      const torch::Tensor layer_values = values.select(0, layer.index).narrow(1, 0, layer.kv_heads);
+      layer_keys.narrow(2, length, seq).narrow(3, 0, layer.head_dim).copy_(k);
+      layer_values.narrow(2, length, seq).narrow(3, 0, layer.head_dim).copy_(v);
+      const torch::Tensor seen_keys = layer_keys.narrow(2, 0, end).narrow(3, 0, layer.head_dim);
+      const torch::Tensor seen_values = layer_values.narrow(2, 0, end).narrow(3, 0, layer.head_dim);
+      return functions.attention(q, seen_keys, seen_values, mask, layer.scale);
+    });
+  }
+
+  // Into the batched core's pool (`PackedAttention.attend`). x: [1, rows, hidden], the requests' rows packed;
+  // pool_keys, pool_values: [layers, kv_heads, slots, head_dim]; write_slots: int64 [rows], where each row's K/V go;
+  // segments: each request's rows and what they read.
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> run_packed(
+      const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pool_keys,
+      const torch::Tensor& pool_values, const torch::Tensor& write_slots, const std::vector<Segment>& segments,
+      const std::vector<int64_t>& capture) const {
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "x must be [1, rows, hidden]");
+    TORCH_CHECK(functions.attention_slots != nullptr, "the fused layer operations are not bound");
+    TORCH_CHECK(!segments.empty(), "a packed forward has a segment at least");
+    return layers(x, cos, sin, capture, [&](const Layer& layer, const torch::Tensor& q, const torch::Tensor& k,
+                                               const torch::Tensor& v) {
+      torch::Tensor keys = pool_keys.select(0, layer.index).narrow(0, 0, layer.kv_heads).narrow(2, 0, layer.head_dim);
+      torch::Tensor values =
+          pool_values.select(0, layer.index).narrow(0, 0, layer.kv_heads).narrow(2, 0, layer.head_dim);
+      keys.index_copy_(1, write_slots, k.select(0, 0));
+      values.index_copy_(1, write_slots, v.select(0, 0));
+      std::vector<torch::Tensor> outputs;
+      outputs.reserve(segments.size());
+      for (const Segment& segment : segments) {
+        const torch::Tensor rows = q.narrow(2, segment.start, segment.count).select(0, 0);  // [heads, n, head_dim]
+        outputs.push_back(
+            functions.attention_slots(rows, keys, values, segment.read_slots, segment.mask, layer.scale).unsqueeze(0));
+      }
+      return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+    });
+  }
+
+ private:
+  // Every layer over x, `attend(layer, q, k, v)` storing the new K/V and attending -> [B, S, heads * head_dim].
+  template <class Attend>
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> layers(torch::Tensor x, const torch::Tensor& cos,
+                                                               const torch::Tensor& sin,
+                                                               const std::vector<int64_t>& capture,
+                                                               Attend&& attend) const {
     TORCH_CHECK(functions.rms_norm && functions.rotary && functions.attention && functions.silu_mul,
                 "the fused layer operations are not bound");
-    TORCH_CHECK(x.dim() == 3, "x must be [batch, seq, hidden]");
-    const int64_t batch = x.size(0), seq = x.size(1), end = length + seq;
-    TORCH_CHECK(end <= keys.size(3), "the cache holds ", keys.size(3), " slots, not ", end);
+    const int64_t batch = x.size(0), seq = x.size(1);
     std::vector<torch::Tensor> captured(capture.size());
     for (const Layer& layer : layers_) {
       const int64_t q_size = layer.heads * layer.head_dim, kv_size = layer.kv_heads * layer.head_dim;
@@ -183,15 +243,7 @@ class DecoderStack {
       q = functions.rotary(q.transpose(1, 2), cos, sin);  // [B, heads, S, head_dim]
       k = functions.rotary(k.transpose(1, 2), cos, sin);  // [B, kv_heads, S, head_dim]
       const torch::Tensor v = split[2].view({batch, seq, layer.kv_heads, layer.head_dim}).transpose(1, 2);
-      // KVCache.write: keys[layer, :, :heads, length:end, :width] = k; attention reads slots [0, end)
-      const torch::Tensor layer_keys = keys.select(0, layer.index).narrow(1, 0, layer.kv_heads);
-      const torch::Tensor layer_values = values.select(0, layer.index).narrow(1, 0, layer.kv_heads);
-      layer_keys.narrow(2, length, seq).narrow(3, 0, layer.head_dim).copy_(k);
-      layer_values.narrow(2, length, seq).narrow(3, 0, layer.head_dim).copy_(v);
-      const torch::Tensor seen_keys = layer_keys.narrow(2, 0, end).narrow(3, 0, layer.head_dim);
-      const torch::Tensor seen_values = layer_values.narrow(2, 0, end).narrow(3, 0, layer.head_dim);
-      const torch::Tensor attended = functions.attention(q, seen_keys, seen_values, mask, layer.scale);
-      x = x + apply(layer.o, attended);
+      x = x + apply(layer.o, attend(layer, q, k, v));
       const torch::Tensor gate_up = apply(layer.gate_up, normed(layer.post_norm, x));
       x = x + apply(layer.down, functions.silu_mul(gate_up));
       for (size_t i = 0; i < capture.size(); ++i) {
@@ -201,7 +253,6 @@ class DecoderStack {
     return {x, captured};
   }
 
- private:
   std::vector<Layer> layers_;
 };
 
@@ -222,7 +273,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "Llama / Qwen3 decoder layers in one native call, bitwise the Python layers' computation";
   module.def("bind", &bind, "the other CPU extensions' functions, as their capsules (None: left as bound before)",
              py::arg("int8_matmul"), py::arg("float_matmul"), py::arg("amx_matmul"), py::arg("rms_norm"),
-             py::arg("rotary"), py::arg("attention"), py::arg("silu_mul"));
+             py::arg("rotary"), py::arg("attention"), py::arg("attention_slots"), py::arg("silu_mul"));
   py::class_<Product>(module, "Product")
       .def(py::init(&make_product), py::arg("kind"), py::arg("weights"), py::arg("qtype"), py::arg("out"));
   py::class_<Linear>(module, "Linear")
@@ -241,10 +292,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            py::arg("index"), py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("scale"));
+  py::class_<Segment>(module, "Segment")
+      .def(py::init([](int64_t start, int64_t count, torch::Tensor read_slots, c10::optional<torch::Tensor> mask) {
+             return Segment{start, count, std::move(read_slots), std::move(mask)};
+           }),
+           py::arg("start"), py::arg("count"), py::arg("read_slots"), py::arg("mask"));
   py::class_<DecoderStack>(module, "DecoderStack")
       .def(py::init<std::vector<Layer>>(), py::arg("layers"))
       .def("__len__", &DecoderStack::size)
       .def("run", &DecoderStack::run, "the layers over x; (x, captured layer outputs)", py::arg("x"), py::arg("cos"),
            py::arg("sin"), py::arg("mask"), py::arg("keys"), py::arg("values"), py::arg("length"),
-           py::arg("capture"), py::call_guard<py::gil_scoped_release>());
+           py::arg("capture"), py::call_guard<py::gil_scoped_release>())
+      .def("run_packed", &DecoderStack::run_packed, "the layers over packed rows into the batched pool",
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("pool_keys"), py::arg("pool_values"),
+           py::arg("write_slots"), py::arg("segments"), py::arg("capture"), py::call_guard<py::gil_scoped_release>());
 }

@@ -512,5 +512,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.attr("rms_norm_capsule") = py::capsule(reinterpret_cast<void*>(&rms_norm), "dflash.rms_norm");
   module.attr("rotary_capsule") = py::capsule(reinterpret_cast<void*>(&rotary), "dflash.rotary");
   module.attr("attention_capsule") = py::capsule(reinterpret_cast<void*>(&attention), "dflash.attention");
+  module.attr("attention_slots_capsule") =
+      py::capsule(reinterpret_cast<void*>(&attention_slots), "dflash.attention_slots");
   module.attr("silu_mul_capsule") = py::capsule(reinterpret_cast<void*>(&silu_mul), "dflash.silu_mul");
 }

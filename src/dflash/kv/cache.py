@@ -12,6 +12,7 @@ Models with linear-attention layers attach their per-sequence recurrent state (`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -47,6 +48,19 @@ class AttentionBackend(Protocol):
     q: [1, heads, rows, head_dim]; k, v: [1, kv_heads, rows, head_dim] (rotated) -> [1, rows, heads * head_dim]."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """How an attention backend over a pool stores and attends a packed forward's rows, for the native decoder
+    layers (`dflash.models.native_stack`): every layer stores row i's K/V at pool slot `write_slots[i]`, then each
+    segment's rows [start, start + count) attend to the pool slots `read_slots` under `mask` (bool [count, keys],
+    None: every key visible)."""
+
+    keys: torch.Tensor  # [layers, kv_heads, slots, head_dim]
+    values: torch.Tensor
+    write_slots: torch.Tensor  # int64 [rows]
+    segments: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (start, count, read_slots, mask)
 
 
 class KVCache:

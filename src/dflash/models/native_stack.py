@@ -4,10 +4,10 @@ A one-token step of a small model on a CPU spends about as long in the interpret
 them (about thirty calls per layer). Where a model's layers are the plain Llama / Qwen3 `DecoderLayer` (SiLU MLP,
 full attention, optional q/k norms) with `nn.Linear`, `QuantizedLinear` or `QuantizedStack` projections, and a
 forward is one the fused CPU operations serve (float32 on the CPU without autograd, into a `KVCache` without
-recurrent state, at most `FUSED_ATTENTION_MAX_ROWS` rows, a boolean mask or none), `native_layers` runs every
-decoder layer in one native call. It calls the same compiled functions and torch operations in the same order, so
+recurrent state, at most `FUSED_ATTENTION_MAX_ROWS` rows, a boolean mask or none; or into the batched core's pool,
+every request's rows within that bound: `PackedRows`), `native_layers` runs every decoder layer in one native call. It calls the same compiled functions and torch operations in the same order, so
 its results are bitwise the Python layers' (tests compare them); everything else (hybrids, Gemma, tensor
-parallelism, prefill chunks, the batched core's attention backend, GPUs) runs the Python layers.
+parallelism, long prompt chunks, GPUs) runs the Python layers.
 
 The description of the layers handed to the extension (`DecoderStack`) is built at a model's first such forward
 and kept on the model; it is built again after any `QuantizedLinear.use_products` (the products kind is part of
@@ -44,6 +44,7 @@ DENSE_KIND = 0
 @dataclass(frozen=True)
 class _Plan:
     stack: Any  # the extension's DecoderStack, or None where the model's layers are not ones it runs
+    kernel: DecoderKernel | None
     generation: int  # QuantizedLinear.products_changes when it was built
     hooks: tuple[dict[Any, Any], ...]  # the layers' modules' forward (pre-)hook tables: hooks must see the modules run
 
@@ -67,21 +68,36 @@ def native_layers(
         return None
     if not environment.cpu_native_layers_enabled() or not environment.cpu_layer_ops_enabled():
         return None
-    if type(cache) is not KVCache or cache.recurrent is not None or x.shape[1] > FUSED_ATTENTION_MAX_ROWS:
-        return None
-    if mask is not None and not (
-        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
-    ):
-        return None
     if cos.dtype != torch.float32 or cos.dim() != 4 or cos.shape[1] != 1:
         return None
+    if type(cache) is KVCache:
+        if cache.recurrent is not None or x.shape[1] > FUSED_ATTENTION_MAX_ROWS or not _kernel_mask(mask):
+            return None
+        packed = None
+    else:
+        native_rows = getattr(cache, "native_rows", None)  # an attention backend over a pool (the batched core)
+        packed = native_rows() if native_rows is not None else None
+        if packed is None or mask is not None:
+            return None
     plan = _plan_of(model)
-    if plan.stack is None or any(plan.hooks) or _global_hooks():
+    if plan.stack is None or plan.kernel is None or any(plan.hooks) or _global_hooks():
         return None
-    stack = plan.stack
-    out, captured = stack.run(x, cos, sin, mask, cache.keys, cache.values, cache.length, list(capture))
+    if packed is None:
+        assert isinstance(cache, KVCache)
+        out, captured = plan.stack.run(x, cos, sin, mask, cache.keys, cache.values, cache.length, list(capture))
+    else:
+        segments = [plan.kernel.Segment(*segment) for segment in packed.segments]
+        out, captured = plan.stack.run_packed(
+            x, cos, sin, packed.keys, packed.values, packed.write_slots, segments, list(capture))
     features = torch.cat(captured, dim=-1) if capture else None
     return out, features
+
+
+def _kernel_mask(mask: object) -> bool:
+    """Whether the fused attention takes `mask`: none, or bool [batch or 1, 1, rows, keys]."""
+    return mask is None or (
+        isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+    )
 
 
 def runs_natively(model: CausalLM) -> bool | None:
@@ -95,7 +111,8 @@ def _plan_of(model: CausalLM) -> _Plan:
     if plan is None or plan.generation != QuantizedLinear.products_changes:
         modules = list(model.layers.modules())
         hooks = tuple(table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks))
-        plan = _Plan(_build(model), QuantizedLinear.products_changes, hooks)
+        kernel, stack = _build(model)
+        plan = _Plan(stack, kernel, QuantizedLinear.products_changes, hooks)
         model._native_plan = plan  # type: ignore[assignment]  # kept on the model, out of its modules
     return plan
 
@@ -104,19 +121,19 @@ def _global_hooks() -> bool:
     return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
 
 
-def _build(model: CausalLM) -> Any:
-    """The extension's DecoderStack for the model's layers, or None where it does not run them."""
+def _build(model: CausalLM) -> tuple[DecoderKernel | None, Any]:
+    """The extension and its DecoderStack for the model's layers, or Nones where it does not run them."""
     if model.tensor_parallel is not None or any(model.sliding) or model.rotary_local is not model.rotary:
-        return None
+        return None, None
     kinds: set[str] = set()
     try:
         described = [_describe_layer(layer, kinds) for layer in model.layers]
     except _Unsupported:
-        return None
+        return None, None
     kernel = native_decoder(kinds)
     if kernel is None:
-        return None
-    return kernel.DecoderStack([_layer(kernel, index, parts) for index, parts in enumerate(described)])
+        return None, None
+    return kernel, kernel.DecoderStack([_layer(kernel, index, parts) for index, parts in enumerate(described)])
 
 
 def _describe_layer(layer: nn.Module, kinds: set[str]) -> dict[str, Any]:
