@@ -122,6 +122,11 @@ def test_default_model_under_two_part_products() -> None:
     engine = load_engine("default", "default", loading=LoadOptions(device="cpu", cpu_matmul="int8x2"))
     assert engine.cpu_matmul == "int8x2" and engine.drafter is not None
     assert {m.products for m in engine.target.modules() if isinstance(m, QuantizedLinear)} == {"int8x2"}
+    # the drafter (and its shortlist head) rounds its inputs to one part: drafts are proposals, checked at int8x2
+    drafter_matrices = [m for m in engine.drafter.modules() if isinstance(m, QuantizedLinear)]
+    assert drafter_matrices and {m.products for m in drafter_matrices} == {"int8"}
+    head = engine.drafter.draft_head
+    assert head is not None and isinstance(head.rows, QuantizedLinear) and head.rows.products == "int8"
     ids, got, want = logits_beside_float32(engine)
     # Observed on this prompt (40 positions): mean |difference| 0.0013, max 0.012, every top token the same (bf16
     # products on AMX tiles: 0.067 and 0.41, 97.5% the same; one part: 0.23 and 1.8).

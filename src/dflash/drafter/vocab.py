@@ -117,12 +117,13 @@ def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
     if quantized is not None and isinstance(lm_head, quantized.QuantizedLinear):
         from gguf import GGMLQuantizationType
 
+        from dflash.models.cpu_matmul import draft_products
         from dflash.models.quantized_layers import QuantizedLinear
         from dflash.models.quantized_weights import QuantizedMatrix
 
         blocks = lm_head.blocks.index_select(0, ids.to(lm_head.blocks.device))
         head = QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType(lm_head.qtype), lm_head.in_features))
-        head.use_products(lm_head.products)  # the kernel the target's head runs on
+        head.use_products(draft_products(lm_head.products))  # the target head's kernel, as a drafter's
         return head
     on_gpu = sys.modules.get("dflash.models.gpu_quantized_layers")
     if on_gpu is not None and isinstance(lm_head, on_gpu.GGUFLinear):  # GGUF blocks on the GPU

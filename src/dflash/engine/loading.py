@@ -22,7 +22,7 @@ from dflash.engine.engine import AMX_DDTREE_BUDGET, Engine, EngineOptions
 from dflash.engine.heap import return_free_heap
 from dflash.errors import DFlashError, ModelLoadError
 from dflash.kernels.openmp import release_thread_workers
-from dflash.models.cpu_matmul import choose_cpu_matmul, tile_products, use_cpu_matmul
+from dflash.models.cpu_matmul import choose_cpu_matmul, draft_products, tile_products, use_cpu_matmul
 from dflash.models.model import CausalLM
 from dflash.models.packaged import GEMMA3_270M_NAME
 from dflash.models.quantized_model import build_quantized_model
@@ -139,7 +139,7 @@ def _load(
 
             log.info("drafter: %d projections as Q8_0 blocks", quantize_drafter(drafter))
             assert products is not None
-            use_cpu_matmul(drafter, products.kind)
+            use_cpu_matmul(drafter, draft_products(products.kind))
         _attach_draft_vocab(drafter, target, draft, vocab)
         if draft_format == "int8":  # after the shortlist, whose rows are then rounded too
             from dflash.drafter.int8 import quantize_drafter_int8
