@@ -47,7 +47,7 @@ from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.speculative.gate import SpeculationGate
 from dflash.speculative.selector_tree import selector_tree
-from dflash.speculative.session import SpecState, begin_speculation
+from dflash.speculative.session import SpecState, begin_speculation, plain_step
 from dflash.speculative.tree import (
     DraftTree,
     accepted_tokens,
@@ -142,9 +142,12 @@ def decode_ddtree(
         gated = gate is not None and drafting and max_depth > 0
         if gated:
             assert gate is not None
-            if not gate.speculate():
-                max_depth = 0  # a plain step this round
             started = time.perf_counter()
+            if not gate.speculate():  # a plain step this round, without a tree's bookkeeping
+                state, finished = plain_step(target, forwards, state, target_cache, chooser, sink, layer_ids)
+                stats.plain_steps += 1
+                gate.record(False, time.perf_counter() - started, 1)
+                continue
         carried: torch.Tensor | None = None
         if drafting and max_depth > 0 and selector is not None:
             lattice = selector.draft_lattice(
@@ -181,10 +184,7 @@ def decode_ddtree(
         choices = tree_choices(chooser, out.logits[0], tree, produced)  # [n+1]
         visited, bonus = follow_tree(tree, choices)
         committed = [*accepted_tokens(tree, visited), bonus]
-        if gated and max_depth == 0:
-            stats.plain_steps += 1  # the gate's choice: not a speculative round
-        else:
-            stats.record_round(tree.num_nodes, len(visited) - 1)
+        stats.record_round(tree.num_nodes, len(visited) - 1)
 
         kept = len(visited)
         if visited == list(range(kept)):  # a prefix of the block: the rows are already in place
@@ -203,5 +203,5 @@ def decode_ddtree(
         finished = sink.push_many(committed)
         if gated:
             assert gate is not None
-            gate.record(max_depth > 0, time.perf_counter() - started, len(committed))
+            gate.record(True, time.perf_counter() - started, len(committed))
     return session.close(sink)

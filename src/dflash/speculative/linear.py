@@ -15,7 +15,7 @@ the selector returns (`dflash.speculative.sampled_acceptance`). It runs eagerly 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -25,13 +25,12 @@ from dflash.generation.forwards import Forwards, forwards_for
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest, GenerationStats
 from dflash.generation.selection import TokenChooser
-from dflash.kv.cache import KVCache
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
 from dflash.speculative.acceptance import accepted_prefix_length
 from dflash.speculative.gate import SpeculationGate
 from dflash.speculative.sampled_acceptance import speculative_sample
-from dflash.speculative.session import SpecState, begin_speculation
+from dflash.speculative.session import SpecState, begin_speculation, plain_step
 
 
 @torch.inference_mode()
@@ -84,7 +83,7 @@ def decode_linear(
             break
         if gate is not None and not gate.speculate():
             started = time.perf_counter()
-            state, finished = _plain_step(target, forwards, state, target_cache, chooser, sink, layer_ids)
+            state, finished = plain_step(target, forwards, state, target_cache, chooser, sink, layer_ids)
             stats.plain_steps += 1
             gate.record(False, time.perf_counter() - started, 1)
             continue
@@ -127,21 +126,3 @@ def decode_linear(
         if gate is not None:
             gate.record(True, time.perf_counter() - started, len(committed))
     return session.close(sink)
-
-
-def _plain_step(
-    target: CausalLM, forwards: Forwards, state: SpecState, target_cache: KVCache, chooser: TokenChooser,
-    sink: OutputSink, layer_ids: Sequence[int],
-) -> tuple[SpecState, bool]:
-    """One plain decoding step inside a linear loop: the target's next token; its features join the ones the drafter
-    has not read yet. -> (the new state, whether the output is finished)."""
-    block = torch.tensor([[state.pending]], dtype=torch.long, device=target.embed_tokens.weight.device)  # [1, 1]
-    out = forwards.forward(target, block, cache=target_cache, capture=layer_ids)
-    assert out.logits is not None and out.features is not None
-    allowed = chooser.allowed([]) if chooser.constrained else None
-    token = int(chooser.choose(out.logits[0], len(sink.token_ids), allowed)[0])
-    state = SpecState(
-        start=state.start + 1, pending=token, new_features=torch.cat((state.new_features, out.features), dim=1)
-    )
-    chooser.observe([token])
-    return state, sink.push_many([token])

@@ -7,7 +7,7 @@ chooses and commits the first token, and returns the caches and the state the ro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,3 +91,21 @@ def begin_speculation(
     chooser.observe([first])
     state = SpecState(start=prompt.shape[1], pending=first, new_features=features)
     return SpecSession(state, target_cache, drafter_cache, stats, decode_started, finished=sink.push(first))
+
+
+def plain_step(
+    target: CausalLM, forwards: Forwards, state: SpecState, target_cache: KVCache, chooser: TokenChooser,
+    sink: OutputSink, layer_ids: Sequence[int],
+) -> tuple[SpecState, bool]:
+    """One plain decoding step inside a speculative loop (the speculation gate's choice): the target's next token;
+    its features join the ones the drafter has not read yet. -> (the new state, whether the output is finished)."""
+    block = torch.tensor([[state.pending]], dtype=torch.long, device=target.embed_tokens.weight.device)  # [1, 1]
+    out = forwards.forward(target, block, cache=target_cache, capture=layer_ids)
+    assert out.logits is not None and out.features is not None
+    allowed = chooser.allowed([]) if chooser.constrained else None
+    token = int(chooser.choose(out.logits[0], len(sink.token_ids), allowed)[0])
+    state = SpecState(
+        start=state.start + 1, pending=token, new_features=torch.cat((state.new_features, out.features), dim=1)
+    )
+    chooser.observe([token])
+    return state, sink.push_many([token])
