@@ -16,6 +16,8 @@ def test_defaults_where_nothing_is_set() -> None:
     assert environment.cache_dir({}) is None
     assert environment.gguf_cache_enabled({})
     assert environment.cpu_layer_ops_enabled({})
+    assert environment.cpu_native_layers_enabled({})
+    assert environment.cpu_kernel_flags({}) == ()
     assert environment.batch_overlap_enabled({})
     assert environment.fla_enabled({})
     assert environment.attention({}) == "split"
@@ -31,6 +33,9 @@ def test_values_are_read_by_meaning() -> None:
     assert not environment.gguf_cache_enabled({environment.NO_CACHE: " Yes "})
     assert environment.gguf_cache_enabled({environment.NO_CACHE: "0"})
     assert not environment.cpu_layer_ops_enabled({environment.CPU_LAYER_OPS: "OFF"})
+    assert not environment.cpu_native_layers_enabled({environment.CPU_NATIVE_LAYERS: "0"})
+    assert environment.cpu_kernel_flags({environment.CPU_KERNEL_FLAGS: " -mno-avx512f  -mno-amx-tile "}) == (
+        "-mno-avx512f", "-mno-amx-tile")
     assert not environment.batch_overlap_enabled({environment.BATCH_OVERLAP: "0"})
     assert not environment.fla_enabled({environment.FLA: " no "})
     assert environment.attention({environment.ATTENTION: "sdpa"}) == "sdpa"

@@ -25,6 +25,7 @@ from typing import Protocol, cast
 
 import torch
 
+from dflash import environment
 from dflash.cache_paths import cache_root
 from dflash.errors import DFlashError
 
@@ -223,6 +224,7 @@ def load_decoder_kernel() -> DecoderKernel:
 
 
 def _load(source_name: str, prefix: str, flags: tuple[str, ...]) -> object:
+    flags = (*flags, *environment.cpu_kernel_flags())  # after -march=native, so they narrow it
     entry = (source_name, *flags)
     with _lock:
         if entry in _loaded:
