@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import SLIDING_ATTENTION, ModelConfig
+from dflash.drafter.native_drafter import native_absorb, native_block
 from dflash.errors import ModelLoadError
 from dflash.kernels.fused_cpu import layer_ops
 from dflash.kv.cache import KVCache
@@ -353,9 +354,10 @@ class DFlashDrafter(nn.Module):
         ctx = self.context(features)  # [batch, rows, hidden]
         cos, sin = self.rotary.cos_sin(positions, self.fc.weight.dtype)
         cache.write_positions(positions)
-        layer: Any
-        for index, layer in enumerate(self.layers):
-            cache.write(index, *layer.self_attn.keys_values(ctx, cos, sin))
+        if not native_absorb(self, ctx, cos, sin, cache):  # one native call for every layer, bitwise this loop
+            layer: Any
+            for index, layer in enumerate(self.layers):
+                cache.write(index, *layer.self_attn.keys_values(ctx, cos, sin))
         cache.advance(rows)
 
     def draft_hidden(
@@ -383,6 +385,9 @@ class DFlashDrafter(nn.Module):
         masks = self._inference_masks(block_positions, cache.positions[:, first:length])
         cos, sin = self.rotary.cos_sin(block_positions, self.fc.weight.dtype)
         x = block_embeds.to(self.fc.weight.dtype)
+        native = native_block(self, x, cos, sin, cache, first, masks, outputs)  # bitwise the loop below
+        if native is not None:
+            return self.norm(native)
         layer: Any
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

@@ -172,7 +172,8 @@ class LayerOpsKernel(Protocol):
 
 class DecoderKernel(Protocol):
     """What `cpu_decoder.cpp` exports: `bind` takes the other extensions' function capsules; `Product`, `Linear`,
-    `Norm`, `Layer` and `DecoderStack` describe and run a model's decoder layers (see `dflash.models.native_stack`)."""
+    `Norm`, `Layer`, `Segment` and `DecoderStack` describe and run a target's decoder layers
+    (`dflash.models.native_stack`), `DrafterLayer` and `DrafterStack` a drafter's (`dflash.drafter.native_drafter`)."""
 
     def bind(self, int8_matmul: object, float_matmul: object, amx_matmul: object, rms_norm: object, rotary: object,
              attention: object, attention_slots: object, silu_mul: object) -> None: ...
@@ -183,6 +184,8 @@ class DecoderKernel(Protocol):
     Layer: type
     Segment: type
     DecoderStack: type
+    DrafterLayer: type
+    DrafterStack: type
 
 
 _lock = threading.Lock()
