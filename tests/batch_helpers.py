@@ -6,8 +6,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.sequence import Sequence
+from dflash.batch.target_pass import TargetRows
 from dflash.drafter.model import DFlashDrafter
 from dflash.generation.output import OutputSink
 from dflash.generation.request import GenerationRequest
@@ -15,6 +18,8 @@ from dflash.generation.sampling import SamplingParams
 from dflash.generation.selection import TokenChooser
 from dflash.kv.prefix_cache import PrefixCache
 from dflash.models.model import CausalLM
+from dflash.speculative.tree import build_tree, tree_verify_inputs
+from tests.spec_helpers import golden_pair, random_prompts
 
 
 def make_core(
@@ -130,3 +135,33 @@ def overlap_on_and_off(
         launched.append(len(launches))
     return outputs, launched
 
+
+
+def decoding_core() -> tuple[CausalLM, DFlashDrafter, BatchCore, list[Sequence]]:
+    """The golden pair's core with three DDTree requests (prompts of 9, 40 and 20 tokens) past their prompts."""
+    target, drafter = golden_pair()
+    core = make_core(target, drafter)
+    prompts = random_prompts(3, target.config.vocab_size, seed=31, lengths=(9, 40, 20))
+    seqs = [make_sequence(target, p, 10, "ddtree") for p in prompts]
+    for seq in seqs:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in seqs):
+        core.step()
+    return target, drafter, core, seqs
+
+
+def mixed_target_rows(target: CausalLM, seqs: list[Sequence]) -> list[TargetRows]:
+    """One target pass's rows for three decoding requests: a plain step, a 7-node tree (a random drafter's), a
+    4-row chain."""
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for index, seq in enumerate(seqs):
+        if index == 1:
+            tree = build_tree(torch.randn(5, target.config.vocab_size, generator=g), 7)
+            tokens, positions, visibility = tree_verify_inputs(tree, seq.pending, seq.start, 0)
+            items.append(TargetRows(seq.target, tokens, positions, visibility, logit_rows=slice(0, len(tokens))))
+        else:
+            n = 1 + 3 * (index // 2)
+            tokens = torch.tensor([seq.pending] + [3] * (n - 1))
+            items.append(TargetRows(seq.target, tokens, torch.arange(seq.start, seq.start + n), logit_rows=slice(0, n)))
+    return items

@@ -13,39 +13,17 @@ from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import SlotTable
 from dflash.batch.target_pass import TargetRows, run_target
 from dflash.speculative.tree import build_tree, tree_verify_inputs
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.batch_helpers import decoding_core, drain, make_core, make_sequence, mixed_target_rows
 from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
 from tests.tiny_models import hf_tiny, ours_from_hf
 
 _one_thread = one_torch_thread  # autouse, module scope
 
 
-def _decoding_core() -> tuple:  # type: ignore[type-arg]
-    target, drafter = golden_pair()
-    core = make_core(target, drafter)
-    prompts = random_prompts(3, target.config.vocab_size, seed=31, lengths=(9, 40, 20))
-    seqs = [make_sequence(target, p, 10, "ddtree") for p in prompts]
-    for seq in seqs:
-        core.add(seq)
-    while any(seq.phase != "decode" for seq in seqs):
-        core.step()
-    return target, drafter, core, seqs
-
-
 def test_the_padded_target_pass_equals_the_packed_one() -> None:
     """A plain step, a 4-row chain and a 7-node tree in one padded batch of 4 request slots and 8 rows each."""
-    target, _, core, seqs = _decoding_core()
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for index, seq in enumerate(seqs):
-        if index == 1:
-            tree = build_tree(torch.randn(5, target.config.vocab_size, generator=g), 7)
-            tokens, positions, visibility = tree_verify_inputs(tree, seq.pending, seq.start, 0)
-            items.append(TargetRows(seq.target, tokens, positions, visibility, logit_rows=slice(0, len(tokens))))
-        else:
-            n = 1 + 3 * (index // 2)
-            tokens = torch.tensor([seq.pending] + [3] * (n - 1))
-            items.append(TargetRows(seq.target, tokens, torch.arange(seq.start, seq.start + n), logit_rows=slice(0, n)))
+    target, _, core, seqs = decoding_core()
+    items = mixed_target_rows(target, seqs)
     with torch.inference_mode():
         packed = run_target(target, core.target_pool, items, core.capture)
         shape = PaddedShape.of(items, 8)
@@ -61,7 +39,7 @@ def test_the_padded_target_pass_equals_the_packed_one() -> None:
 
 
 def test_the_padded_drafter_block_pass_equals_the_packed_one() -> None:
-    target, drafter, core, seqs = _decoding_core()
+    target, drafter, core, seqs = decoding_core()
     assert core.drafter_pool is not None
     block = drafter.config.block_size
     with torch.inference_mode():
@@ -107,7 +85,7 @@ def test_derived_slots_and_masks_follow_each_request_s_table() -> None:
     """The slots and masks the device derives from the loaded buffers: each request reads its committed slots and
     then its new rows' slots, writes its real rows only, and sees its committed keys plus its rows' own visibility
     (a chain causal, a tree by ancestors); padding rows and requests write the trash slot and see key 0."""
-    target, _, core, seqs = _decoding_core()
+    target, _, core, seqs = decoding_core()
     pool = core.target_pool
     tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(1)), 6)
     tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
@@ -173,7 +151,7 @@ def test_the_fused_padded_pass_equals_the_module_pass() -> None:
     from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target, _, core, seqs = _decoding_core()
+    target, _, core, seqs = decoding_core()
     target = target.to(device)
     try:
         assert supports_fused_layers(target)

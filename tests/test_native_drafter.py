@@ -20,6 +20,7 @@ from dflash.models.cpu_matmul import use_cpu_matmul
 from dflash.models.model import CausalLM
 from tests.spec_helpers import golden_pair, one_torch_thread
 from tests.test_int8_kernel import needs_int8
+from tests.test_native_layers import assert_bitwise_equal
 
 _one_thread = one_torch_thread  # autouse, module scope
 NATIVE = "DFLASH_CPU_NATIVE_LAYERS"
@@ -57,8 +58,7 @@ def assert_native_is_python(target: CausalLM, drafter: DFlashDrafter, monkeypatc
     python = rounds(target, drafter, False, monkeypatch)
     native = rounds(target, drafter, True, monkeypatch)
     assert drafter_runs_natively(drafter), "the native calls did not take this drafter"
-    for index, (want, got) in enumerate(zip(python, native, strict=True)):
-        assert torch.equal(want, got), f"tensor {index} differs"
+    assert_bitwise_equal(python, native)
 
 
 @needs_int8

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dflash.models.model as model_module
-from dflash.batch.target_pass import TargetRows, run_target
+from dflash.batch.target_pass import run_target
 from dflash.bench.random_gguf import write_random_gguf
 from dflash.engine.engine import EngineOptions
 from dflash.engine.loading import load_engine
@@ -23,9 +23,8 @@ from dflash.models.quantized_layers import QuantizedStack
 from dflash.models.quantized_model import build_quantized_model
 from dflash.models.resolve import load_checkpoint
 from dflash.speculative.gate import GateCosts
-from dflash.speculative.tree import build_tree, tree_verify_inputs
-from tests.batch_helpers import make_core, make_sequence
-from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
+from tests.batch_helpers import decoding_core, mixed_target_rows
+from tests.spec_helpers import one_torch_thread
 from tests.test_int8_kernel import needs_int8
 from tests.test_quantized_model import mixed_types, requantized_tiny_gguf
 from tests.tiny_models import hf_tiny, ours_from_hf
@@ -75,13 +74,17 @@ def session(model: CausalLM, native: bool, monkeypatch: pytest.MonkeyPatch) -> l
     return [*tensors, cache.keys[:, :, :, : cache.length].clone(), cache.values[:, :, :, : cache.length].clone()]
 
 
+def assert_bitwise_equal(python: list[torch.Tensor], native: list[torch.Tensor]) -> None:
+    assert len(python) == len(native)
+    for index, (want, got) in enumerate(zip(python, native, strict=True)):
+        assert torch.equal(want, got), f"tensor {index} differs"
+
+
 def assert_native_is_python(model: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
     python = session(model, False, monkeypatch)
     native = session(model, True, monkeypatch)
     assert runs_natively(model), "the native layers did not take this model"
-    assert len(python) == len(native)
-    for index, (want, got) in enumerate(zip(python, native, strict=True)):
-        assert torch.equal(want, got), f"tensor {index} differs"
+    assert_bitwise_equal(python, native)
 
 
 @needs_int8
@@ -171,25 +174,8 @@ def test_a_cpu_engine_warm_up_builds_the_native_layers_before_the_first_request(
 def test_native_layers_are_the_python_layers_over_the_batched_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packed forward of the batched core (a plain step, a 4-row chain, a 7-node tree): logits, features and the
     pool's written slots bitwise the same natively and from Python, and the native call took it."""
-    target, drafter = golden_pair()
-    core = make_core(target, drafter)
-    prompts = random_prompts(3, target.config.vocab_size, seed=31, lengths=(9, 40, 20))
-    seqs = [make_sequence(target, p, 10, "ddtree") for p in prompts]
-    for seq in seqs:
-        core.add(seq)
-    while any(seq.phase != "decode" for seq in seqs):
-        core.step()
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for index, seq in enumerate(seqs):
-        if index == 1:
-            tree = build_tree(torch.randn(5, target.config.vocab_size, generator=g), 7)
-            tokens, positions, visibility = tree_verify_inputs(tree, seq.pending, seq.start, 0)
-            items.append(TargetRows(seq.target, tokens, positions, visibility, logit_rows=slice(0, len(tokens))))
-        else:
-            n = 1 + 3 * (index // 2)
-            tokens = torch.tensor([seq.pending] + [3] * (n - 1))
-            items.append(TargetRows(seq.target, tokens, torch.arange(seq.start, seq.start + n), logit_rows=slice(0, n)))
+    target, _, core, seqs = decoding_core()
+    items = mixed_target_rows(target, seqs)
     taken: list[bool] = []
 
     def recorded(*args: object) -> object:

@@ -19,17 +19,8 @@ from torch import nn
 
 from dflash.kernels.native_decoder import native_decoder
 from dflash.kv.cache import KVCache
+from dflash.models import native_parts as parts
 from dflash.models.layers import FUSED_ATTENTION_MAX_ROWS
-from dflash.models.native_parts import (
-    Plan,
-    Unsupported,
-    describe_linear,
-    describe_norm,
-    native_switched_on,
-    plan_of,
-    to_linear,
-    to_norm,
-)
 
 if TYPE_CHECKING:
     from dflash.drafter.model import DFlashDrafter
@@ -70,14 +61,14 @@ def native_block(
     return out
 
 
-def _plan_for(drafter: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, cache: object) -> Plan | None:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or not native_switched_on():
+def _plan_for(drafter: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, cache: object) -> parts.Plan | None:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or not parts.native_switched_on():
         return None
     if type(cache) is not KVCache or cache.recurrent is not None:
         return None
     if cos.dtype != torch.float32 or cos.dim() != 4 or cos.shape[1] != 1:
         return None
-    plan = plan_of(drafter, PLAN, drafter.layers, lambda: _build(drafter))
+    plan = parts.plan_of(drafter, PLAN, drafter.layers, lambda: _build(drafter))
     return plan if plan.usable else None
 
 
@@ -91,25 +82,25 @@ def _build(drafter: DFlashDrafter) -> tuple[DecoderKernel | None, Any]:
     try:
         for layer in drafter.layers:
             if type(layer) is not DrafterLayer:
-                raise Unsupported
+                raise parts.Unsupported
             attn, mlp = layer.self_attn, layer.mlp
             if type(attn) is not DrafterAttention or type(mlp) is not DrafterMLP or not mlp.silu:
-                raise Unsupported
+                raise parts.Unsupported
             if attn.qkv_proj is None or attn.kv_proj is None or mlp.gate_up_proj is None:
-                raise Unsupported  # the Python layers' unjoined path makes other calls
-            norms = [describe_norm(m) for m in (layer.input_layernorm, layer.post_attention_layernorm,
+                raise parts.Unsupported  # the Python layers' unjoined path makes other calls
+            norms = [parts.describe_norm(m) for m in (layer.input_layernorm, layer.post_attention_layernorm,
                                                 attn.q_norm, attn.k_norm)]
-            linears = [describe_linear(m, kinds) for m in (attn.qkv_proj, attn.kv_proj, attn.o_proj,
+            linears = [parts.describe_linear(m, kinds) for m in (attn.qkv_proj, attn.kv_proj, attn.o_proj,
                                                            mlp.gate_up_proj, mlp.down_proj)]
             described.append((norms, linears, (attn.num_heads, attn.num_kv_heads, attn.head_dim)))
-    except Unsupported:
+    except parts.Unsupported:
         return None, None
     kernel = native_decoder(kinds)
     if kernel is None:
         return None, None
     layers = [
-        kernel.DrafterLayer(index, *(to_norm(kernel, n) for n in norms), *(to_linear(kernel, lin) for lin in linears),
-                            *heads)
+        kernel.DrafterLayer(index, *(parts.to_norm(kernel, n) for n in norms),
+                            *(parts.to_linear(kernel, lin) for lin in linears), *heads)
         for index, (norms, linears, heads) in enumerate(described)
     ]
     return kernel, kernel.DrafterStack(layers)
@@ -117,5 +108,5 @@ def _build(drafter: DFlashDrafter) -> tuple[DecoderKernel | None, Any]:
 
 def drafter_runs_natively(drafter: nn.Module) -> bool | None:
     """Whether the drafter's layers are ones the native calls run; None before a round has asked."""
-    plan: Plan | None = getattr(drafter, PLAN, None)
+    plan: parts.Plan | None = getattr(drafter, PLAN, None)
     return None if plan is None else plan.stack is not None
