@@ -6,6 +6,8 @@ golden drafter quantized the same way; a drafter they do not take is left to Pyt
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +20,7 @@ from dflash.engine.engine import Engine, EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.models.cpu_matmul import use_cpu_matmul
 from dflash.models.model import CausalLM
+from dflash.models.native_stack import runs_natively
 from tests.spec_helpers import golden_pair, one_torch_thread
 from tests.test_int8_kernel import needs_int8
 from tests.test_native_layers import assert_bitwise_equal
@@ -90,3 +93,33 @@ def test_a_drafter_without_joined_projections_keeps_its_python_layers(monkeypatc
     monkeypatch.setenv(NATIVE, "1")
     rounds(target, drafter, True, monkeypatch)
     assert drafter_runs_natively(drafter) is False
+
+
+def test_a_plan_follows_the_modules_it_describes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan made before the drafter was quantized (Python layers) is rebuilt after (`layers_changed`), and a copy
+    of a model with a plan builds its own, computing what the original computes."""
+    target, shared = golden_pair()
+    drafter = copy.deepcopy(shared)
+    rounds(target, drafter, True, monkeypatch)
+    assert drafter_runs_natively(drafter) is False  # dense, projections not joined
+    quantize_drafter(drafter)
+    use_cpu_matmul(drafter, "float32")
+    rounds(target, drafter, True, monkeypatch)
+    assert drafter_runs_natively(drafter)
+    ids = torch.arange(7)[None]
+    with torch.inference_mode():
+        want = target(ids, cache=target.new_cache(8)).logits
+    assert runs_natively(target)  # the dense golden target
+    twin = copy.deepcopy(target)
+    assert runs_natively(twin) is None
+    with torch.inference_mode():
+        got = twin(ids, cache=twin.new_cache(8)).logits
+    assert want is not None and got is not None and torch.equal(want, got)
+    assert runs_natively(twin)
+
+
+def test_the_model_code_imports_without_gguf() -> None:
+    """Dense models (the GPU's random-weight studies) run where gguf is not installed: describing layers for the
+    native calls must not import the quantized modules."""
+    code = "import sys; sys.modules['gguf'] = None; import dflash.models.model, dflash.drafter.model"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,6 +12,7 @@ from torch import nn
 
 from dflash.drafter.model import DFlashDrafter
 from dflash.models.int8_linear import Int8Linear
+from dflash.models.native_parts import layers_changed
 
 __all__ = ["quantize_drafter_int8"]
 
@@ -30,4 +31,5 @@ def quantize_drafter_int8(drafter: DFlashDrafter) -> int:
     if head is not None and isinstance(head.rows, nn.Linear):
         head.rows = Int8Linear.from_linear(head.rows)
         replaced += 1
+    layers_changed()  # a plan of the native layers describes the modules replaced
     return replaced

@@ -23,6 +23,7 @@ from dflash.errors import ModelLoadError
 from dflash.kernels.fused_cpu import layer_ops
 from dflash.kv.cache import KVCache
 from dflash.models.layers import RMSNorm, activation, fits_attention_kernel
+from dflash.models.native_parts import layers_changed
 from dflash.models.rope import Rotary, apply_rotary
 
 if TYPE_CHECKING:
@@ -404,6 +405,7 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse_projections(concatenate)
             layer.mlp.fuse_projections(concatenate)
+        layers_changed()  # a plan of the native layers describes the modules before
 
     def forward_blocks(
         self,

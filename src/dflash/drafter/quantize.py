@@ -50,5 +50,5 @@ def quantize_drafter(drafter: DFlashDrafter) -> int:
             if isinstance(child, nn.Linear) and child.bias is None and child.in_features % BLOCK_VALUES == 0:
                 setattr(parent, name, QuantizedLinear(q8_0_matrix(child.weight)))
                 replaced += 1
-    drafter.fuse_projections(stacked_matrices)
+    drafter.fuse_projections(stacked_matrices)  # (a plan of the native layers is rebuilt: `layers_changed`)
     return replaced
