@@ -62,11 +62,7 @@ def native_block(
 
 
 def _plan_for(drafter: DFlashDrafter, x: torch.Tensor, cos: torch.Tensor, cache: object) -> parts.Plan | None:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or not parts.native_switched_on():
-        return None
-    if type(cache) is not KVCache or cache.recurrent is not None:
-        return None
-    if cos.dtype != torch.float32 or cos.dim() != 4 or cos.shape[1] != 1:
+    if not parts.native_inputs(x, cos) or type(cache) is not KVCache or cache.recurrent is not None:
         return None
     plan = parts.plan_of(drafter, PLAN, drafter.layers, lambda: _build(drafter))
     return plan if plan.usable else None

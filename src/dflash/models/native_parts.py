@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from dflash.models.quantized_layers import QuantizedLinear
 
 __all__ = [
-    "Plan", "Unsupported", "describe_linear", "describe_norm", "layers_changed", "native_switched_on", "plan_of",
+    "Plan", "Unsupported", "describe_linear", "describe_norm", "layers_changed", "native_inputs", "plan_of",
     "to_linear", "to_norm",
 ]
 
@@ -63,8 +63,14 @@ def layers_changed() -> None:
     _layer_changes += 1
 
 
-def native_switched_on() -> bool:
-    """`DFLASH_CPU_NATIVE_LAYERS` and `DFLASH_CPU_LAYER_OPS` both on (the native layers call the fused kernels)."""
+def native_inputs(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether a forward over x with these rotary angles may go native: float32 on the CPU without autograd, cos
+    [batch or 1, 1, rows, head_dim] float32 (the fused rotation's layout), and `DFLASH_CPU_NATIVE_LAYERS` and
+    `DFLASH_CPU_LAYER_OPS` both on (the native layers call the fused kernels)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled():
+        return False
+    if cos.dtype != torch.float32 or cos.dim() != 4 or cos.shape[1] != 1:
+        return False
     return environment.cpu_native_layers_enabled() and environment.cpu_layer_ops_enabled()
 
 

@@ -30,7 +30,7 @@ from dflash.models.native_parts import (
     Unsupported,
     describe_linear,
     describe_norm,
-    native_switched_on,
+    native_inputs,
     plan_of,
     to_linear,
     to_norm,
@@ -56,9 +56,7 @@ def native_layers(
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Every decoder layer of `model` over the embedded x [batch, seq, hidden] in one native call, as
     `CausalLM.run_layers` would compute them -> (x, captured features) or None where the Python layers must run."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or torch.is_grad_enabled() or not native_switched_on():
-        return None
-    if cos.dtype != torch.float32 or cos.dim() != 4 or cos.shape[1] != 1:
+    if not native_inputs(x, cos):
         return None
     if type(cache) is KVCache:
         if cache.recurrent is not None or x.shape[1] > FUSED_ATTENTION_MAX_ROWS or not _kernel_mask(mask):
