@@ -89,7 +89,7 @@ def test_packed_tree_rows_equal_linear_passes_along_their_paths(target: CausalLM
         linear = _single(target, prompts[0], tokens[path])[-1]
         torch.testing.assert_close(out.logits[0][node], linear, rtol=1e-5, atol=1e-5, msg=f"row {node}")
     torch.testing.assert_close(out.logits[1], _single(target, prompts[1], block), rtol=1e-5, atol=1e-5)
-    assert tree_table.recurrent is not None and tree_table.recurrent.tree_parents is None  # set for the pass only
+    assert tree_table.recurrent is not None and tree_table.recurrent.tree_ancestors is None  # set for the pass only
 
     kept = _path(parents, 6)  # [0, 2, 5, 6]
     tree_table.compact(len(prompts[0]), torch.tensor(kept) + len(prompts[0]))

@@ -4,7 +4,7 @@ Each request contributes a run of rows written after its committed positions: a 
 step, a linear verification block or a DDTree tree (with its ancestor mask). The projections and the LM head run
 once over all rows; attention runs per request over the paged pool (`dflash.batch.attention`). A hybrid model's
 linear-attention layers advance each request's own recurrent state by its rows; a tree's rows each from their
-parent's state (`RecurrentStates.tree_parents`, set for this pass as the single-request forward sets it).
+path (`RecurrentStates.tree_ancestors`, set for this pass as the single-request forward sets it).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dflash.batch.attention import PackedAttention, segment
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.kernels.fused_cpu import layer_ops
 from dflash.models.model import CausalLM
-from dflash.models.qwen3_5 import tree_parents
 
 
 @dataclass(frozen=True)
@@ -97,12 +96,12 @@ def run_target(
         if (state := item.table.recurrent) is not None and (visibility := item.visibility) is not None
     ]
     for state, visibility in trees:
-        state.tree_parents = tree_parents(visibility)
+        state.tree_ancestors = visibility.to(model.embed_tokens.weight.device, torch.bool)
     try:
         hidden, features = model.run_layers(tokens, positions, None, None, backend, capture)  # [1, rows, hidden]
     finally:
         for state, _ in trees:
-            state.tree_parents = None
+            state.tree_ancestors = None
     for item, rows in zip(items, bounds, strict=True):
         if item.table.recurrent is not None:  # its state took in every row; the table's crop keeps the accepted
             item.table.recurrent.advance(rows.stop - rows.start)

@@ -6,11 +6,12 @@ when the model has such layers, so every loop that passes a cache carries them w
 
 Speculative decoding runs a block of draft rows and then crops the cache to the accepted length. K/V slots past
 that length are simply ignored, but a recurrent state has already absorbed every row. A tree verification (DDTree)
-runs its rows each from its parent's state (`tree_parents`, set for that forward) and keeps nothing of them: the
+runs its rows each along its own path (`tree_ancestors`, set for that forward) and keeps nothing of them: the
 accepted path is replayed afterwards (`keep`, what `KVCache.compact` calls). So each write keeps the
 state from before the forward (`base`) and, for short forwards, what each row fed the state (`DeltaRows`); a crop
 inside the last forward replays the kept rows from `base` with the token-by-token rule, which gives the state after
-exactly those rows, the convolution window included. A long forward (a prefill chunk) keeps no rows, and cropping
+exactly those rows, the convolution window included (on CUDA by the same Triton program the forward used, so the
+state is bitwise the one a forward of those rows alone reaches). A long forward (a prefill chunk) keeps no rows, and cropping
 into it is an error, as is cropping before the last forward: the loops never do either.
 
 No tensor here is ever written in place (each forward, crop or reset makes new ones), so holding the current
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import GenerationError
+from dflash.kernels.triton_delta_rule import delta_rule_program_serves, delta_rule_rows
 from dflash.models.delta_rule import delta_rule_state
 
 # Forwards of at most this many rows keep their per-row inputs so that a crop can replay a prefix of them
@@ -90,8 +92,10 @@ class RecurrentStates:
         self._base_length = 0  # positions before the last forward
         self.checkpoint_every = 0  # when > 0, `advance` keeps a snapshot at every multiple of it in `checkpoints`
         self.checkpoints: dict[int, RecurrentSnapshot] = {}
-        # during a tree verification's forward: each new row's parent among them (-1: the committed prefix)
-        self.tree_parents: list[int] | None = None
+        # during a tree verification's forward: which new rows each new row sees, [rows, rows] bool (itself and its
+        # ancestors; a row's parent is its nearest ancestor)
+        self.tree_ancestors: torch.Tensor | None = None
+        self.count_rows: torch.Tensor | None = None  # a padded graph's live rows ([1] on the device), else None
         self._tree_pending = False  # the last forward was a tree: its rows must be cropped to a path or kept
 
     def _empty_window(self) -> torch.Tensor:
@@ -107,13 +111,20 @@ class RecurrentStates:
         """(convolution window [batch, kernel - 1, channels], state [batch, heads, key_dim, value_dim])."""
         return self.windows[slot], self.states[slot]
 
-    def write(self, slot: int, window: torch.Tensor, state: torch.Tensor, rows: DeltaRows) -> None:
-        """The layer's window and state after this forward's rows (the previous ones become the rollback base).
-        The window and the kept convolution inputs are copied: as views they would keep the whole forward's
-        projections (a prefill chunk, or every request of a packed batch) alive."""
+    def final_buffer(self, slot: int) -> torch.Tensor | None:
+        """Where a forward's program writes the layer's new state (None: a new tensor)."""
+        return None
+
+    def write(self, slot: int, window: torch.Tensor, state: torch.Tensor | None, rows: DeltaRows) -> None:
+        """The layer's window and state after this forward's rows (the previous ones become the rollback base; a
+        tree's forward passes None and keeps the state). The window and the kept convolution inputs are copied: as
+        views they would keep the whole forward's projections (a prefill chunk, or every request of a packed batch)
+        alive."""
         self._base_windows[slot], self._base_states[slot] = self.windows[slot], self.states[slot]
-        self.windows[slot], self.states[slot] = window.clone(), state
-        self._tree_pending = self.tree_parents is not None
+        self.windows[slot] = window.clone()
+        if state is not None:
+            self.states[slot] = state
+        self._tree_pending = self.tree_ancestors is not None
         keep = rows.k.shape[2] <= ROLLBACK_MAX_ROWS
         self._rows[slot] = DeltaRows(rows.conv_inputs.clone(), rows.k, rows.v, rows.g, rows.beta) if keep else None
 
@@ -177,7 +188,7 @@ class RecurrentStates:
                 ),
             )
             window = torch.cat((self._base_windows[slot], picked.conv_inputs), dim=1)[:, -(kernel - 1) :]
-            state = delta_rule_state(picked.k, picked.v, picked.g, picked.beta, self._base_states[slot])
+            state = replayed_state(picked, self._base_states[slot])
             self.windows[slot], self.states[slot], self._rows[slot] = window, state, picked
         self.length = self._base_length + len(rows)
         self._tree_pending = False
@@ -192,3 +203,28 @@ class RecurrentStates:
         self.checkpoints = {}
         self.length = self._base_length = 0
         self._tree_pending = False
+
+
+def replayed_state(rows: DeltaRows, state: torch.Tensor, final: torch.Tensor | None = None) -> torch.Tensor:
+    """The state after `rows` from `state`, by the program the forwards use where it serves (into `final` when
+    given, which may be `state`), else by the torch rule."""
+    if rows.k.shape[2] <= ROLLBACK_MAX_ROWS and delta_rule_program_serves(rows.k):
+        _, after = delta_rule_rows(None, rows.k, rows.v, rows.g, rows.beta, state, final=final)
+        assert after is not None
+        return after
+    after = delta_rule_state(rows.k, rows.v, rows.g, rows.beta, state)
+    if final is not None:
+        final.copy_(after)
+        return final
+    return after
+
+
+def tree_parents(ancestors: torch.Tensor) -> list[int]:
+    """Each row's parent in a verification tree from its ancestor mask [rows, rows] (a row sees itself and its
+    ancestors, all earlier rows): the nearest ancestor, -1 for a root (a child of the committed prefix)."""
+    mask = ancestors.to("cpu", torch.bool)
+    parents = []
+    for row in range(mask.shape[0]):
+        earlier = torch.nonzero(mask[row, :row]).flatten()
+        parents.append(int(earlier[-1]) if earlier.numel() else -1)
+    return parents

@@ -5,8 +5,9 @@ Per token: project to q, k, v (one matrix), run them through a causal depthwise 
 g = -exp(A_log) * softplus(a + dt_bias) and a write strength beta = sigmoid(b). The read-out of each value head is
 RMS-normalised, gated by SiLU(z) and projected back to the hidden size.
 
-A tree verification (the state's `tree_parents` set) convolves and updates each row from its parent's path
-instead of the row before it. The past lives in a `RecurrentStates` (convolution window plus state matrix per
+A tree verification (the state's `tree_ancestors` set) convolves and updates each row along its own path instead
+of after the row before it. Forwards of at most `ROLLBACK_MAX_ROWS` rows take one Triton program per layer for the
+rule where it serves (`dflash.kernels.triton_delta_rule`: CUDA), the torch forms elsewhere. The past lives in a `RecurrentStates` (convolution window plus state matrix per
 head), indexed by this layer's
 position among the linear layers (`slot`): the `KVCache`'s of a single sequence, or one per request of a packed
 batch (the batched core's attention backend lists them with their rows). Parameter names follow transformers'
@@ -25,8 +26,9 @@ from torch import nn
 from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import GenerationError
 from dflash.kernels.fla_delta_rule import fla_chunked_delta_rule, fla_usable
+from dflash.kernels.triton_delta_rule import delta_rule_program_serves, delta_rule_rows
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
-from dflash.kv.recurrent import DeltaRows, RecurrentShape, RecurrentStates
+from dflash.kv.recurrent import ROLLBACK_MAX_ROWS, DeltaRows, RecurrentShape, RecurrentStates, tree_parents
 from dflash.models.delta_rule import (
     RECURRENT_MAX_ROWS,
     chunked_delta_rule,
@@ -144,11 +146,11 @@ class GatedDeltaNet(nn.Module):
             size = (batch, self.value_heads, self.key_dim, self.value_dim)
             state = torch.zeros(size, dtype=torch.float32, device=conv_inputs.device)
         extended = torch.cat((window, conv_inputs), dim=1)  # [batch, kernel - 1 + seq, channels]
-        parents = states.tree_parents if states is not None else None
-        if parents is None:
+        ancestors = states.tree_ancestors if states is not None else None
+        if ancestors is None:
             mixed = F.silu(F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=self.shape.conv_channels))
         else:
-            mixed = self._tree_convolution(extended, parents)
+            mixed = self._tree_convolution(extended, ancestors)
         q, k, v = mixed.transpose(1, 2).split(self.split_sizes, dim=-1)  # each [batch, seq, heads * dim]
         group = self.value_heads // self.key_heads  # each q/k head serves `group` consecutive value heads
         q = self._heads(q, self.key_heads, self.key_dim).repeat_interleave(group, dim=1)
@@ -159,37 +161,47 @@ class GatedDeltaNet(nn.Module):
         beta = write_strength.float().sigmoid().transpose(1, 2)  # [batch, value_heads, seq]
         g = -self.A_log.float().exp() * F.softplus(decay_input.float() + self.dt_bias.float())
         g = g.transpose(1, 2)  # [batch, value_heads, seq], log decay <= 0
-        if parents is not None:  # each row from its parent's state; the accepted path is replayed afterwards
-            out = tree_delta_rule(q, k, v, g, beta, state, parents)
-            new_window = window
+        count = states.count_rows if states is not None else None  # a padded graph's live rows (device)
+        new_state: torch.Tensor | None
+        if seq <= ROLLBACK_MAX_ROWS and delta_rule_program_serves(q):
+            final = states.final_buffer(self.slot) if states is not None else None
+            read, new_state = delta_rule_rows(q, k, v, g, beta, state, ancestors=ancestors, final=final, count=count)
+            assert read is not None
+            out = read
+        elif ancestors is not None:  # each row from its parent's state; the state keeps the accepted path later
+            out, new_state = tree_delta_rule(q, k, v, g, beta, state, tree_parents(ancestors)), None
         else:
             rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else _chunked_rule(q)
-            out, state = rule(q, k, v, g, beta, state)
-            new_window = extended[:, extended.shape[1] - (self.shape.conv_kernel - 1) :]
+            out, new_state = rule(q, k, v, g, beta, state)
         if states is not None:
-            states.write(self.slot, new_window, state, DeltaRows(conv_inputs, k, v, g, beta))
+            if ancestors is not None:
+                new_window = window
+            else:  # the last kernel - 1 inputs before the live rows' end
+                live = seq if count is None else count
+                index = live + torch.arange(self.shape.conv_kernel - 1, device=extended.device)
+                new_window = extended.index_select(1, index.to(extended.device).view(-1))
+            states.write(self.slot, new_window, new_state, DeltaRows(conv_inputs, k, v, g, beta))
         return out
 
-    def _tree_convolution(self, extended: torch.Tensor, parents: list[int]) -> torch.Tensor:
-        """The causal convolution of tree rows, each over its own path: itself, its parent, grandparent, ...,
-        then the window before the tree. extended: [batch, kernel - 1 + rows, channels] (window then rows) ->
-        SiLU'd [batch, channels, rows], as the linear convolution gives for a chain."""
+    def _tree_convolution(self, extended: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """The causal convolution of tree rows, each over its own path: the newest `kernel` of the window's rows
+        and its path's rows (ancestors and itself, in order). extended: [batch, kernel - 1 + rows, channels] (window
+        then rows); ancestors [rows, rows] bool -> SiLU'd [batch, channels, rows], as the linear convolution gives
+        for a chain. Found on the device (no host read: a CUDA graph can take it)."""
         kernel = self.shape.conv_kernel
-        taps = []
-        for row in range(len(parents)):
-            path: list[int] = []  # indices into `extended`, newest first
-            node = row
-            while node >= 0 and len(path) < kernel:
-                path.append(kernel - 1 + node)
-                node = parents[node]
-            path += range(kernel - 2, kernel - 2 - (kernel - len(path)), -1)  # the window's last rows
-            taps.append(path[::-1])
-        index = torch.tensor(taps, dtype=torch.long, device=extended.device)  # [rows, kernel]
+        rows = ancestors.shape[0]
+        device = extended.device
+        width = kernel - 1 + rows
+        taken = torch.cat(
+            (torch.ones(rows, kernel - 1, dtype=torch.bool, device=device), ancestors.to(device, torch.bool)), dim=1
+        )  # [rows, kernel - 1 + rows]: which rows of `extended` are on each row's path
+        order = torch.arange(width, device=device).expand(rows, width)
+        taps = torch.where(taken, order, -1).topk(kernel, dim=1).values.flip(1)  # [rows, kernel], oldest first
         batch, _, channels = extended.shape
-        gathered = extended[:, index]  # [batch, rows, kernel, channels]
+        gathered = extended[:, taps]  # [batch, rows, kernel, channels]
         per_row = gathered.reshape(-1, kernel, channels).transpose(1, 2)  # [batch * rows, channels, kernel]
         mixed = F.silu(F.conv1d(per_row, self.conv1d.weight, groups=channels))  # [batch * rows, channels, 1]
-        return mixed.view(batch, len(parents), channels).transpose(1, 2)
+        return mixed.view(batch, rows, channels).transpose(1, 2)
 
     @staticmethod
     def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:

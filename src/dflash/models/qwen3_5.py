@@ -6,7 +6,7 @@ then a gate; the attention output is multiplied by sigmoid(gate)) and by partial
 the linear layers. Linear layers keep their past in the cache's `RecurrentStates`, full layers in its K/V slots;
 each kind is numbered by its own slot, so the K/V cache holds only the full-attention layers.
 
-A tree verification (`tree_mask`) takes each row from its parent's recurrent state (`tree_parents`); arbitrary
+A tree verification (`tree_mask`) takes each row along its own path through the recurrent state; arbitrary
 attention masks are not supported (a recurrent state cannot follow one). The batched engine core serves the
 family with one recurrent state per request, trees included.
 """
@@ -143,7 +143,7 @@ class Qwen35ForCausalLM(CausalLM):
         logits: LogitsMode = "all",
     ) -> ForwardOutput:
         """As `CausalLM.forward`, for causal rows or a verification tree (`tree_mask`: the linear layers then take
-        each row from its parent's state, `tree_parents`); no custom attention mask (a recurrent state cannot
+        each row along its own path, `RecurrentStates.tree_ancestors`); no custom attention mask (a recurrent state cannot
         follow one)."""
         if attn_mask is not None:
             raise GenerationError("linear-attention layers take causal rows or a tree only (no attention mask)")
@@ -153,19 +153,9 @@ class Qwen35ForCausalLM(CausalLM):
             return super().forward(input_ids, positions, cache, capture=capture, logits=logits)
         if cache is None or cache.recurrent is None:
             raise GenerationError("a tree verification of a hybrid model needs its cache")
-        cache.recurrent.tree_parents = tree_parents(tree_mask)
+        cache.recurrent.tree_ancestors = tree_mask.to(self.embed_tokens.weight.device, torch.bool)
         try:
             return super().forward(input_ids, positions, cache, tree_mask=tree_mask, capture=capture, logits=logits)
         finally:
-            cache.recurrent.tree_parents = None
+            cache.recurrent.tree_ancestors = None
 
-
-def tree_parents(tree_mask: torch.Tensor) -> list[int]:
-    """Each row's parent in a verification tree from its ancestor mask [rows, rows] (a row sees itself and its
-    ancestors, all earlier rows): the nearest ancestor, -1 for a root (a child of the committed prefix)."""
-    mask = tree_mask.to("cpu", torch.bool)
-    parents = []
-    for row in range(mask.shape[0]):
-        earlier = torch.nonzero(mask[row, :row]).flatten()
-        parents.append(int(earlier[-1]) if earlier.numel() else -1)
-    return parents
