@@ -84,8 +84,8 @@ def resolve_options(options: EngineOptions, *, device: torch.device, has_drafter
                     draft_elsewhere: bool = False) -> EngineOptions:
     """`options` with every default filled in for `device`; raises `DFlashError` for an unknown mode or batch.
 
-    `hybrid` (a target with linear-attention layers): eager forwards (no CUDA graphs), until the graph paths carry
-    the recurrent state. `draft_elsewhere` (the drafter on another device
+    `hybrid` (a target with linear-attention layers): trees no larger than its state can replay.
+    `draft_elsewhere` (the drafter on another device
     than the target): one request at a time, the single-request loops being the ones that move each round's
     features and scores between the devices."""
     if options.spec not in SPEC_MODES:
@@ -122,9 +122,8 @@ HYBRID_MAX_BUDGET = ROLLBACK_MAX_ROWS - 1
 def _for_hybrid(options: EngineOptions) -> EngineOptions:
     """The options a hybrid (linear-attention) target can run, each change logged once at start-up."""
     budget = options.ddtree_budget if options.ddtree_budget is None else min(options.ddtree_budget, HYBRID_MAX_BUDGET)
-    hybrid = replace(options, cuda_graphs=False, ddtree_budget=budget)
+    hybrid = replace(options, ddtree_budget=budget)
     reasons = {
-        "cuda_graphs": "the CUDA graph paths keep no recurrent state: eager forwards",
         "ddtree_budget": f"a tree's rows must be replayable from the recurrent state: DDTree budget {budget}",
     }
     for field, reason in reasons.items():

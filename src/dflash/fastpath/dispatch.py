@@ -112,9 +112,10 @@ class GraphForwards(Forwards):
         capture: tuple[int, ...] = (),
         budget: int | None = None,
     ) -> ResidentDecoder | None:
-        if target is not self.runner.target or target.tensor_parallel is not None:
+        if target is not self.runner.target or target.tensor_parallel is not None or target.config.is_hybrid:
             # under tensor parallelism every token choice goes through the ranks' agreement (`dflash.parallel.spmd`),
-            # which the resident decoder's on-device choices would bypass
+            # which the resident decoder's on-device choices would bypass; a hybrid's rounds end in its recurrent
+            # state's host-side rollback (`dflash.kv.static_recurrent`), which resident rounds would skip
             return None
         from dflash.fastpath.resident import resident_decoder
 

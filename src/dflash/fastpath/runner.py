@@ -31,7 +31,10 @@ from dflash.errors import GenerationError
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.generation.forwards import register_forwards
+from dflash.kernels.triton_delta_rule import delta_rule_program_serves
 from dflash.kv.cache import KVCache
+from dflash.kv.recurrent import ROLLBACK_MAX_ROWS
+from dflash.kv.static_recurrent import StaticRecurrentStates
 from dflash.models.model import CausalLM, ForwardOutput, LogitsMode
 
 log = logging.getLogger("dflash.fastpath")
@@ -106,8 +109,15 @@ class GraphRunner:
         if drafter is not None and fused and supports_fused_drafter(drafter):
             self.drafter_weights = fuse_drafter_weights(drafter)
         self.capacity = capacity
-        self.max_rows = max_rows
+        self.hybrid = target.config.is_hybrid
+        # a hybrid's forwards keep their rows for the rollback of its linear-attention state: at most so many
+        self.max_rows = min(max_rows, ROLLBACK_MAX_ROWS) if self.hybrid else max_rows
         self.target_storage = target.new_cache(capacity)  # this rank's key/value heads under tensor parallelism
+        self.live_rows = torch.zeros(1, dtype=torch.long, device=self.device)  # a hybrid graph's unpadded rows
+        if self.hybrid:
+            from dflash.models.gated_deltanet import new_recurrent_states
+
+            self.target_storage.recurrent = new_recurrent_states(target.config, target.embed_tokens.weight, static=True)
         if fused:  # the fused forwards gather their rotary rows (positions stay below capacity + a graph's rows)
             target.rotary.prepare_table(capacity + 2 * max_rows, target.embed_tokens.weight.dtype, self.device)
             if drafter is not None and self.drafter_weights is not None:
@@ -214,9 +224,17 @@ class GraphRunner:
         self.length.fill_(past)
         bucket = self.bucket_for(past + rows)
         layers = tuple(capture)
-        replay = self.replay(("target", rows, bucket, layers), lambda: self._target_outputs(inputs, bucket, layers))
+        tree = tree_mask is not None
+        key: tuple[object, ...] = ("target", rows, bucket, layers)
+        if self.hybrid:  # a chain's state follows its live rows, a tree's rows their paths: graphs of their own
+            self.live_rows.fill_(seq)
+            key += (tree,)
+        replay = self.replay(key, lambda: self._target_outputs(inputs, bucket, layers, tree))
         replay.run()
         self.served += 1
+        if cache.recurrent is not None:  # the storage's: a replay does not run the host side of its writes
+            assert isinstance(cache.recurrent, StaticRecurrentStates)
+            cache.recurrent.note_forward(seq, tree=tree)
         cache.advance(seq)
         features = replay.outputs[1][:, :seq].clone() if layers else None
         if logits == "none":
@@ -224,13 +242,23 @@ class GraphRunner:
         first = 0 if logits == "all" else seq - 1
         return ForwardOutput(replay.outputs[0][:, first:seq].clone(), features)
 
-    def _target_outputs(self, inputs: _RowInputs, bucket: int, layers: tuple[int, ...]) -> list[torch.Tensor]:
+    def _target_outputs(
+        self, inputs: _RowInputs, bucket: int, layers: tuple[int, ...], tree: bool
+    ) -> list[torch.Tensor]:
         from dflash.fastpath.static_forward import static_target_forward
 
-        logits, features = static_target_forward(
-            self.target, self.target_storage, inputs.input_ids, inputs.positions, self.length, inputs.tree_mask,
-            bucket=bucket, capture=layers, fused=self.fused,
-        )
+        recurrent = self.target_storage.recurrent
+        if recurrent is not None:  # what the linear layers read while the graph is built
+            recurrent.tree_ancestors = inputs.tree_mask if tree else None
+            recurrent.count_rows = None if tree else self.live_rows
+        try:
+            logits, features = static_target_forward(
+                self.target, self.target_storage, inputs.input_ids, inputs.positions, self.length, inputs.tree_mask,
+                bucket=bucket, capture=layers, fused=self.fused,
+            )
+        finally:
+            if recurrent is not None:
+                recurrent.tree_ancestors = recurrent.count_rows = None
         return [logits] if features is None else [logits, features]
 
     def row_inputs(self, rows: int) -> _RowInputs:
@@ -352,8 +380,9 @@ def attach_graph_runner(
     fused: bool | None = None, draft_heads: TargetHeads | None = None,
 ) -> GraphRunner:
     """Route the decoding loops' forwards of `target` and `drafter` through a new `GraphRunner`."""
-    if target.config.is_hybrid:
-        raise GenerationError("CUDA graphs do not carry linear-attention state: run hybrid models without them")
+    weight = target.embed_tokens.weight
+    if target.config.is_hybrid and capture and weight.is_cuda and not delta_rule_program_serves(weight):
+        raise GenerationError("a hybrid model's CUDA graphs need the delta rule's Triton program (Triton on CUDA)")
     runner = GraphRunner(target, drafter, capacity, capture=capture, fused=fused, draft_heads=draft_heads)
     register_forwards(target, GraphForwards(runner))
     return runner

@@ -14,6 +14,7 @@ import torch
 
 from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.kv.cache import KVCache
+from dflash.kv.recurrent import RecurrentStates
 from dflash.models.model import CausalLM
 
 
@@ -22,6 +23,12 @@ class SlotWriter:
 
     def __init__(self, storage: KVCache, slots: torch.Tensor, bucket: int) -> None:
         self.storage, self.slots, self.bucket = storage, slots, bucket  # slots: [rows] long
+
+    @property
+    def recurrent_segments(self) -> list[tuple[slice, RecurrentStates]] | None:
+        """The storage's linear-attention state, for every row (a hybrid model's static forward)."""
+        recurrent = self.storage.recurrent
+        return None if recurrent is None else [(slice(0, int(self.slots.shape[0])), recurrent)]
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys/values: [1, kv_heads, rows, head_dim] -> views [1, kv_heads, bucket, head_dim] (a layer narrower

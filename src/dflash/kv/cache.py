@@ -110,7 +110,9 @@ class KVCache:
         view.positions = storage.positions[:, :capacity]
         view.capacity = capacity
         view.length = 0
-        view.recurrent = None
+        view.recurrent = storage.recurrent  # the same state buffers, emptied
+        if view.recurrent is not None:
+            view.recurrent.reset()
         return view
 
     def shares_memory_with(self, storage: KVCache) -> bool:
@@ -126,6 +128,8 @@ class KVCache:
             raise GenerationError(
                 f"KV cache full: {self.length} + {new_tokens} tokens exceed its capacity of {self.capacity}"
             )
+        if self.recurrent is not None:
+            self.recurrent.settle()
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new K/V after the committed slots; return views over every slot a query may read.

@@ -111,6 +111,10 @@ class RecurrentStates:
         """(convolution window [batch, kernel - 1, channels], state [batch, heads, key_dim, value_dim])."""
         return self.windows[slot], self.states[slot]
 
+    def settle(self) -> None:
+        """Called before every forward (`KVCache.reserve`): nothing to do where each forward makes new tensors
+        (`dflash.kv.static_recurrent` commits its last forward here)."""
+
     def final_buffer(self, slot: int) -> torch.Tensor | None:
         """Where a forward's program writes the layer's new state (None: a new tensor)."""
         return None

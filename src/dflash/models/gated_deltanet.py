@@ -29,6 +29,7 @@ from dflash.kernels.fla_delta_rule import fla_chunked_delta_rule, fla_usable
 from dflash.kernels.triton_delta_rule import delta_rule_program_serves, delta_rule_rows
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.kv.recurrent import ROLLBACK_MAX_ROWS, DeltaRows, RecurrentShape, RecurrentStates, tree_parents
+from dflash.kv.static_recurrent import StaticRecurrentStates
 from dflash.models.delta_rule import (
     RECURRENT_MAX_ROWS,
     chunked_delta_rule,
@@ -56,10 +57,14 @@ def recurrent_shape(config: ModelConfig) -> RecurrentShape:
     )
 
 
-def new_recurrent_states(config: ModelConfig, like: torch.Tensor, batch: int = 1) -> RecurrentStates:
-    """Empty states for every linear layer of `config`, windows in the dtype and on the device of `like`."""
+def new_recurrent_states(
+    config: ModelConfig, like: torch.Tensor, batch: int = 1, *, static: bool = False
+) -> RecurrentStates:
+    """Empty states for every linear layer of `config`, windows in the dtype and on the device of `like`; `static`:
+    in fixed buffers, for forwards replayed from CUDA graphs (`dflash.kv.static_recurrent`)."""
     layers = config.layer_types.count(LINEAR_ATTENTION)
-    return RecurrentStates(layers, recurrent_shape(config), batch=batch, dtype=like.dtype, device=like.device)
+    kind = StaticRecurrentStates if static else RecurrentStates
+    return kind(layers, recurrent_shape(config), batch=batch, dtype=like.dtype, device=like.device)
 
 
 class GatedRMSNorm(nn.Module):
@@ -170,6 +175,11 @@ class GatedDeltaNet(nn.Module):
             out = read
         elif ancestors is not None:  # each row from its parent's state; the state keeps the accepted path later
             out, new_state = tree_delta_rule(q, k, v, g, beta, state, tree_parents(ancestors)), None
+        elif count is not None:  # padded rows (the runner's eager path): the state after the live rows only
+            live = int(count)
+            out, new_state = recurrent_delta_rule(q[:, :, :live], k[:, :, :live], v[:, :, :live],
+                                                  g[:, :, :live], beta[:, :, :live], state)
+            out = F.pad(out, (0, 0, 0, seq - live))
         else:
             rule = recurrent_delta_rule if seq <= RECURRENT_MAX_ROWS else _chunked_rule(q)
             out, new_state = rule(q, k, v, g, beta, state)
@@ -177,9 +187,8 @@ class GatedDeltaNet(nn.Module):
             if ancestors is not None:
                 new_window = window
             else:  # the last kernel - 1 inputs before the live rows' end
-                live = seq if count is None else count
-                index = live + torch.arange(self.shape.conv_kernel - 1, device=extended.device)
-                new_window = extended.index_select(1, index.to(extended.device).view(-1))
+                index = torch.arange(self.shape.conv_kernel - 1, device=extended.device)
+                new_window = extended.index_select(1, index + (seq if count is None else count))
             states.write(self.slot, new_window, new_state, DeltaRows(conv_inputs, k, v, g, beta))
         return out
 
