@@ -46,6 +46,7 @@ from dflash.bench.provenance import provenance
 from dflash.config import ModelConfig
 from dflash.fastpath.runner import MAX_GRAPH_ROWS, GraphRunner
 from dflash.kv.cache import KVCache
+from dflash.kv.static_recurrent import StaticRecurrentStates
 from dflash.models.model import CausalLM
 from dflash.models.registry import MODEL_CLASSES
 
@@ -146,13 +147,43 @@ def engine_forward(runner: GraphRunner, context: int, tokens: int, tree: bool) -
         tree_mask = visible.to(device)
         positions = (context + torch.tensor(depth, device=device))[None]
 
+    recurrent = cache.recurrent
+    if recurrent is not None:  # a hybrid: its fixed state buffers hold random states of `context` positions
+        assert isinstance(recurrent, StaticRecurrentStates)
+        recurrent.committed_states.normal_(0.0, 0.02)
+        recurrent.length = context
+
     def run() -> object:
         cache.length = context
+        if recurrent is not None and recurrent.length != context:
+            recurrent.crop(context)  # back into the last forward: nothing replayed, the committed state stays
         out = runner.target_forward(ids, positions, cache, tree_mask, (), "all")
         assert out is not None, "not a graph shape"
         return out
 
     return run
+
+
+def engine_rollback(runner: GraphRunner, context: int, rows: int, kept: int) -> float:
+    """Device ms of cropping the runner's hybrid state back to `kept` of a `rows`-row graphed forward (median of
+    20): the kept rows replayed into every layer's committed state at once (`dflash.kv.static_recurrent`)."""
+    run = engine_forward(runner, context, rows, tree=False)
+    recurrent = runner.target_storage.recurrent
+    assert isinstance(recurrent, StaticRecurrentStates)
+    times = []
+    for _ in range(25):
+        run()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        recurrent.crop(context + kept)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        recurrent.reset()  # the replay committed: start the next forward from random states at `context` again
+        recurrent.committed_states.normal_(0.0, 0.02)
+        recurrent.length = context
+    return sorted(times[5:])[len(times[5:]) // 2]
 
 
 def rollback(model: CausalLM, cache: KVCache, context: int, rows: int, kept: int) -> float:
@@ -222,14 +253,25 @@ def study(
                 out[f"{shape}_graph_ms"] = round(median_ms(as_graph(run), iters=10), 3)
             except Exception as exc:  # recorded, not fatal: the eager figures stand
                 out[f"{shape}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        if cache.recurrent is not None:  # the torch rule the engine ran before the program, for comparison
+            os.environ["DFLASH_DELTA_RULE_PROGRAM"] = "0"
+            for shape, (tokens, tree) in shapes.items():
+                run = forward(model, cache, context, tokens, tree)
+                out[f"{shape}_eager_torch_rule_ms"] = round(median_ms(run, iters=5), 3)
+            out["rollback_16_keep8_torch_rule_ms"] = round(rollback(model, cache, context, 16, 8), 3)
+            os.environ.pop("DFLASH_DELTA_RULE_PROGRAM")
         if model.capturable:  # what the engine runs: its graph runner (fused layers where the model takes them)
             runner = GraphRunner(model, None, context + 2 * MAX_GRAPH_ROWS)
             runner.target_storage.keys.normal_()
             runner.target_storage.values.normal_()
             runner.target_storage.positions[0, :context] = torch.arange(context, device=device)
             out["engine_fused"] = runner.fused
-            for shape, (tokens, tree) in shapes.items():
+            engine_shapes = {**shapes, "tree_32": (32, True)}  # hybrids verify trees in the runner too
+            for shape, (tokens, tree) in engine_shapes.items():
                 out[f"{shape}_engine_ms"] = round(median_ms(engine_forward(runner, context, tokens, tree), iters=10), 3)
+            if runner.hybrid:
+                for kept in (1, 8):
+                    out[f"engine_rollback_16_keep{kept}_ms"] = round(engine_rollback(runner, context, 16, kept), 3)
             del runner
         if cache.recurrent is not None:
             for kept in (1, 8):

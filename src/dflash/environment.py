@@ -19,6 +19,8 @@
 |                                |          | host, not in one device round (`dflash.batch.device_trees`)             |
 | `DFLASH_FLA`                   | on       | 0/false/no/off: Gated DeltaNet prompt chunks through the torch form,    |
 |                                |          | not flash-linear-attention's kernels (CUDA, where installed)            |
+| `DFLASH_DELTA_RULE_PROGRAM`    | on       | 0/false/no/off: Gated DeltaNet decode rows through the torch rule, not  |
+|                                |          | the Triton program (CUDA); hybrids then decode without CUDA graphs      |
 | `DFLASH_GGUF_INPUT`            | int8x2   | GPU products with GGUF 4/6-bit words: the inputs rounded to two 8-bit   |
 |                                |          | parts (about 15 bits), or to one (int8: llama.cpp's precision, faster)  |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
@@ -54,6 +56,7 @@ PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
 BATCH_OVERLAP = "DFLASH_BATCH_OVERLAP"
 DEVICE_TREES = "DFLASH_DEVICE_TREES"
 FLA = "DFLASH_FLA"
+DELTA_RULE_PROGRAM = "DFLASH_DELTA_RULE_PROGRAM"
 PRODUCTS = "DFLASH_PRODUCTS"
 GGUF_INPUT = "DFLASH_GGUF_INPUT"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
@@ -133,6 +136,11 @@ def device_trees_enabled(env: Mapping[str, str] | None = None) -> bool:
 def fla_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_FLA`: on unless 0, false, no or off (`dflash.kernels.fla_delta_rule`)."""
     return _switched_on(env, FLA)
+
+
+def delta_rule_program_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_DELTA_RULE_PROGRAM`: on unless 0, false, no or off (`dflash.kernels.triton_delta_rule`)."""
+    return _switched_on(env, DELTA_RULE_PROGRAM)
 
 
 def gguf_input(env: Mapping[str, str] | None = None) -> str:

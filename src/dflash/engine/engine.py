@@ -177,6 +177,12 @@ class Engine:
         self._serial = threading.Lock()  # max_batch 1: one generation at a time
         self._loop: BatchLoop | None = None
         self._loop_lock = threading.Lock()
+        if self.options.cuda_graphs and self.device.type == "cuda" and target.config.is_hybrid:
+            from dflash.kernels.triton_delta_rule import delta_rule_program_serves
+
+            if not delta_rule_program_serves(target.embed_tokens.weight):
+                log.info("hybrid model: the delta rule's Triton program is off or missing: eager forwards")
+                self.options = replace(self.options, cuda_graphs=False)
         if self.options.cuda_graphs and self.device.type == "cuda":
             from dflash.fastpath.runner import MAX_GRAPH_ROWS, attach_graph_runner
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dflash.environment import delta_rule_program_enabled
 from dflash.kernels.triton_decode import interpreting, next_power_of_two, triton_available
 
 VALUE_BLOCK = 32  # value columns of the state per program: a [key_dim, 32] float32 tile
@@ -45,8 +46,11 @@ def delta_rule_program_usable(rows: torch.Tensor) -> bool:
 
 
 def delta_rule_program_serves(rows: torch.Tensor) -> bool:
-    """Whether the model's forwards and the states' replays take the program for tensors like `rows`."""
-    return delta_rule_program_usable(rows) and (rows.is_cuda or SERVES_INTERPRETED)
+    """Whether the model's forwards and the states' replays take the program for tensors like `rows` (not where
+    `DFLASH_DELTA_RULE_PROGRAM` is off: the torch forms, and hybrids without CUDA graphs)."""
+    return (
+        delta_rule_program_usable(rows) and (rows.is_cuda or SERVES_INTERPRETED) and delta_rule_program_enabled()
+    )
 
 
 def delta_rule_rows(
