@@ -115,7 +115,7 @@ def add_norm(x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int) -> 
     """`add_rms_norm(x, owed rows)` with any sum over the ranks the rows still owe -> (normed [rows, hidden],
     the residual stream with the rows added [rows, hidden])."""
     if owed is None or owed.sums is None:
-        return add_rms_norm(x, None if owed is None else owed.rows, norm.weight, norm.eps)
+        return add_rms_norm(x, None if owed is None else owed.rows, norm.weight, norm.eps, adds_one=norm.adds_one)
     return owed.sums.add_rms_norm(owed.rows, x, norm.weight, norm.eps, region)
 
 

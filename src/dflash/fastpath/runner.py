@@ -90,6 +90,7 @@ class GraphRunner:
         `draft_heads`: the target's embedding and LM head on the drafter's device when that is not the target's
         (`dflash.drafter.borrowed_heads`); the drafter's cache, inputs and graphs then live there."""
         from dflash.fastpath.fused_drafter import fuse_drafter_weights, supports_fused_drafter
+        from dflash.fastpath.fused_hybrid import supports_fused_hybrid
         from dflash.fastpath.fused_layers import supports_fused_layers
 
         # held weakly: the runner is registered under its target (`dflash.generation.forwards`), whose entry goes
@@ -100,9 +101,10 @@ class GraphRunner:
         self.device = target.embed_tokens.weight.device
         self.draft_device = drafter.fc.weight.device if drafter is not None else self.device
         self.capture = capture and self.device.type == "cuda" and target.capturable
+        fusable = supports_fused_layers(target) or supports_fused_hybrid(target)
         if fused is None:
-            fused = self.device.type == "cuda" and supports_fused_layers(target)
-        elif fused and not supports_fused_layers(target):
+            fused = self.device.type == "cuda" and fusable
+        elif fused and not fusable:
             raise ValueError("this model's layers have no fused kernels (or Triton is missing)")
         self.fused = fused
         self.drafter_weights: FusedDrafterWeights | None = None

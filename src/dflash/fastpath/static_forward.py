@@ -73,7 +73,13 @@ def static_target_forward(
     if fused:
         from dflash.fastpath.fused_layers import fused_layers, fused_logits
 
-        hidden, features = fused_layers(model, storage, input_ids, positions, length, tree_mask, bucket, capture)
+        if model.config.is_hybrid:
+            from dflash.fastpath.fused_hybrid import fused_hybrid_layers
+
+            layers = fused_hybrid_layers
+        else:
+            layers = fused_layers
+        hidden, features = layers(model, storage, input_ids, positions, length, tree_mask, bucket, capture)
         return fused_logits(model, hidden[0])[None], features
     rows = input_ids.shape[1]
     slots = length + torch.arange(rows, device=input_ids.device)  # [rows]

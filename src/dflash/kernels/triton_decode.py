@@ -48,7 +48,7 @@ def _kernels() -> Any:
     @triton.jit
     def add_rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, width, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ADDS_ONE: tl.constexpr = False,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -60,9 +60,12 @@ def _kernels() -> Any:
             tl.store(sum_ptr + row * width + cols, x, mask=inside)
         x32 = x.to(tl.float32)
         inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / width + eps)
-        normed = (x32 * inverse_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
         weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * width + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=inside)
+        if ADDS_ONE:  # (1 + weight) applied in float32 before rounding, as `RMSNorm(adds_one=True)` does
+            scaled = x32 * inverse_rms * (1.0 + weight)
+        else:  # normalised, rounded to the input's dtype, then weighted, as `RMSNorm` does
+            scaled = (x32 * inverse_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
+        tl.store(out_ptr + row * width + cols, scaled.to(out_ptr.dtype.element_ty), mask=inside)
 
     @triton.jit
     def rope_and_store_kernel(
@@ -122,10 +125,11 @@ def _kernels() -> Any:
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, adds_one: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [rows, width] contiguous -> (RMSNorm(x + residual) * weight, x + residual); without a
-    residual the second output is x itself. `out` ([rows, width] contiguous, x's dtype) receives the first."""
+    residual the second output is x itself. `out` ([rows, width] contiguous, x's dtype) receives the first.
+    `adds_one`: scaled by (1 + weight) (Gemma's and Qwen3.5's norms)."""
     add_kernel = _kernels()[0]
     rows, width = x.shape
     if out is None:
@@ -135,7 +139,7 @@ def add_rms_norm(
     summed = torch.empty_like(x) if residual is not None else x
     add_kernel[(rows,)](
         x, residual if residual is not None else x, weight, out, summed, width, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_two(width),
+        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_two(width), ADDS_ONE=adds_one,
     )
     return out, summed
 

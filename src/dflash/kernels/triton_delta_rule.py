@@ -66,16 +66,19 @@ def delta_rule_rows(
     count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The rule over `rows` rows from `state`, float32, heads before time as in `dflash.models.delta_rule`: q, k
-    [batch, heads, rows, key_dim] (q None: no read-out, a replay), v [batch, heads, rows, value_dim], g, beta [batch,
-    heads, rows], state [batch, heads, key_dim, value_dim] (contiguous).
+    [batch, heads, rows, key_dim] (q None: no read-out, a replay; or heads / n key heads, each serving n
+    consecutive value heads), v [batch, heads, rows, value_dim], g, beta [batch, heads, rows], state [batch, heads,
+    key_dim, value_dim] (contiguous).
 
     ancestors None: a chain; the state after its last row is written to `final` (a new tensor when None; `state`
     itself may be passed: each program reads its tile before writing it). ancestors [rows, rows] bool: a tree;
     each row from its own path, no final state. count: a chain's live rows as a [1] integer tensor on the device
     (a graph padded past them: the final state is after the live rows, later rows' outputs are not written).
     -> (outputs [batch, heads, rows, value_dim] or None, final state or None)."""
-    batch, heads, rows, key_dim = k.shape
-    value_dim = v.shape[-1]
+    batch, heads, rows, value_dim = v.shape
+    key_dim = k.shape[-1]
+    if heads % k.shape[1] or (q is not None and q.shape[1] != k.shape[1]):
+        raise ValueError(f"{k.shape[1]} key heads cannot serve {heads} value heads")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     state = state.contiguous()
@@ -101,7 +104,7 @@ def delta_rule_rows(
     _kernel()[grid](
         reads, k, v, g, beta, state, marks, count if counted else state, written,
         final if final is not None else state,
-        rows, heads, key_dim, value_dim,
+        rows, heads, heads // k.shape[1], key_dim, value_dim,
         reads.stride(0), reads.stride(1), reads.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), g.stride(2),
         written.stride(0), written.stride(1), written.stride(2),

@@ -80,8 +80,11 @@ class StaticRecurrentStates(RecurrentStates):
         count = rows.k.shape[2]
         if count <= self.max_rows:
             self.kept.conv_inputs[slot, :, :count].copy_(rows.conv_inputs)
-            for name in ("k", "v", "g", "beta"):
+            for name in ("v", "g", "beta"):
                 getattr(self.kept, name)[slot, :, :, :count].copy_(getattr(rows, name))
+            keys = self.kept.k[slot, :, :, :count]  # [batch, value_heads, count, key_dim]
+            key_heads = rows.k.shape[1]  # fewer than the value heads where each serves several (not repeated)
+            keys.unflatten(1, (key_heads, -1)).copy_(rows.k[:, :, None])
         self.note_forward(count, tree=self.tree_ancestors is not None)
 
     def note_forward(self, rows: int, *, tree: bool) -> None:

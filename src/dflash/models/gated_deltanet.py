@@ -27,6 +27,7 @@ from dflash.config import LINEAR_ATTENTION, ModelConfig
 from dflash.errors import GenerationError
 from dflash.kernels.fla_delta_rule import fla_chunked_delta_rule, fla_usable
 from dflash.kernels.triton_delta_rule import delta_rule_program_serves, delta_rule_rows
+from dflash.kernels.triton_gated_deltanet import conv_taps
 from dflash.kv.cache import AttentionBackend, CacheWriter, KVCache
 from dflash.kv.recurrent import ROLLBACK_MAX_ROWS, DeltaRows, RecurrentShape, RecurrentStates, tree_parents
 from dflash.kv.static_recurrent import StaticRecurrentStates
@@ -199,13 +200,7 @@ class GatedDeltaNet(nn.Module):
         for a chain. Found on the device (no host read: a CUDA graph can take it)."""
         kernel = self.shape.conv_kernel
         rows = ancestors.shape[0]
-        device = extended.device
-        width = kernel - 1 + rows
-        taken = torch.cat(
-            (torch.ones(rows, kernel - 1, dtype=torch.bool, device=device), ancestors.to(device, torch.bool)), dim=1
-        )  # [rows, kernel - 1 + rows]: which rows of `extended` are on each row's path
-        order = torch.arange(width, device=device).expand(rows, width)
-        taps = torch.where(taken, order, -1).topk(kernel, dim=1).values.flip(1)  # [rows, kernel], oldest first
+        taps = conv_taps(rows, kernel, ancestors, extended.device).long()  # [rows, kernel], oldest first
         batch, _, channels = extended.shape
         gathered = extended[:, taps]  # [batch, rows, kernel, channels]
         per_row = gathered.reshape(-1, kernel, channels).transpose(1, 2)  # [batch * rows, channels, kernel]

@@ -1,0 +1,156 @@
+"""The graph runner's static forward of a Qwen3.5 hybrid with fused kernels.
+
+Same inputs, outputs, cache and state writes as `static_target_forward`'s layer loop over `Qwen35DecoderLayer`s with
+dense SiLU MLPs. Per layer: add+RMSNorm with (1 + weight) (`dflash.kernels.triton_decode`), then
+
+* a Gated DeltaNet layer: one product for its q/k/v, z, b and a projections (their weights made views of one
+  matrix, `join_projections`), the convolution and everything before the delta rule in one program, the rule in
+  one (`dflash.kernels.triton_delta_rule`, key heads shared, not repeated), the gated RMSNorm in one, the output
+  product; the state goes to the storage's fixed buffers (`dflash.kv.static_recurrent`);
+* a gated attention layer: the module's own forward (a quarter of the layers);
+
+then add+RMSNorm, gate/up product, SiLU*up and down product (`fused_layers.attention_residual_and_mlp`). The
+products take `fast_linear` (the skinny program for few rows). Where a linear layer's rows are a tree, every row's
+convolution and state follow its own path, as in the eager layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.fastpath.fused_layers import (
+    MLP_REGION,
+    Owed,
+    add_norm,
+    attention_residual_and_mlp,
+    embed_rows,
+    last_product,
+)
+from dflash.fastpath.static_forward import SlotWriter, block_visibility
+from dflash.kernels.triton_decode import triton_available
+from dflash.kernels.triton_delta_rule import delta_rule_rows
+from dflash.kernels.triton_gated_deltanet import conv_taps, gated_norm, gdn_inputs
+from dflash.kernels.triton_skinny import fast_linear
+from dflash.kv.cache import KVCache
+from dflash.kv.recurrent import DeltaRows
+from dflash.kv.static_recurrent import StaticRecurrentStates
+from dflash.models.gated_deltanet import GatedDeltaNet
+from dflash.models.layers import GatedMLP
+from dflash.models.model import CausalLM
+from dflash.models.qwen3_5 import Qwen35DecoderLayer
+
+
+def supports_fused_hybrid(model: CausalLM) -> bool:
+    """Qwen3.5 layers with dense SiLU MLPs and plain linear projections (no quantized modules, no experts)."""
+    if not triton_available() or not model.config.is_hybrid or model.config.hidden_act != "silu":
+        return False
+    for layer in model.layers:
+        if type(layer) is not Qwen35DecoderLayer or type(layer.mlp) is not GatedMLP:
+            return False
+        mixer = layer.linear_attn
+        linears = [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        if mixer is not None:
+            linears += [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj]
+        if any(type(module) is not nn.Linear or module.bias is not None for module in linears):
+            return False
+    return True
+
+
+def join_projections(mixer: GatedDeltaNet) -> torch.Tensor:
+    """One [channels + z + 2 * value_heads, hidden] matrix for the layer's q/k/v, z, b and a projections; the four
+    modules' weights become views of it (no second copy). Joined again if the modules were moved since."""
+    parts = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a)
+    joined: torch.Tensor | None = mixer.__dict__.get("joined_weight")
+    if joined is not None and parts[0].weight.data_ptr() == joined.data_ptr():
+        return joined
+    joined = torch.cat([part.weight.detach() for part in parts], dim=0)
+    start = 0
+    for part in parts:
+        rows = part.weight.shape[0]
+        part.weight = nn.Parameter(joined[start : start + rows], requires_grad=False)
+        start += rows
+    mixer.__dict__["joined_weight"] = joined  # a plain attribute: not a parameter or buffer of the module
+    return joined
+
+
+def fused_gdn(
+    mixer: GatedDeltaNet, h: torch.Tensor, states: StaticRecurrentStates, taps: torch.Tensor,
+    ancestors: torch.Tensor | None, count: torch.Tensor | None,
+) -> torch.Tensor:
+    """One Gated DeltaNet layer's token mixing for normed rows h [rows, hidden] -> the gated read-out [rows,
+    value_heads * value_dim] (before the output product); its state written to `states`."""
+    joined = join_projections(mixer)
+    proj = fast_linear(h, joined)  # [rows, channels + z + 2 * value_heads]
+    shape = mixer.shape
+    channels, kernel = shape.conv_channels, shape.conv_kernel
+    window, state = states.read(mixer.slot)  # [1, kernel - 1, channels], [1, value_heads, key_dim, value_dim]
+    q, k, v, g, beta = gdn_inputs(
+        proj, window[0], mixer.conv1d.weight, taps, mixer.A_log, mixer.dt_bias, key_heads=mixer.key_heads,
+        value_heads=mixer.value_heads, key_dim=mixer.key_dim, value_dim=mixer.value_dim,
+    )
+    read, new_state = delta_rule_rows(
+        q[None], k[None], v[None], g[None], beta[None], state, ancestors=ancestors,
+        final=states.final_buffer(mixer.slot), count=count,
+    )
+    assert read is not None
+    conv_inputs = proj[:, :channels]
+    if ancestors is None:  # the window after the chain's live rows
+        extended = torch.cat((window[0], conv_inputs), dim=0)  # [kernel - 1 + rows, channels]
+        index = torch.arange(kernel - 1, device=h.device) + (h.shape[0] if count is None else count)
+        new_window = extended.index_select(0, index)[None]
+    else:
+        new_window = window
+    states.write(mixer.slot, new_window, new_state, DeltaRows(conv_inputs[None], k[None], v[None], g[None], beta[None]))
+    z_offset = channels
+    return gated_norm(read[0], proj, z_offset, mixer.norm.weight, mixer.norm.eps, h.dtype)
+
+
+def fused_hybrid_layers(
+    model: CausalLM,
+    storage: KVCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    length: torch.Tensor,
+    tree_mask: torch.Tensor,
+    bucket: int,
+    capture: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fused_layers`' contract for a hybrid: input_ids, positions [1, rows]; length [1] long; tree_mask [rows,
+    rows] bool; the storage's recurrent state says whether the rows are a tree (`tree_ancestors`) and how many of a
+    chain's are live (`count_rows`) -> (final-normed hidden [1, rows, hidden], features or None)."""
+    states = storage.recurrent
+    assert isinstance(states, StaticRecurrentStates)
+    rows = input_ids.shape[1]
+    device = input_ids.device
+    ancestors, count = states.tree_ancestors, states.count_rows
+    taps = conv_taps(rows, states.shape.conv_kernel, ancestors, device)  # shared by every linear layer
+    slots = length + torch.arange(rows, device=device)  # [rows]
+    storage.positions[0].index_copy_(0, slots, positions[0])
+    full = block_visibility(length, tree_mask, bucket)[None, None]  # [1, 1, rows, bucket]
+    cos, sin = model.rotary.cos_sin(positions, model.embed_tokens.weight.dtype)
+    writer = SlotWriter(storage, slots, bucket)
+    wanted = set(capture)
+    captured: dict[int, torch.Tensor] = {}
+    x = embed_rows(model, input_ids)  # [rows, hidden]
+    pending: Owed | None = None
+    layer: Any
+    for index, layer in enumerate(model.layers):
+        h, x = add_norm(x, pending, layer.input_layernorm, MLP_REGION)
+        if index - 1 in wanted:
+            captured[index - 1] = x
+        mixer = layer.linear_attn
+        if mixer is not None:
+            attended = last_product(fused_gdn(mixer, h, states, taps, ancestors, count), mixer.out_proj)
+        else:
+            attended = Owed(layer.self_attn(h[None], cos, sin, full, writer)[0])
+        x, pending = attention_residual_and_mlp(layer, x, attended)
+    hidden, x = add_norm(x, pending, model.norm, MLP_REGION)
+    last = len(model.layers) - 1
+    if last in wanted:
+        captured[last] = x
+    features = torch.cat([captured[layer] for layer in capture], dim=-1)[None] if capture else None
+    return hidden[None], features
