@@ -260,18 +260,23 @@ def study(
                 out[f"{shape}_eager_torch_rule_ms"] = round(median_ms(run, iters=5), 3)
             out["rollback_16_keep8_torch_rule_ms"] = round(rollback(model, cache, context, 16, 8), 3)
             os.environ.pop("DFLASH_DELTA_RULE_PROGRAM")
-        if model.capturable:  # what the engine runs: its graph runner (fused layers where the model takes them)
-            runner = GraphRunner(model, None, context + 2 * MAX_GRAPH_ROWS)
+        # what the engine runs: its graph runner (fused layers where the model takes them; a hybrid's unfused
+        # static forwards beside them, `_unfused`)
+        for fused in ((None, False) if config.is_hybrid else (None,)) if model.capturable else ():
+            runner = GraphRunner(model, None, context + 2 * MAX_GRAPH_ROWS, fused=fused)
             runner.target_storage.keys.normal_()
             runner.target_storage.values.normal_()
             runner.target_storage.positions[0, :context] = torch.arange(context, device=device)
-            out["engine_fused"] = runner.fused
+            suffix = "" if fused is None else "_unfused"
+            out[f"engine{suffix}_fused"] = runner.fused
             engine_shapes = {**shapes, "tree_32": (32, True)}  # hybrids verify trees in the runner too
             for shape, (tokens, tree) in engine_shapes.items():
-                out[f"{shape}_engine_ms"] = round(median_ms(engine_forward(runner, context, tokens, tree), iters=10), 3)
+                run = engine_forward(runner, context, tokens, tree)
+                out[f"{shape}_engine{suffix}_ms"] = round(median_ms(run, iters=10), 3)
             if runner.hybrid:
                 for kept in (1, 8):
-                    out[f"engine_rollback_16_keep{kept}_ms"] = round(engine_rollback(runner, context, 16, kept), 3)
+                    rolled = engine_rollback(runner, context, 16, kept)
+                    out[f"engine{suffix}_rollback_16_keep{kept}_ms"] = round(rolled, 3)
             del runner
         if cache.recurrent is not None:
             for kept in (1, 8):
@@ -294,7 +299,8 @@ PUBLISHED_HYBRID_TAU = {"HumanEval": 8.31, "Math500": 7.04, "GSM8K": 6.14}
 def hybrid_projection(row: dict[str, Any]) -> dict[str, Any]:
     """Tokens/s from published acceptance over the measured graphed costs of the hybrid (see the module doc)."""
     step = row.get("step_1_engine_ms", row["step_1_graph_ms"])
-    round_ms = row.get("verify_16_engine_ms", row["verify_16_graph_ms"]) + row["rollback_16_keep8_ms"]
+    rollback_ms = row.get("engine_rollback_16_keep8_ms", row["rollback_16_keep8_ms"])
+    round_ms = row.get("verify_16_engine_ms", row["verify_16_graph_ms"]) + rollback_ms
     projected = {"ar_tokens_per_s": round(1e3 / step, 1)}
     for name, tau in PUBLISHED_HYBRID_TAU.items():
         projected[f"dflash_tokens_per_s_at_tau_{tau}({name})"] = round(tau * 1e3 / round_ms, 1)
