@@ -78,7 +78,7 @@ def model_configs(layers: int | None = None) -> dict[str, ModelConfig]:
 def build(config: ModelConfig, device: torch.device) -> CausalLM:
     with torch.device("meta"):
         model = MODEL_CLASSES[config.architecture](config)
-    model = model.to_empty(device=device).to(DTYPE)
+    model = model.to(DTYPE).to_empty(device=device)  # made in bf16 directly (float32 first would not fit 80 GB)
     randomise(model)
     return model.eval().requires_grad_(False)
 

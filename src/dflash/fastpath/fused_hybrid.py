@@ -77,6 +77,17 @@ def join_projections(mixer: GatedDeltaNet) -> torch.Tensor:
     return joined
 
 
+def join_all_projections(model: CausalLM) -> None:
+    """`join_projections` for every linear layer now (not at the first capture), then the replaced matrices'
+    memory handed back to the device: each joined matrix is larger than the pieces it replaces, so the caching
+    allocator could not reuse them, and a model near the GPU's size would run out."""
+    for layer in model.layers:
+        if layer.linear_attn is not None:
+            join_projections(layer.linear_attn)
+    if model.embed_tokens.weight.is_cuda:
+        torch.cuda.empty_cache()
+
+
 def fused_gdn(
     mixer: GatedDeltaNet, h: torch.Tensor, states: StaticRecurrentStates, taps: torch.Tensor,
     ancestors: torch.Tensor | None, count: torch.Tensor | None,

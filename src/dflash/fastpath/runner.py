@@ -107,6 +107,10 @@ class GraphRunner:
         elif fused and not fusable:
             raise ValueError("this model's layers have no fused kernels (or Triton is missing)")
         self.fused = fused
+        if fused and target.config.is_hybrid:
+            from dflash.fastpath.fused_hybrid import join_all_projections
+
+            join_all_projections(target)
         self.drafter_weights: FusedDrafterWeights | None = None
         if drafter is not None and fused and supports_fused_drafter(drafter):
             self.drafter_weights = fuse_drafter_weights(drafter)
