@@ -82,7 +82,7 @@ def join_all_projections(model: CausalLM) -> None:
     memory handed back to the device: each joined matrix is larger than the pieces it replaces, so the caching
     allocator could not reuse them, and a model near the GPU's size would run out."""
     for layer in model.layers:
-        if layer.linear_attn is not None:
+        if isinstance(layer.linear_attn, GatedDeltaNet):
             join_projections(layer.linear_attn)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()
