@@ -2,9 +2,10 @@
 and through the graph runner, in one process on one GPU; and where an eager one-token step spends its host time.
 Each side decodes the same request twice and the second is timed.
 
-* `eager` / `graphed`: `decode_autoregressive` over a random prompt (prefill in chunks, then one step a token),
-  tokens/s of the decoding part (`GenerationStats.decode_s`) and the prompt's seconds; the greedy tokens of both
-  compared (bf16: equal unless a near tie flips);
+* `eager` / `graphed_unfused` / `graphed`: `decode_autoregressive` over a random prompt (prefill in chunks, then one step a token),
+  tokens/s of the decoding part (`GenerationStats.decode_s`) and the prompt's seconds, through the runner's
+  unfused static forwards and its fused ones (`dflash.fastpath.fused_hybrid`); the greedy tokens compared (bf16:
+  equal unless a near tie flips);
 * `eager_step_profile`: torch's profiler over a few eager steps, the operations with the most host time, with
   the delta rule's program and with the torch rule (`DFLASH_DELTA_RULE_PROGRAM=0`).
 
@@ -89,15 +90,21 @@ def main() -> None:
     # built (eager), every graph of these shapes and buckets captured (graphed)
     generate(model, prompt, args.new_tokens, args.chunk)
     eager = generate(model, prompt, args.new_tokens, args.chunk)
-    runner = attach_graph_runner(model, None, capacity=args.prompt + args.new_tokens + 256)
-    try:
-        generate(model, prompt, args.new_tokens, args.chunk)
-        graphed = generate(model, prompt, args.new_tokens, args.chunk)
-        out["graphs_captured"] = runner.captured
-    finally:
-        register_forwards(model, None)
+    runs = {}
+    for label, fused in (("graphed_unfused", False), ("graphed", None)):  # None: fused where the model takes it
+        runner = attach_graph_runner(model, None, capacity=args.prompt + args.new_tokens + 256, fused=fused)
+        try:
+            generate(model, prompt, args.new_tokens, args.chunk)
+            runs[label] = generate(model, prompt, args.new_tokens, args.chunk)
+            out[f"{label}_graphs_captured"], out[f"{label}_fused"] = runner.captured, runner.fused
+        finally:
+            register_forwards(model, None)
+        del runner
+    graphed = runs["graphed"]
     out["eager"] = {k: v for k, v in eager.items() if k != "tokens"}
-    out["graphed"] = {k: v for k, v in graphed.items() if k != "tokens"}
+    for label, run in runs.items():
+        out[label] = {k: v for k, v in run.items() if k != "tokens"}
+    out["unfused_same_tokens_as_eager"] = runs["graphed_unfused"]["tokens"] == eager["tokens"]
     out["graphed_over_eager"] = round(graphed["decode_tokens_per_s"] / eager["decode_tokens_per_s"], 2)
     out["same_tokens"] = graphed["tokens"] == eager["tokens"]
     out["first_difference"] = next(
