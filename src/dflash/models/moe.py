@@ -7,7 +7,9 @@ projection (gate and up joined as in the dense MLP), so that a grouped GPU kerne
 The eager compute groups tokens by expert and runs only the experts that received tokens: a decode step of one
 row touches k experts' weights, not all of them. On a GPU in 16-bit floats the grouped rows go through PyTorch's
 grouped product (`grouped_mm`: two launches per layer for all experts, no host sync; empty groups cost nothing);
-elsewhere one product per expert that received tokens, the count per expert read on the host.
+elsewhere one product per expert that received tokens, the count per expert read on the host. Where the grouped
+product serves, a few tokens (decode steps) go through two Triton programs instead, each (token, choice) pair
+reading its expert's weights directly (`dflash.kernels.triton_experts`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config import ModelConfig
+from dflash.kernels import triton_experts
 from dflash.kernels.fused_cpu import layer_ops
 from dflash.models.layers import GatedMLP, activation
 
@@ -45,6 +48,11 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [tokens, hidden]; chosen: [tokens, k] expert ids; weights: [tokens, k] routing weights in x's dtype
         -> [tokens, hidden], the routing-weighted sum of each token's experts."""
+        if (
+            isinstance(self.act, nn.SiLU) and triton_experts.routed_programs_serve(x)
+            and (grouped_experts(x) or triton_experts.SERVES_INTERPRETED)
+        ):
+            return triton_experts.routed_experts(x, chosen, weights, self.gate_up_proj, self.down_proj)
         if grouped_experts(x):
             return self.grouped(x, chosen, weights)
         k = chosen.shape[1]

@@ -1,0 +1,69 @@
+"""A mixture's routed experts for a few tokens in two Triton programs: each (token, choice) pair's gated MLP read
+straight from the stacked expert weights, no sorting, no grouping.
+
+The grouped product (`models/moe.StackedExperts.grouped`) sorts the pairs by expert, gathers their rows, runs two
+grouped products over every expert (most of them empty for a decode step) and scatters the results back: about a
+dozen launches per layer, each a few microseconds on a GPU, against the ~11 us the chosen experts' weights take to
+stream for one token of a Qwen3-30B-A3B layer. Here:
+
+* `expert_gate_up_kernel`: per pair and block of the expert's width, the gate and up products over the hidden size
+  and SiLU(gate) * up;
+* `expert_down_kernel`: per token and block of the hidden size, every choice's down product weighted by its
+  routing weight and summed in float32.
+
+A pair reads its expert's weights itself, so two tokens that chose the same expert read it twice: the programs
+serve up to `ROUTED_MAX_TOKENS` tokens (decode steps, short verifications), the grouped product the rest. A
+token's result does not depend on the other tokens in the call. CUDA (and the CPU interpreter, for the tests).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+
+from dflash.kernels.triton_decode import interpreting, triton_available
+
+ROUTED_MAX_TOKENS = 4
+WIDTH_BLOCK = 32  # expert width outputs per gate/up program
+HIDDEN_BLOCK = 16  # hidden outputs per down program (one token's hidden size spread over enough programs)
+SERVES_INTERPRETED = False  # the CPU tests set it to run a model's experts through the interpreted programs
+
+
+@cache
+def _programs() -> tuple[Any, Any]:
+    from dflash.kernels.triton_experts_programs import expert_down_kernel, expert_gate_up_kernel
+
+    return expert_gate_up_kernel, expert_down_kernel
+
+
+def routed_programs_serve(x: torch.Tensor) -> bool:
+    """Whether `routed_experts` takes tokens like x [tokens, hidden]: few of them, on CUDA with Triton (or under
+    the interpreter)."""
+    return x.shape[0] <= ROUTED_MAX_TOKENS and triton_available() and (x.is_cuda or interpreting())
+
+
+def routed_experts(
+    x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """x [tokens, hidden]; chosen [tokens, k] expert ids; weights [tokens, k]; gate_up [experts, 2 * width, hidden];
+    down [experts, hidden, width] (contiguous) -> [tokens, hidden] in x's dtype: sum over k of weight *
+    down(SiLU(gate) * up) of the chosen expert."""
+    tokens, hidden = x.shape
+    choices = chosen.shape[1]
+    width = down.shape[-1]
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    act = torch.empty((tokens * choices, width), dtype=x.dtype, device=x.device)
+    gate_up_program, down_program = _programs()
+    flat_chosen = chosen.reshape(-1).contiguous()
+    gate_up_program[(tokens * choices, -(-width // WIDTH_BLOCK))](
+        x.contiguous(), flat_chosen, gate_up, act, hidden, width, choices, BW=WIDTH_BLOCK, BK=128, num_warps=4,
+    )
+    down_program[(tokens, -(-hidden // HIDDEN_BLOCK))](
+        act, flat_chosen, weights.reshape(-1).contiguous(), down, out, hidden, width, choices,
+        BH=HIDDEN_BLOCK, BK=128, num_warps=4,
+    )
+    return out
