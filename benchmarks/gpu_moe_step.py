@@ -30,6 +30,22 @@ from dflash.kernels import triton_experts
 SHAPES = {"step_1": (1, False), "verify_4": (4, False), "verify_16": (16, False), "tree_32": (32, True)}
 
 
+def kernel_profile(step: Any, steps: int = 5) -> list[dict[str, Any]]:
+    """The GPU kernels of `steps` replays of a step, by total time: name, launches and microseconds per step."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [
+        {"kernel": e.key[:120], "per_step": e.count // steps, "us_per_step": round(e.device_time_total / steps, 1)}
+        for e in events[:20]
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=2048)
@@ -57,6 +73,7 @@ def main() -> None:
             for shape, (tokens, tree) in SHAPES.items():
                 timed = median_ms(engine_forward(runner, args.context, tokens, tree), iters=20)
                 out[f"{shape}_{label}_ms"] = round(timed, 3)
+            out[f"step_1_{label}_kernels"] = kernel_profile(engine_forward(runner, args.context, 1, False))
             del runner
             torch.cuda.empty_cache()
     triton_experts.ROUTED_MAX_TOKENS = limit

@@ -46,9 +46,10 @@ def test_a_mixture_decodes_through_the_programs(monkeypatch: pytest.MonkeyPatch)
     would not serve): the same logits as the per-expert loop, and linear DFlash gives plain decoding's tokens."""
     from tests.family_checks import tiny_drafter
     from tests.spec_helpers import random_prompts, run
-    from tests.test_qwen3_moe import target
+    from tests.test_qwen3_moe import hf_moe
+    from tests.tiny_models import ours_from_hf
 
-    model = target().to(DEVICE)
+    model = ours_from_hf(hf_moe()).to(DEVICE)  # its own copy: the other tests' cached model stays on the CPU
     prompt = random_prompts(1, model.config.vocab_size, seed=4, lengths=(12,))[0]
     reference, _ = run(model, None, prompt, 8, prefill_chunk=16)
     calls = 0
