@@ -29,6 +29,7 @@ ROUTED_MAX_TOKENS = 4
 WIDTH_BLOCK = 32  # expert width outputs per gate/up program
 HIDDEN_BLOCK = 16  # hidden outputs per down program (one token's hidden size spread over enough programs)
 REDUCTION_BLOCK = 128  # inputs per step of a program's dot products
+WARPS = 4
 SERVES_INTERPRETED = False  # the CPU tests set it to run a model's experts through the interpreted programs
 
 
@@ -47,12 +48,13 @@ def routed_programs_serve(x: torch.Tensor) -> bool:
 
 def routed_experts(
     x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    *, blocks: tuple[int, int, int] | None = None,
+    *, blocks: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [tokens, hidden]; chosen [tokens, k] expert ids; weights [tokens, k]; gate_up [experts, 2 * width, hidden];
     down [experts, hidden, width] (contiguous) -> [tokens, hidden] in x's dtype: sum over k of weight *
-    down(SiLU(gate) * up) of the chosen expert. `blocks`: (width block, hidden block, reduction block), for tuning."""
-    width_block, hidden_block, reduction = blocks or (WIDTH_BLOCK, HIDDEN_BLOCK, REDUCTION_BLOCK)
+    down(SiLU(gate) * up) of the chosen expert. `blocks`: (width block, hidden block, reduction block, warps), for
+    tuning."""
+    width_block, hidden_block, reduction, warps = blocks or (WIDTH_BLOCK, HIDDEN_BLOCK, REDUCTION_BLOCK, WARPS)
     tokens, hidden = x.shape
     choices = chosen.shape[1]
     width = down.shape[-1]
@@ -63,10 +65,10 @@ def routed_experts(
     gate_up_program, down_program = _programs()
     flat_chosen = chosen.reshape(-1).contiguous()
     gate_up_program[(tokens * choices, -(-width // width_block))](
-        x.contiguous(), flat_chosen, gate_up, act, hidden, width, choices, BW=width_block, BK=reduction, num_warps=4,
+        x.contiguous(), flat_chosen, gate_up, act, hidden, width, choices, BW=width_block, BK=reduction, num_warps=warps,
     )
     down_program[(tokens, -(-hidden // hidden_block))](
         act, flat_chosen, weights.reshape(-1).contiguous(), down, out, hidden, width, choices,
-        BH=hidden_block, BK=reduction, num_warps=4,
+        BH=hidden_block, BK=reduction, num_warps=warps,
     )
     return out
