@@ -1,6 +1,6 @@
-"""A Qwen3-30B-A3B-shaped mixture (random bf16 weights) through the engine's graph runner, its routed experts
-through the few-token Triton programs (`dflash.kernels.triton_experts`) and through the grouped product, in one
-run on one GPU: graphed one-token step, 4-row and 16-row verifications, 32-node tree, after `--context` cached
+"""A Qwen3-30B-A3B-shaped mixture (random bf16 weights) through the engine's graph runner, its routing and routed
+experts through the few-token Triton programs (`dflash.kernels.triton_experts`) and, as the baseline, through
+torch's routing operations and the grouped product, in one run on one GPU: graphed one-token step, 4-row and 16-row verifications, 32-node tree, after `--context` cached
 positions; the weight-streaming floor beside them (the chosen experts' bytes, attention, routers and head over the
 measured copy bandwidth).
 
@@ -64,7 +64,8 @@ def main() -> None:
     limit = triton_experts.ROUTED_MAX_TOKENS
     with torch.inference_mode():
         for label, routed in (("grouped", 0), ("routed", limit)):
-            triton_experts.ROUTED_MAX_TOKENS = routed  # read when a graph is captured: a runner of its own each
+            # read when a graph is captured: a runner of its own each; the baseline routes with torch's operations too
+            triton_experts.ROUTED_MAX_TOKENS, triton_experts.ROUTE_PROGRAM = routed, routed > 0
             runner = GraphRunner(model, None, args.context + 2 * MAX_GRAPH_ROWS)
             runner.target_storage.keys.normal_()
             runner.target_storage.values.normal_()
@@ -76,7 +77,7 @@ def main() -> None:
             out[f"step_1_{label}_kernels"] = kernel_profile(engine_forward(runner, args.context, 1, False))
             del runner
             torch.cuda.empty_cache()
-    triton_experts.ROUTED_MAX_TOKENS = limit
+    triton_experts.ROUTED_MAX_TOKENS, triton_experts.ROUTE_PROGRAM = limit, True
     out["step_routed_over_floor"] = round(out["step_1_routed_ms"] / out["floor_step_ms"], 2)
     out["provenance"] = provenance(device)
     print(json.dumps(out), flush=True)

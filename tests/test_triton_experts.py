@@ -66,3 +66,26 @@ def test_a_mixture_decodes_through_the_programs(monkeypatch: pytest.MonkeyPatch)
     assert plain == reference and calls > 0
     drafter = tiny_drafter(model.config.vocab_size, 4, [1, 2], block=4).to(DEVICE)  # verifications of 4 rows
     assert run(model, drafter, prompt, 8, prefill_chunk=16)[0] == plain
+
+
+@needs_triton
+@pytest.mark.parametrize("normalise", [True, False])
+def test_the_routing_program_chooses_as_the_router_does(normalise: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Softmax, top-k in descending order and the rescaling, against the torch routing of `SparseMoeBlock`."""
+    from dflash.models.moe import SparseMoeBlock
+    from tests.test_qwen3_moe import hf_moe
+    from tests.tiny_models import ours_from_hf
+
+    block = ours_from_hf(hf_moe()).layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    block.normalise = normalise
+    block = block.to(DEVICE)
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        chosen, weights = block.route(x)
+        monkeypatch.setattr(triton_experts, "SERVES_INTERPRETED", True)
+        logits = block.gate(x)
+        assert triton_experts.route_program_serves(logits) or DEVICE.type == "cuda"
+        program_chosen, program_weights = triton_experts.route_rows(logits, block.top_k, normalise)
+    assert torch.equal(program_chosen, chosen)
+    torch.testing.assert_close(program_weights, weights, rtol=1e-6, atol=1e-6)

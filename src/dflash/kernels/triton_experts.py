@@ -10,7 +10,9 @@ stream for one token of a Qwen3-30B-A3B layer (graphed on an H100: 92.9 us a lay
 * `expert_gate_up_kernel`: per pair and block of the expert's width, the gate and up products over the hidden size
   and SiLU(gate) * up;
 * `expert_down_kernel`: per token and block of the hidden size, every choice's down product weighted by its
-  routing weight and summed in float32.
+  routing weight and summed in float32;
+* `route_kernel`: the router's softmax, top-k and rescaling in one program per token (`route_rows`), instead of
+  half a dozen kernels.
 
 A pair reads its expert's weights itself, so two tokens that chose the same expert read it twice: the programs
 serve up to `ROUTED_MAX_TOKENS` tokens (decode steps, short verifications), the grouped product the rest. A
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dflash.kernels.triton_decode import interpreting, triton_available
+from dflash.kernels.triton_decode import interpreting, next_power_of_two, triton_available
 
 ROUTED_MAX_TOKENS = 4
 # (width outputs per gate/up program, hidden outputs per down program, inputs per step, warps): few outputs and long
@@ -32,14 +34,38 @@ ROUTED_MAX_TOKENS = 4
 # (`results/gpu_routed_experts_h100.json`): one token with 8 warps, more tokens with 4
 ONE_TOKEN_BLOCKS = (8, 4, 1024, 8)
 BLOCKS = (8, 4, 1024, 4)
-SERVES_INTERPRETED = False  # the CPU tests set it to run a model's experts through the interpreted programs
+SERVES_INTERPRETED = False
+ROUTE_PROGRAM = True  # False: the router's torch operations (benchmarks set it for their baseline)  # the CPU tests set it to run a model's experts through the interpreted programs
 
 
 @cache
-def _programs() -> tuple[Any, Any]:
-    from dflash.kernels.triton_experts_programs import expert_down_kernel, expert_gate_up_kernel
+def _programs() -> tuple[Any, Any, Any]:
+    from dflash.kernels.triton_experts_programs import expert_down_kernel, expert_gate_up_kernel, route_kernel
 
-    return expert_gate_up_kernel, expert_down_kernel
+    return expert_gate_up_kernel, expert_down_kernel, route_kernel
+
+
+def route_program_serves(logits: torch.Tensor) -> bool:
+    """Whether `route_rows` takes router logits like `logits` [tokens, experts]: where the routed programs would
+    (CUDA in 16-bit floats with Triton; the interpreter for the tests), at most 256 experts."""
+    return (
+        ROUTE_PROGRAM and triton_available() and logits.shape[-1] <= 256 and logits.stride(-1) == 1
+        and ((logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16)) or (interpreting() and SERVES_INTERPRETED))
+    )
+
+
+def route_rows(logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice in one program per token: softmax in float32, top-k (descending), rescaled to sum to 1
+    where `normalise`, cast to the logits' dtype -> (chosen [tokens, k] int64, weights [tokens, k])."""
+    tokens, experts = logits.shape
+    chosen = torch.empty((tokens, top_k), dtype=torch.long, device=logits.device)
+    weights = torch.empty((tokens, top_k), dtype=logits.dtype, device=logits.device)
+    if tokens:
+        _programs()[2][(tokens,)](
+            logits.contiguous(), chosen, weights, experts, TOP_K=top_k, NORMALISE=normalise,
+            BE=next_power_of_two(experts), num_warps=1,
+        )
+    return chosen, weights
 
 
 def routed_programs_serve(x: torch.Tensor) -> bool:
@@ -64,7 +90,7 @@ def routed_experts(
     if tokens == 0:
         return out
     act = torch.empty((tokens * choices, width), dtype=x.dtype, device=x.device)
-    gate_up_program, down_program = _programs()
+    gate_up_program, down_program, _ = _programs()
     flat_chosen = chosen.reshape(-1).contiguous()
     gate_up_program[(tokens * choices, -(-width // width_block))](
         x.contiguous(), flat_chosen, gate_up, act, hidden, width, choices, BW=width_block, BK=reduction, num_warps=warps,

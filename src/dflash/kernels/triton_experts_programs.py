@@ -60,3 +60,33 @@ def expert_down_kernel(  # type: ignore[no-untyped-def]
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         total += acc * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + token * hidden + outputs, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def route_kernel(  # type: ignore[no-untyped-def]
+    logits_ptr, chosen_ptr, weights_ptr, experts, TOP_K: tl.constexpr, NORMALISE: tl.constexpr, BE: tl.constexpr,
+):
+    """Grid (tokens,): a token's router logits -> softmax in float32 -> the TOP_K largest probabilities in
+    descending order (ties to the lower expert id), rescaled to sum to 1 where NORMALISE -> chosen [tokens, TOP_K]
+    int64, weights [tokens, TOP_K] in the logits' dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    ids = tl.arange(0, BE)
+    inside = ids < experts
+    logits = tl.load(logits_ptr + token * experts + ids, mask=inside, other=-float("inf")).to(tl.float32)
+    peak = tl.max(logits, axis=0)
+    exps = tl.where(inside, tl.exp(logits - peak), 0.0)
+    probs = exps / tl.sum(exps, axis=0)
+    remaining = tl.where(inside, probs, -1.0)
+    picks = tl.arange(0, TOP_K)
+    top = tl.zeros((TOP_K,), dtype=tl.float32)
+    which = tl.zeros((TOP_K,), dtype=tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(remaining, axis=0)
+        first = tl.min(tl.where(remaining == best, ids, BE), axis=0)
+        top = tl.where(picks == k, best, top)
+        which = tl.where(picks == k, first.to(tl.int64), which)
+        remaining = tl.where(ids == first, -1.0, remaining)
+    if NORMALISE:
+        top = top / tl.sum(top, axis=0)
+    tl.store(chosen_ptr + token * TOP_K + picks, which)
+    tl.store(weights_ptr + token * TOP_K + picks, top.to(weights_ptr.dtype.element_ty))

@@ -114,6 +114,8 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [tokens, hidden] -> (expert ids [tokens, k], routing weights [tokens, k] in x's dtype)."""
         logits = self.gate(x)  # [tokens, experts]
+        if triton_experts.route_program_serves(logits):
+            return triton_experts.route_rows(logits, self.top_k, self.normalise)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)  # the softmax runs in float32 whatever the dtype
         top, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalise:
