@@ -42,17 +42,17 @@ def time_tokens(
         for layer in range(LAYERS):
             stacks[layer].grouped(x, chosen[layer], weights)
 
-    def routed(blocks: tuple[int, int, int, int]) -> None:
+    def routed(blocks: tuple[int, int, int, int, int]) -> None:
         for layer in range(LAYERS):
             stack = stacks[layer]
             routed_experts(x, chosen[layer], weights, stack.gate_up_proj, stack.down_proj, blocks=blocks)
 
     with torch.inference_mode():
         row["grouped_us"] = round(median_ms(as_graph(grouped), iters=20) * 1e3 / LAYERS, 2)
-        best: tuple[float, tuple[int, int, int, int]] | None = None
-        for blocks in itertools.product((4, 8, 16, 32), (4, 8, 16), (256, 512, 1024), (4, 8)):
+        best: tuple[float, tuple[int, int, int, int, int]] | None = None
+        for blocks in itertools.product((4, 8), (2, 4, 8), (512, 1024), (64, 128, 256), (4, 8)):
             timed = median_ms(as_graph(lambda blocks=blocks: routed(blocks)), iters=20) * 1e3 / LAYERS
-            row["routed_{}_{}_{}_{}_us".format(*blocks)] = round(timed, 2)
+            row["routed_{}_{}_{}_{}_{}_us".format(*blocks)] = round(timed, 2)
             if best is None or timed < best[0]:
                 best = (timed, blocks)
         assert best is not None

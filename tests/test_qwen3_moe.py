@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from dflash.config import ModelConfig
 from dflash.drafter.model import DFlashDrafter
 from dflash.engine.engine import EngineOptions, resolve_options
-from dflash.engine.loading import load_engine
+from dflash.engine.loading import LoadOptions, load_engine
 from dflash.errors import ModelLoadError
 from dflash.fastpath import fused_layers
 from dflash.generation.request import GenerationRequest
@@ -302,9 +302,12 @@ def test_quantized_cpu_path_declines_experts(gguf_path: Path) -> None:
 
 @pytest.mark.parametrize("max_batch", [1, 2])
 def test_engine_serves_the_gguf_with_its_greedy_tokens(gguf_path: Path, max_batch: int) -> None:
-    """Through `load_engine` (`--weights auto` settles on dense weights), one at a time and in the engine loop."""
+    """Through `load_engine` (`--weights auto` settles on dense weights), one at a time and in the engine loop. On
+    the CPU, where the reference runs: on a GPU the engine would decode in bf16, whose greedy tokens need not be
+    float32's."""
     engine = load_engine(
-        str(gguf_path), draft="none", options=EngineOptions(max_batch=max_batch, prefill_chunk=CHUNK)
+        str(gguf_path), draft="none", options=EngineOptions(max_batch=max_batch, prefill_chunk=CHUNK),
+        loading=LoadOptions(device="cpu"),
     )
     try:
         assert engine.batched == (max_batch > 1) and isinstance(engine.target, Qwen3MoeForCausalLM)

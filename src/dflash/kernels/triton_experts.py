@@ -29,11 +29,11 @@ import torch
 from dflash.kernels.triton_decode import interpreting, next_power_of_two, triton_available
 
 ROUTED_MAX_TOKENS = 4
-# (width outputs per gate/up program, hidden outputs per down program, inputs per step, warps): few outputs and long
-# steps put many loads in flight; the best of a sweep on an H100 at the Qwen3-30B-A3B shape
-# (`results/gpu_routed_experts_h100.json`): one token with 8 warps, more tokens with 4
-ONE_TOKEN_BLOCKS = (8, 4, 1024, 8)
-BLOCKS = (8, 4, 1024, 4)
+# (width outputs per gate/up program, hidden outputs per down program, inputs per gate/up step, inputs per down
+# step, warps): few outputs and long steps put many loads in flight (the down program loads every choice's tile
+# at once); the best of a sweep on an H100 at the Qwen3-30B-A3B shape (`results/gpu_routed_experts_h100.json`)
+ONE_TOKEN_BLOCKS = (8, 4, 1024, 128, 8)
+BLOCKS = (8, 4, 1024, 128, 4)
 SERVES_INTERPRETED = False
 ROUTE_PROGRAM = True  # False: the router's torch operations (benchmarks set it for their baseline)  # the CPU tests set it to run a model's experts through the interpreted programs
 
@@ -76,14 +76,16 @@ def routed_programs_serve(x: torch.Tensor) -> bool:
 
 def routed_experts(
     x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-    *, blocks: tuple[int, int, int, int] | None = None,
+    *, blocks: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [tokens, hidden]; chosen [tokens, k] expert ids; weights [tokens, k]; gate_up [experts, 2 * width, hidden];
     down [experts, hidden, width] (contiguous) -> [tokens, hidden] in x's dtype: sum over k of weight *
-    down(SiLU(gate) * up) of the chosen expert. `blocks`: (width block, hidden block, reduction block, warps), for
-    tuning."""
+    down(SiLU(gate) * up) of the chosen expert. `blocks`: (width block, hidden block, gate/up reduction block,
+    down reduction block, warps), for tuning."""
     tokens, hidden = x.shape
-    width_block, hidden_block, reduction, warps = blocks or (ONE_TOKEN_BLOCKS if tokens == 1 else BLOCKS)
+    width_block, hidden_block, reduction, down_reduction, warps = blocks or (
+        ONE_TOKEN_BLOCKS if tokens == 1 else BLOCKS
+    )
     choices = chosen.shape[1]
     width = down.shape[-1]
     out = torch.empty_like(x)
@@ -97,6 +99,6 @@ def routed_experts(
     )
     down_program[(tokens, -(-hidden // hidden_block))](
         act, flat_chosen, weights.reshape(-1).contiguous(), down, out, hidden, width, choices,
-        BH=hidden_block, BK=reduction, num_warps=warps,
+        BH=hidden_block, BK=down_reduction, KP=next_power_of_two(choices), num_warps=warps,
     )
     return out

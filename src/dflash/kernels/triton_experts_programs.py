@@ -38,27 +38,31 @@ def expert_gate_up_kernel(  # type: ignore[no-untyped-def]
 @triton.jit
 def expert_down_kernel(  # type: ignore[no-untyped-def]
     act_ptr, chosen_ptr, weights_ptr, down_ptr, out_ptr, hidden, width, choices,
-    BH: tl.constexpr, BK: tl.constexpr,
+    BH: tl.constexpr, BK: tl.constexpr, KP: tl.constexpr,
 ):
     """Grid (tokens, hidden / BH): BH outputs of one token, the routing-weighted sum over its choices of each
-    expert's down product of that pair's act -> out [tokens, hidden] (x's dtype). down: [experts, hidden, width]."""
+    expert's down product of that pair's act -> out [tokens, hidden] (x's dtype). down: [experts, hidden, width].
+    Every choice's tile is loaded at once ([KP, BH, BK], KP the choices padded to a power of two), so all the chosen
+    experts' reads are in flight together."""
     token = tl.program_id(0).to(tl.int64)
     outputs = tl.program_id(1) * BH + tl.arange(0, BH)
     inside = outputs < hidden
-    total = tl.zeros((BH,), dtype=tl.float32)
-    for choice in range(choices):
-        pair = token * choices + choice
-        expert = tl.load(chosen_ptr + pair).to(tl.int64)
-        base = down_ptr + expert * hidden * width
-        acc = tl.zeros((BH,), dtype=tl.float32)
-        for start in range(0, width, BK):
-            columns = start + tl.arange(0, BK)
-            within = columns < width
-            a = tl.load(act_ptr + pair * width + columns, mask=within, other=0.0).to(tl.float32)
-            w = tl.load(base + outputs[:, None] * width + columns[None, :], mask=inside[:, None] & within[None, :],
-                        other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-        total += acc * tl.load(weights_ptr + pair).to(tl.float32)
+    picks = tl.arange(0, KP)
+    picked = picks < choices
+    pairs = token * choices + picks  # [KP]
+    experts = tl.load(chosen_ptr + pairs, mask=picked, other=0).to(tl.int64)
+    scales = tl.load(weights_ptr + pairs, mask=picked, other=0.0).to(tl.float32)
+    rows = down_ptr + experts[:, None, None] * hidden * width + outputs[None, :, None] * width  # [KP, BH, 1]
+    acc = tl.zeros((KP, BH), dtype=tl.float32)
+    for start in range(0, width, BK):
+        columns = start + tl.arange(0, BK)
+        within = columns < width
+        a = tl.load(act_ptr + pairs[:, None] * width + columns[None, :], mask=picked[:, None] & within[None, :],
+                    other=0.0).to(tl.float32)  # [KP, BK]
+        mask = picked[:, None, None] & inside[None, :, None] & within[None, None, :]
+        w = tl.load(rows + columns[None, None, :], mask=mask, other=0.0)  # [KP, BH, BK]
+        acc += tl.sum(w.to(tl.float32) * a[:, None, :], axis=2)
+    total = tl.sum(acc * scales[:, None], axis=0)  # [BH]
     tl.store(out_ptr + token * hidden + outputs, total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
