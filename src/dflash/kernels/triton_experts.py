@@ -4,8 +4,8 @@ straight from the stacked expert weights, no sorting, no grouping.
 The grouped product (`models/moe.StackedExperts.grouped`) sorts the pairs by expert, gathers their rows, runs two
 grouped products over every expert (most of them empty for a decode step) and scatters the results back: about a
 dozen launches per layer, each a few microseconds on a GPU, against the ~11 us the chosen experts' weights take to
-stream for one token of a Qwen3-30B-A3B layer (graphed on an H100: 92.9 us a layer for one token, these programs
-35.2, the floor 25.5; `results/gpu_routed_experts_h100.json`). Here:
+stream for one token of a Qwen3-30B-A3B layer (graphed on an H100: 93.6 us a layer for one token, these programs
+31.9, the floor 25.6; four tokens 173.5 against 96.8, floor 92.7; `results/gpu_routed_experts_h100.json`). Here:
 
 * `expert_gate_up_kernel`: per pair and block of the expert's width, the gate and up products over the hidden size
   and SiLU(gate) * up;
@@ -32,8 +32,8 @@ ROUTED_MAX_TOKENS = 4
 # (width outputs per gate/up program, hidden outputs per down program, inputs per gate/up step, inputs per down
 # step, warps): few outputs and long steps put many loads in flight (the down program loads every choice's tile
 # at once); the best of a sweep on an H100 at the Qwen3-30B-A3B shape (`results/gpu_routed_experts_h100.json`)
-ONE_TOKEN_BLOCKS = (8, 4, 1024, 128, 8)
-BLOCKS = (8, 4, 1024, 128, 4)
+ONE_TOKEN_BLOCKS = (8, 2, 1024, 256, 4)
+BLOCKS = (8, 2, 1024, 128, 4)
 SERVES_INTERPRETED = False
 ROUTE_PROGRAM = True  # False: the router's torch operations (benchmarks set it for their baseline)  # the CPU tests set it to run a model's experts through the interpreted programs
 
