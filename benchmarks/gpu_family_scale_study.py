@@ -164,44 +164,41 @@ def engine_forward(runner: GraphRunner, context: int, tokens: int, tree: bool) -
     return run
 
 
+def crop_ms(run: Callable[[], object], crop: Callable[[], None], after: Callable[[], None] = lambda: None) -> float:
+    """Device ms of `crop` after each `run` (median of 20 after 5 warm ones); `after` runs untimed after each."""
+    times = []
+    for _ in range(25):
+        run()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        crop()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        after()
+    return sorted(times[5:])[len(times[5:]) // 2]
+
+
 def engine_rollback(runner: GraphRunner, context: int, rows: int, kept: int) -> float:
-    """Device ms of cropping the runner's hybrid state back to `kept` of a `rows`-row graphed forward (median of
-    20): the kept rows replayed into every layer's committed state at once (`dflash.kv.static_recurrent`)."""
+    """Device ms of cropping the runner's hybrid state back to `kept` of a `rows`-row graphed forward: the kept rows
+    replayed into every layer's committed state at once (`dflash.kv.static_recurrent`)."""
     run = engine_forward(runner, context, rows, tree=False)
     recurrent = runner.target_storage.recurrent
     assert isinstance(recurrent, StaticRecurrentStates)
-    times = []
-    for _ in range(25):
-        run()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        recurrent.crop(context + kept)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-        recurrent.reset()  # the replay committed: start the next forward from random states at `context` again
+
+    def start_again() -> None:  # the replay committed: the next forward starts from random states at `context`
+        recurrent.reset()
         recurrent.committed_states.normal_(0.0, 0.02)
         recurrent.length = context
-    return sorted(times[5:])[len(times[5:]) // 2]
+
+    return crop_ms(run, lambda: recurrent.crop(context + kept), start_again)
 
 
 def rollback(model: CausalLM, cache: KVCache, context: int, rows: int, kept: int) -> float:
-    """Device ms of cropping the state back to `kept` of the last forward's `rows` rows (median of 20)."""
-    recurrent = cache.recurrent
-    assert recurrent is not None
-    run = forward(model, cache, context, rows, tree=False)
-    times = []
-    for _ in range(25):
-        run()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        cache.crop(context + kept)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times[5:])[len(times[5:]) // 2]
+    """Device ms of cropping the state back to `kept` of the last forward's `rows` rows."""
+    assert cache.recurrent is not None
+    return crop_ms(forward(model, cache, context, rows, tree=False), lambda: cache.crop(context + kept))
 
 
 def prefill_ms(model: CausalLM, lengths: list[int]) -> dict[str, dict[str, float]]:

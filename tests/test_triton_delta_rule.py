@@ -11,6 +11,7 @@ from dflash.kernels import triton_delta_rule
 from dflash.kernels.triton_delta_rule import delta_rule_program_usable, delta_rule_rows
 from dflash.models.delta_rule import recurrent_delta_rule, tree_delta_rule
 from dflash.models.model import CausalLM
+from tests.test_hybrid_spec import _path
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_program = pytest.mark.skipif(
@@ -38,14 +39,6 @@ def _ancestors(parents: list[int]) -> torch.Tensor:
             mask[row, parent] = True
             parent = parents[parent]
     return mask.to(DEVICE)
-
-
-def _path(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 @needs_program
