@@ -201,7 +201,8 @@ def test_batched_core_gives_each_request_its_plain_greedy_tokens(
 
 
 def test_guards_of_both_families_apply(pair: tuple[Any, CausalLM], folder: Path) -> None:
-    """No CUDA graphs (hybrids run eagerly), no tensor parallelism, dense weights; DDTree alone and batched."""
+    """No CUDA graphs for float32 experts (the per-expert products read their counts on the host), no tensor
+    parallelism, dense weights; DDTree alone and batched."""
     _, ours = pair
     assert not ours.capturable and ours.config.is_moe and ours.config.is_hybrid
     for batch in (1, 4):
@@ -253,3 +254,29 @@ def test_sampling_keeps_the_target_distribution(monkeypatch: pytest.MonkeyPatch)
     with torch.no_grad():
         hf.lm_head.weight.mul_(3.0)  # next-token distributions far from uniform
     check_sampling_keeps_the_distribution(monkeypatch, ours_from_hf_hybrid(hf), [1, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("mode", ["none", "linear", "ddtree:6"])
+def test_graphed_hybrid_experts_give_the_eager_tokens_on_the_gpu(pair: tuple[Any, CausalLM], mode: str) -> None:
+    """bf16 on a GPU: the hybrid mixture is capturable (experts without host decisions, recurrent state in the
+    runner's buffers), and greedy generations replayed from CUDA graphs give the eager tokens (the same kernels)."""
+    import copy
+
+    from dflash.fastpath.runner import attach_graph_runner
+    from dflash.generation.forwards import register_forwards
+    from tests.test_fastpath import generate
+
+    cuda = torch.device("cuda")
+    model = copy.deepcopy(pair[1]).to(cuda, torch.bfloat16)
+    drafter = _drafter().to(cuda, torch.bfloat16)
+    assert model.capturable
+    try:
+        prompts = random_prompts(2, VOCAB, seed=31, lengths=(9, 40))
+        eager = [generate(model, drafter, mode, p, 30) for p in prompts]
+        runner = attach_graph_runner(model, drafter, capacity=512, fused=False)
+        graphed = [generate(model, drafter, mode, p, 30) for p in prompts]
+        assert graphed == eager and runner.served > 10 and runner.captured > 0
+    finally:
+        register_forwards(model, None)

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from dflash.models.moe import grouped_experts
 from dflash.models.moe_weights import fuse_shared_experts, join_gate_up, stack_expert_weights
 from dflash.models.qwen3_5 import Qwen35ForCausalLM
 
 
 class Qwen35MoeForCausalLM(Qwen35ForCausalLM):
-    """Not captured in CUDA graphs: the engine runs hybrids eagerly (their recurrent state is not in its graphs)."""
+    """Captured in CUDA graphs where its experts run without host decisions (a GPU in 16-bit floats: the routed
+    programs or the grouped product), its recurrent state in the runner's fixed buffers, as Qwen3.5's; elsewhere
+    the per-expert products read their token counts on the host, which no graph can replay."""
 
     @property
     def capturable(self) -> bool:
-        return False
+        return grouped_experts(self.embed_tokens.weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Experts in any checkpoint form stacked with gate and up joined; the shared expert's gate and up joined
