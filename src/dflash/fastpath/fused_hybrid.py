@@ -96,25 +96,22 @@ def fused_gdn(
     value_heads * value_dim] (before the output product); its state written to `states`."""
     joined = join_projections(mixer)
     proj = fast_linear(h, joined)  # [rows, channels + z + 2 * value_heads]
-    shape = mixer.shape
-    channels, kernel = shape.conv_channels, shape.conv_kernel
+    channels = mixer.shape.conv_channels
     window, state = states.read(mixer.slot)  # [1, kernel - 1, channels], [1, value_heads, key_dim, value_dim]
+    kept = states.row_buffers(mixer.slot, h.shape[0])  # the rows' inputs go straight to the rollback's buffers
+    chain = ancestors is None
+    new_window = states.next_windows[mixer.slot] if chain else window  # a tree leaves the window to its cut
     q, k, v, g, beta = gdn_inputs(
         proj, window[0], mixer.conv1d.weight, taps, mixer.A_log, mixer.dt_bias, key_heads=mixer.key_heads,
-        value_heads=mixer.value_heads, key_dim=mixer.key_dim, value_dim=mixer.value_dim,
+        value_heads=mixer.value_heads, key_dim=mixer.key_dim, value_dim=mixer.value_dim, kept=kept,
+        window_out=new_window[0] if chain else None, count=count,
     )
     read, new_state = delta_rule_rows(
         q[None], k[None], v[None], g[None], beta[None], state, ancestors=ancestors,
         final=states.final_buffer(mixer.slot), count=count,
     )
     assert read is not None
-    conv_inputs = proj[:, :channels]
-    if ancestors is None:  # the window after the chain's live rows
-        extended = torch.cat((window[0], conv_inputs), dim=0)  # [kernel - 1 + rows, channels]
-        index = torch.arange(kernel - 1, device=h.device) + (h.shape[0] if count is None else count)
-        new_window = extended.index_select(0, index)[None]
-    else:
-        new_window = window
+    conv_inputs = kept.conv_inputs if kept is not None else proj[:, :channels]
     states.write(mixer.slot, new_window, new_state, DeltaRows(conv_inputs[None], k[None], v[None], g[None], beta[None]))
     z_offset = channels
     return gated_norm(read[0], proj, z_offset, mixer.norm.weight, mixer.norm.eps, h.dtype)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dflash.kernels.triton_decode import next_power_of_two
+from dflash.kv.recurrent import DeltaRows
 
 
 @cache
@@ -59,28 +60,41 @@ def gdn_inputs(
     value_heads: int,
     key_dim: int,
     value_dim: int,
+    kept: DeltaRows | None = None,
+    window_out: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """proj [rows, >= channels + z + 2 * value_heads] (unit column stride), window [kernel - 1, channels],
     conv_weight [channels, 1, kernel], taps [rows, kernel] int32 -> (q, k [key_heads, rows, key_dim], v
-    [value_heads, rows, value_dim], g, beta [value_heads, rows]), float32."""
+    [value_heads, rows, value_dim], g, beta [value_heads, rows]), float32. `kept`: where to write k, v, g, beta
+    and each row's convolution inputs ([rows, channels]) instead of new tensors (rows contiguous within a head);
+    `window_out` [kernel - 1, channels]: the window after the live rows (`count`, a [1] device tensor, or all)."""
     rows = proj.shape[0]
     kernel = conv_weight.shape[-1]
     channels = window.shape[-1]
     device = proj.device
     q = torch.empty((key_heads, rows, key_dim), dtype=torch.float32, device=device)
-    k = torch.empty_like(q)
-    v = torch.empty((value_heads, rows, value_dim), dtype=torch.float32, device=device)
-    g = torch.empty((value_heads, rows), dtype=torch.float32, device=device)
-    beta = torch.empty_like(g)
+    if kept is None:
+        k = torch.empty_like(q)
+        v = torch.empty((value_heads, rows, value_dim), dtype=torch.float32, device=device)
+        g = torch.empty((value_heads, rows), dtype=torch.float32, device=device)
+        beta = torch.empty_like(g)
+    else:
+        k, v, g, beta = kept.k, kept.v, kept.g, kept.beta
+        if k.stride(1) != key_dim or v.stride(1) != value_dim or g.stride(1) != 1 or g.stride() != beta.stride():
+            raise ValueError("kept rows must be contiguous within a head")
     if rows == 0:
         return q, k, v, g, beta
+    conv_out = kept.conv_inputs if kept is not None else proj
     inputs, _ = _programs()
     inputs[(rows, 2 * key_heads + value_heads)](
         proj, window.contiguous(), conv_weight.contiguous(), taps.contiguous(), a_log, dt_bias,
-        q, k, v, g, beta,
+        q, k, v, g, beta, conv_out, window_out if window_out is not None else window,
+        count if count is not None else taps,
         rows, proj.stride(0), channels, key_heads, value_heads, value_heads * value_dim, key_dim**-0.5,
+        k.stride(0), v.stride(0), g.stride(0), conv_out.stride(0),
         KERNEL=kernel, KEY_DIM=key_dim, VALUE_DIM=value_dim, BD=next_power_of_two(max(key_dim, value_dim)),
-        num_warps=4,
+        KEEP_CONV=kept is not None, WINDOW=window_out is not None, COUNTED=count is not None, num_warps=4,
     )
     return q, k, v, g, beta
 

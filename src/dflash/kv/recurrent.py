@@ -211,12 +211,16 @@ class RecurrentStates:
 
 def replayed_state(rows: DeltaRows, state: torch.Tensor, final: torch.Tensor | None = None) -> torch.Tensor:
     """The state after `rows` from `state`, by the program the forwards use where it serves (into `final` when
-    given, which may be `state`), else by the torch rule."""
+    given, which may be `state`), else by the torch rule. rows.k may hold key heads (fewer than rows.v's value
+    heads, each serving as many consecutive value heads)."""
     if rows.k.shape[2] <= ROLLBACK_MAX_ROWS and delta_rule_program_serves(rows.k):
         _, after = delta_rule_rows(None, rows.k, rows.v, rows.g, rows.beta, state, final=final)
         assert after is not None
         return after
-    after = delta_rule_state(rows.k, rows.v, rows.g, rows.beta, state)
+    keys = rows.k
+    if keys.shape[1] != rows.v.shape[1]:  # key heads each serving several value heads: repeated for the torch rule
+        keys = keys.repeat_interleave(rows.v.shape[1] // keys.shape[1], dim=1)
+    after = delta_rule_state(keys, rows.v, rows.g, rows.beta, state)
     if final is not None:
         final.copy_(after)
         return final

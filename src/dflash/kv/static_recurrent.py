@@ -54,9 +54,12 @@ class StaticRecurrentStates(RecurrentStates):
         self.next_states = torch.zeros_like(self.committed_states)
         self.max_rows = max_rows
         heads = (layers, batch, s.value_heads, max_rows)
+        # key heads as the layer computes them (q/k/v channels = 2 * key heads * key_dim + value heads * value_dim),
+        # each serving value_heads / key_heads value heads: kept once, not repeated
+        self.key_heads = (s.conv_channels - s.value_heads * s.value_dim) // (2 * s.key_dim)
         self.kept = DeltaRows(
             conv_inputs=torch.zeros((layers, batch, max_rows, s.conv_channels), dtype=dtype, device=device),
-            k=torch.zeros((*heads, s.key_dim), dtype=torch.float32, device=device),
+            k=torch.zeros((layers, batch, self.key_heads, max_rows, s.key_dim), dtype=torch.float32, device=device),
             v=torch.zeros((*heads, s.value_dim), dtype=torch.float32, device=device),
             g=torch.zeros(heads, dtype=torch.float32, device=device),
             beta=torch.zeros(heads, dtype=torch.float32, device=device),
@@ -73,18 +76,36 @@ class StaticRecurrentStates(RecurrentStates):
     def final_buffer(self, slot: int) -> torch.Tensor | None:
         return self.next_states[slot]
 
+    def row_buffers(self, slot: int, rows: int) -> DeltaRows | None:
+        """Where a forward of `rows` rows may write what it feeds the layer's state, in place of `write`'s copies
+        (None: too many rows to keep). Batch 0's: [rows, channels], k [key_heads, rows, key_dim], v [value_heads,
+        rows, value_dim], g and beta [value_heads, rows] (strided views)."""
+        if rows > self.max_rows:
+            return None
+        kept = self.kept
+        return DeltaRows(
+            kept.conv_inputs[slot, 0, :rows], kept.k[slot, 0, :, :rows], kept.v[slot, 0, :, :rows],
+            kept.g[slot, 0, :, :rows], kept.beta[slot, 0, :, :rows],
+        )
+
     def write(self, slot: int, window: torch.Tensor, state: torch.Tensor | None, rows: DeltaRows) -> None:
-        self.next_windows[slot].copy_(window)
+        """As `RecurrentStates.write`, copying into the fixed buffers (skipping what a forward wrote in place)."""
+        if window.data_ptr() != self.next_windows[slot].data_ptr():
+            self.next_windows[slot].copy_(window)
         if state is not None and state.data_ptr() != self.next_states[slot].data_ptr():
             self.next_states[slot].copy_(state)
         count = rows.k.shape[2]
         if count <= self.max_rows:
-            self.kept.conv_inputs[slot, :, :count].copy_(rows.conv_inputs)
-            for name in ("v", "g", "beta"):
-                getattr(self.kept, name)[slot, :, :, :count].copy_(getattr(rows, name))
-            keys = self.kept.k[slot, :, :, :count]  # [batch, value_heads, count, key_dim]
-            key_heads = rows.k.shape[1]  # fewer than the value heads where each serves several (not repeated)
-            keys.unflatten(1, (key_heads, -1)).copy_(rows.k[:, :, None])
+            for name in ("conv_inputs", "k", "v", "g", "beta"):
+                kept, given = getattr(self.kept, name), getattr(rows, name)
+                if given.data_ptr() == kept[slot].data_ptr():
+                    continue  # written in place (`row_buffers`)
+                if name == "conv_inputs":
+                    kept[slot, :, :count].copy_(given)
+                elif name == "k" and given.shape[1] != self.key_heads:  # repeated per value head: one per key head
+                    kept[slot, :, :, :count].copy_(given[:, :: given.shape[1] // self.key_heads])
+                else:
+                    kept[slot, :, :, :count].copy_(given)
         self.note_forward(count, tree=self.tree_ancestors is not None)
 
     def note_forward(self, rows: int, *, tree: bool) -> None:
