@@ -51,7 +51,7 @@ class DeltaRows:
     The queries are not needed: replaying rebuilds the state, not the outputs."""
 
     conv_inputs: torch.Tensor  # [batch, rows, conv_channels], before the convolution
-    k: torch.Tensor  # [batch, value_heads, rows, key_dim], normalised and repeated per value head
+    k: torch.Tensor  # [batch, value_heads or key_heads, rows, key_dim], normalised (key heads: each serving several)
     v: torch.Tensor  # [batch, value_heads, rows, value_dim]
     g: torch.Tensor  # [batch, value_heads, rows]
     beta: torch.Tensor  # [batch, value_heads, rows]
