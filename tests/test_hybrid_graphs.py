@@ -118,3 +118,26 @@ def test_cuda_graphs_of_a_hybrid_give_the_plain_tokens(mode: str) -> None:
         register_forwards(target, None)
     assert graphed == plain
     assert runner.captured > 0 and runner.served > 20
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_prefix_cache_resumes_the_runner_s_fixed_state(target: CausalLM, speculative: bool) -> None:
+    """Through the runner's static forwards, blocks keep copies of the fixed buffers' state at their end and a hit
+    restores them: a prompt sharing a cached prefix decodes exactly as a cold prefill does."""
+    from dflash.kv.prefix_cache import PrefixCache
+    from tests.test_hybrid_spec import _with_prefix_cache
+
+    drafter = _drafter() if speculative else None
+    layers = drafter.config.target_layer_ids if drafter is not None else ()
+    first = random_prompts(1, VOCAB, seed=12, lengths=(30,))[0]
+    second = first[:21] + random_prompts(1, VOCAB, seed=15, lengths=(12,))[0]  # shares 2 blocks and 5 tokens
+    cold = {tuple(p): _with_prefix_cache(target, drafter, p, None, 12)[0] for p in (first, second)}
+    runner = attach_graph_runner(target, drafter, capacity=256, capture=False)
+    try:
+        prefix_cache = PrefixCache(2**24, block_tokens=8, feature_layers=layers)
+        assert _with_prefix_cache(target, drafter, first, prefix_cache, 12) == (cold[tuple(first)], 0)
+        assert _with_prefix_cache(target, drafter, first, prefix_cache, 12) == (cold[tuple(first)], 24)
+        assert _with_prefix_cache(target, drafter, second, prefix_cache, 12) == (cold[tuple(second)], 16)
+    finally:
+        register_forwards(target, None)
+    assert runner.served > 10
