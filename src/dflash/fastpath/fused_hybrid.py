@@ -28,6 +28,7 @@ from dflash.fastpath.fused_layers import (
     add_norm,
     attention_residual_and_mlp,
     embed_rows,
+    final_norm_and_features,
     last_product,
 )
 from dflash.fastpath.static_forward import SlotWriter, block_visibility
@@ -156,9 +157,4 @@ def fused_hybrid_layers(
         else:
             attended = Owed(layer.self_attn(h[None], cos, sin, full, writer)[0])
         x, pending = attention_residual_and_mlp(layer, x, attended)
-    hidden, x = add_norm(x, pending, model.norm, MLP_REGION)
-    last = len(model.layers) - 1
-    if last in wanted:
-        captured[last] = x
-    features = torch.cat([captured[layer] for layer in capture], dim=-1)[None] if capture else None
-    return hidden[None], features
+    return final_norm_and_features(model, x, pending, captured, capture)

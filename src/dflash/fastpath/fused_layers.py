@@ -231,9 +231,17 @@ def fused_layers(
             )  # [1, heads, rows, head_dim]
             attended = last_product(out[0].transpose(0, 1).reshape(rows, heads * head_dim), attention.o_proj)
         x, pending = attention_residual_and_mlp(layer, x, attended)
+    return final_norm_and_features(model, x, pending, captured, capture)
+
+
+def final_norm_and_features(
+    model: CausalLM, x: torch.Tensor, pending: Owed | None, captured: dict[int, torch.Tensor], capture: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """After the last layer: its owed MLP rows added and the final norm -> (hidden [1, rows, hidden], the captured
+    layers' residual streams joined [1, rows, len(capture) * hidden] or None). captured: the layers' streams so far
+    (the last one's is the sum this add makes)."""
     hidden, x = add_norm(x, pending, model.norm, MLP_REGION)
-    last = len(model.layers) - 1
-    if last in wanted:
-        captured[last] = x
+    if len(model.layers) - 1 in capture:
+        captured[len(model.layers) - 1] = x
     features = torch.cat([captured[layer] for layer in capture], dim=-1)[None] if capture else None
     return hidden[None], features
