@@ -11,8 +11,8 @@ accepted path is replayed afterwards (`keep`, what `KVCache.compact` calls). So 
 state from before the forward (`base`) and, for short forwards, what each row fed the state (`DeltaRows`); a crop
 inside the last forward replays the kept rows from `base` with the token-by-token rule, which gives the state after
 exactly those rows, the convolution window included (on CUDA by the same Triton program the forward used, so the
-state is bitwise the one a forward of those rows alone reaches). A long forward (a prefill chunk) keeps no rows, and cropping
-into it is an error, as is cropping before the last forward: the loops never do either.
+state is bitwise the one a forward of those rows alone reaches). A long forward (a prefill chunk) keeps no rows,
+and cropping into it is an error, as is cropping before the last forward: the loops never do either.
 
 No tensor here is ever written in place (each forward, crop or reset makes new ones), so holding the current
 tensors is a snapshot (`RecurrentSnapshot`): during a prefill the states at every prefix-cache block boundary are

@@ -7,9 +7,9 @@ RMS-normalised, gated by SiLU(z) and projected back to the hidden size.
 
 A tree verification (the state's `tree_ancestors` set) convolves and updates each row along its own path instead
 of after the row before it. Forwards of at most `ROLLBACK_MAX_ROWS` rows take one Triton program per layer for the
-rule where it serves (`dflash.kernels.triton_delta_rule`: CUDA), the torch forms elsewhere. The past lives in a `RecurrentStates` (convolution window plus state matrix per
-head), indexed by this layer's
-position among the linear layers (`slot`): the `KVCache`'s of a single sequence, or one per request of a packed
+rule where it serves (`dflash.kernels.triton_delta_rule`: CUDA), the torch forms elsewhere. The past lives in a
+`RecurrentStates` (convolution window plus state matrix per head), indexed by this layer's position among the
+linear layers (`slot`): the `KVCache`'s of a single sequence, or one per request of a packed
 batch (the batched core's attention backend lists them with their rows). Parameter names follow transformers'
 checkpoints.
 """

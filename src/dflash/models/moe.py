@@ -8,7 +8,7 @@ The eager compute groups tokens by expert and runs only the experts that receive
 row touches k experts' weights, not all of them. On a GPU in 16-bit floats the grouped rows go through PyTorch's
 grouped product (`grouped_mm`: two launches per layer for all experts, no host sync; empty groups cost nothing);
 elsewhere one product per expert that received tokens, the count per expert read on the host. Where the grouped
-product serves, a few tokens (decode steps) go through two Triton programs instead, each (token, choice) pair
+product serves, up to 16 tokens (decode steps, verifications) go through two Triton programs instead, each (token, choice) pair
 reading its expert's weights directly (`dflash.kernels.triton_experts`).
 """
 

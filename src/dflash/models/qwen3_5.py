@@ -143,8 +143,8 @@ class Qwen35ForCausalLM(CausalLM):
         logits: LogitsMode = "all",
     ) -> ForwardOutput:
         """As `CausalLM.forward`, for causal rows or a verification tree (`tree_mask`: the linear layers then take
-        each row along its own path, `RecurrentStates.tree_ancestors`); no custom attention mask (a recurrent state cannot
-        follow one)."""
+        each row along its own path, `RecurrentStates.tree_ancestors`); no custom attention mask (a recurrent state
+        cannot follow one)."""
         if attn_mask is not None:
             raise GenerationError("linear-attention layers take causal rows or a tree only (no attention mask)")
         if cache is not None and cache.recurrent is None:
