@@ -16,10 +16,10 @@ from dflash.models.gguf_loader import load_gguf
 from dflash.models.moe_weights import stack_expert_weights
 from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
+from tests.hybrid_gguf import HYBRID_NAMES, tiled_rows
 from tests.hybrid_models import hf_tiny_35_moe, hf_tiny_next
 from tests.loading_helpers import gguf_tokenizer_metadata, train_byte_level_tokenizer, write_gguf
 from tests.spec_helpers import one_torch_thread, run
-from tests.test_gguf_hybrid import _NAMES, _tiled
 
 transformers = pytest.importorskip("transformers")
 _threads = one_torch_thread
@@ -27,7 +27,7 @@ _threads = one_torch_thread
 # llama.cpp derives the layer kinds from the interval: every 4th layer is full attention
 _LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 _MOE_NAMES = {  # transformers layer part -> llama.cpp tensor stem
-    **_NAMES,
+    **HYBRID_NAMES,
     "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "linear_attn.in_proj_ba": "ssm_ba",
@@ -40,7 +40,7 @@ def _linear_attention(cfg: Any, part: str, w: np.ndarray, tiled: bool) -> tuple[
     q_and_k, head_v = 2 * groups * cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
     def tile(rows: np.ndarray, head_rows: int) -> np.ndarray:
-        return _tiled(rows, groups, per_group, head_rows) if tiled else rows
+        return tiled_rows(rows, groups, per_group, head_rows) if tiled else rows
 
     if part == "linear_attn.A_log":
         return "ssm_a", tile(-np.exp(w)[:, None], 1)[:, 0]
@@ -170,11 +170,13 @@ def test_gguf_loads_as_transformers_weights(arch: str, fused_experts: bool, tmp_
 
 
 def test_quantized_weights_are_declined(tmp_path: Path) -> None:
+    """The hybrid mixtures' experts have no product over blocks: dense weights (dense-MLP hybrids load quantized,
+    tests/test_gguf_hybrid_quantized.py)."""
     hf = hf_tiny_35_moe(seed=21, layer_types=_LAYER_TYPES)
     path = write_gguf(tmp_path / "tiny.gguf", "qwen35moe", _metadata(hf, "qwen35moe"), _convert(hf, "qwen35moe"))
     choice = choose_weights("auto", path, torch.device("cpu"), torch.float32)
-    assert choice.kind == "dense" and "linear-attention" in choice.reason
-    with pytest.raises(ModelLoadError, match="linear-attention"):
+    assert choice.kind == "dense" and "mixture of experts" in choice.reason
+    with pytest.raises(ModelLoadError, match="mixture of experts"):
         choose_weights("quantized", path, torch.device("cpu"), torch.float32)
 
 

@@ -10,7 +10,8 @@ Quant mixes: `q8_0` (every matrix Q8_0), `q4_1` and `q4_0` (every matrix in that
 (llama.cpp's Q4_K_M rule: Q4_K, with Q6_K for the output matrix and for attn_v / ffn_down in the layers that get
 more bits: the first and last eighth, and every third in between). Norms stay float32. The K formats need rows
 of whole 256-value super-blocks: `smollm2-135m` (rows of 576) is written in the 32-value mixes only (llama.cpp
-itself stores such rows in Q5_0 / Q8_0 in a Q4_K_M file).
+itself stores such rows in Q5_0 / Q8_0 in a Q4_K_M file). The Qwen3.5 hybrid shapes (`qwen35` architecture) are
+described in `dflash.bench.random_gguf_hybrid`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
+
+from dflash.bench.random_gguf_hybrid import (
+    HYBRID_SHAPES,
+    HybridShape,
+    add_hybrid_metadata,
+    hybrid_float_tensor,
+    hybrid_layer_tensors,
+)
 
 Q8_0, Q4_K, Q6_K, F32 = (
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
@@ -81,12 +90,16 @@ def layer_tensors(shape: Shape, layer: int, mix: str) -> list[tuple[str, tuple[i
     ]
 
 
-def all_tensors(shape: Shape, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
+def all_tensors(shape: Shape | HybridShape, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
     """Every tensor of the file, in llama.cpp's order."""
     single = SINGLE_FORMAT_MIXES.get(mix)
     tensors = [("token_embd.weight", (shape.vocab, shape.hidden), single or Q4_K)]
     for layer in range(shape.layers):
-        tensors += layer_tensors(shape, layer, mix)
+        if isinstance(shape, HybridShape):
+            rich = single or (Q6_K if more_bits(layer, shape.layers) else Q4_K)
+            tensors += hybrid_layer_tensors(shape, layer, single or Q4_K, rich)
+        else:
+            tensors += layer_tensors(shape, layer, mix)
     tensors.append(("output_norm.weight", (1, shape.hidden), F32))
     if not shape.tied:
         tensors.append(("output.weight", (shape.vocab, shape.hidden), single or Q6_K))
@@ -147,27 +160,54 @@ _SCALES: dict[GGMLQuantizationType, Callable[[np.ndarray, np.random.Generator], 
 
 
 def _tensor_data(
-    shape: tuple[int, int], kind: GGMLQuantizationType, rng: np.random.Generator
+    name: str, shape: tuple[int, int], kind: GGMLQuantizationType, rng: np.random.Generator
 ) -> np.ndarray:
     rows, columns = shape
-    if kind == F32:  # norms: around 1
-        return (1.0 + 0.1 * rng.standard_normal(columns)).astype(np.float32)
+    if kind == F32:  # norms around 1; a hybrid's other float tensors as `hybrid_float_tensor` makes them
+        return hybrid_float_tensor(name, shape, rng)
     return random_blocks(rows, columns, kind, rng)
 
 
 def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> Path:
     """Write the random model `shape_name` in quant mix `mix` to `path`, tensor by tensor."""
-    if shape_name not in SHAPES:
-        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
+    every_shape: dict[str, Shape | HybridShape] = {**SHAPES, **HYBRID_SHAPES}
+    if shape_name not in every_shape:
+        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(every_shape)}")
     if mix not in QUANT_MIXES:
         raise ValueError(f"unknown quant mix {mix!r}; choose one of {', '.join(QUANT_MIXES)}")
-    shape = SHAPES[shape_name]
+    shape = every_shape[shape_name]
     if mix not in SINGLE_FORMAT_MIXES and shape.hidden % 256:
         raise ValueError(f"{shape_name}'s rows of {shape.hidden} values are not whole 256-value super-blocks: "
                          f"write it in {', '.join(SINGLE_FORMAT_MIXES)}")
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "qwen3")
+    hybrid = isinstance(shape, HybridShape)
+    writer = GGUFWriter(str(path), "qwen35" if hybrid else "qwen3")
     writer.add_name(f"random {shape_name} {mix}")
+    if isinstance(shape, HybridShape):
+        add_hybrid_metadata(writer, shape)
+    else:
+        _add_qwen3_metadata(writer, shape)
+    writer.add_file_type(FILE_TYPES[mix])
+    _add_vocabulary(writer, shape.vocab)
+    tensors = all_tensors(shape, mix)
+    for name, dims, kind in tensors:
+        rows, columns = dims
+        block_values, block_bytes = GGML_QUANT_SIZES[kind]
+        nbytes = rows * columns // block_values * block_bytes
+        if kind == F32:
+            writer.add_tensor_info(name, (columns,) if rows == 1 else dims, np.dtype(np.float32), nbytes)
+        else:
+            writer.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims, kind in tensors:
+        writer.write_tensor_data(_tensor_data(name, dims, kind, rng))
+    writer.close()
+    return path
+
+
+def _add_qwen3_metadata(writer: GGUFWriter, shape: Shape) -> None:
     writer.add_block_count(shape.layers)
     writer.add_context_length(40960)
     writer.add_embedding_length(shape.hidden)
@@ -178,24 +218,6 @@ def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> P
     writer.add_value_length(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1_000_000.0)
-    writer.add_file_type(FILE_TYPES[mix])
-    _add_vocabulary(writer, shape.vocab)
-    tensors = all_tensors(shape, mix)
-    for name, dims, kind in tensors:
-        rows, columns = dims
-        block_values, block_bytes = GGML_QUANT_SIZES[kind]
-        nbytes = rows * columns // block_values * block_bytes
-        if kind == F32:
-            writer.add_tensor_info(name, (columns,), np.dtype(np.float32), nbytes)
-        else:
-            writer.add_tensor_info(name, (rows, nbytes // rows), np.dtype(np.uint8), nbytes, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _, dims, kind in tensors:
-        writer.write_tensor_data(_tensor_data(dims, kind, rng))
-    writer.close()
-    return path
 
 
 FILE_TYPES = {

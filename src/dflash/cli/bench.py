@@ -72,7 +72,8 @@ def register(commands: Any) -> None:
         "make-gguf", help="write a random-weight GGUF at a real model shape (for speed comparisons on one file)"
     )
     make_gguf.add_argument("--shape", default="qwen3-8b",
-                           help="qwen3-8b, qwen3-32b, qwen3-0.6b, smollm2-135m (not in q4_k_m) or tiny")
+                           help="qwen3-8b, qwen3-32b, qwen3-0.6b, smollm2-135m (not in q4_k_m), tiny, or the "
+                                "Qwen3.5 hybrids qwen3.5-27b and tiny-hybrid")
     make_gguf.add_argument("--quant", default="q4_k_m", help="q4_k_m (llama.cpp's mix), q8_0, q4_1 or q4_0")
     make_gguf.add_argument("--seed", type=int, default=0)
     make_gguf.add_argument("--out", type=Path, required=True)

@@ -54,6 +54,8 @@ def supports_fused_hybrid(model: CausalLM) -> bool:
             return False
         mixer = layer.linear_attn
         linears = [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        if mixer is not None and mixer.in_proj_joint is not None:
+            return False
         if mixer is not None:
             linears += [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj]
         if any(type(module) is not nn.Linear or module.bias is not None for module in linears):

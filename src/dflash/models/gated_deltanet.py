@@ -106,20 +106,44 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.value_heads))
         self.norm = GatedRMSNorm(self.value_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(value_size, hidden, bias=False)
+        # Set by a builder that joins the first `joined_projections` of PROJECTIONS into one module (a quantized
+        # model: one product and one input rounding instead of several); the joined modules are then removed.
+        self.in_proj_joint: nn.Module | None = None
+        self.joined_projections = 0
+
+    # the input projections in the order of their outputs in a joint product
+    PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def projection_sizes(self) -> tuple[int, int, int, int]:
+        """Output sizes of PROJECTIONS."""
+        return self.shape.conv_channels, self.value_heads * self.value_dim, self.value_heads, self.value_heads
+
+    def join_input_projections(self, joint: nn.Module, count: int) -> None:
+        """Use `joint` (outputs: the first `count` PROJECTIONS' rows, in order) instead of those modules."""
+        self.in_proj_joint, self.joined_projections = joint, count
+        for name in self.PROJECTIONS[:count]:
+            delattr(self, name)
+
+    def _projections(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [batch, seq, hidden] -> conv inputs [.., channels], z [.., value_heads * value_dim], b and a [..,
+        value_heads]."""
+        joined = self.joined_projections
+        out = [] if self.in_proj_joint is None else list(
+            self.in_proj_joint(x).split(self.projection_sizes()[:joined], dim=-1)
+        )
+        return out + [getattr(self, name)(x) for name in self.PROJECTIONS[joined:]]
 
     def forward(self, x: torch.Tensor, cache: CacheWriter | AttentionBackend | None) -> torch.Tensor:
         """x: [batch, seq, hidden] -> [batch, seq, hidden]; reads and updates the recurrent state of each sequence
         (one per `KVCache`, or one per request of a packed batch: the backend's `recurrent_segments`)"""
         batch, seq, _ = x.shape
-        conv_inputs = self.in_proj_qkv(x)  # [batch, seq, channels]
-        write_strength = self.in_proj_b(x)  # [batch, seq, value_heads]
-        decay_input = self.in_proj_a(x)  # [batch, seq, value_heads]
+        conv_inputs, z, write_strength, decay_input = self._projections(x)  # channels, value size, 2x value heads
         parts = [
             self._mix(conv_inputs[:, rows], write_strength[:, rows], decay_input[:, rows], states)
             for rows, states in self._sequences(seq, cache)
         ]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [batch, value_heads, seq, value_dim]
-        z = self.in_proj_z(x).view(batch, seq, self.value_heads, self.value_dim)
+        z = z.reshape(batch, seq, self.value_heads, self.value_dim)
         out = self.norm(out.transpose(1, 2).to(x.dtype), z)  # [batch, seq, value_heads, value_dim]
         return self.out_proj(out.reshape(batch, seq, -1))
 

@@ -13,6 +13,10 @@ llama.cpp's converter changes the Gated DeltaNet weights as well as renaming the
     input columns of `ssm_out`.
 A file may also carry multi-token-prediction blocks after the model's own (`nextn_predict_layers`): they are
 skipped. The experts, and Qwen3-Next's split projections, are in `dflash.models.gguf_hybrid_moe`.
+
+Matrices kept as quantized blocks (`hybrid_block_rows`) take the row reorders on their bytes (rows are independent
+in every block format); `ssm_out`'s reordered input columns cannot be moved inside blocks, so it keeps them and
+names the order its input must be put in instead.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dflash.models.gguf_hybrid_moe import EXPERT_PARAMETERS, MOE_LAYER_NAMES, mo
 
 __all__ = [
     "GGUF_HYBRID_ARCHITECTURES",
+    "hybrid_block_rows",
     "hybrid_config_from_gguf",
     "hybrid_hf_shape",
     "hybrid_tensor_name",
@@ -118,6 +123,25 @@ def undo_hybrid_conversion(tensor: torch.Tensor, gguf_name: str, config: ModelCo
     if stem == "ssm_out":
         return regroup(tensor.transpose(0, 1), config.linear_value_head_dim).transpose(0, 1).contiguous()
     return tensor
+
+
+def hybrid_block_rows(
+    blocks: torch.Tensor, gguf_name: str, config: ModelConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One quantized hybrid matrix, blocks [rows, bytes per row], in transformers' row order -> (blocks, input
+    order): the input order [columns] long is None, or for `ssm_out` (columns still in llama.cpp's tiled order)
+    the model's input feature each stored column multiplies (y = W_stored @ x[order])."""
+    stem = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else gguf_name
+    if config.architecture == "qwen3_next" or stem not in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out"):
+        return blocks, None
+    regroup = _Regroup(config)
+    if stem == "ssm_out":
+        if regroup.per_group == 1:
+            return blocks, None
+        value_size = config.linear_num_value_heads * config.linear_value_head_dim
+        grouped = torch.arange(value_size).reshape(regroup.groups, regroup.per_group, config.linear_value_head_dim)
+        return blocks, grouped.transpose(0, 1).reshape(-1)  # stored (head in group, group) <- model's (group, head)
+    return undo_hybrid_conversion(blocks, gguf_name, config), None
 
 
 class _Regroup:

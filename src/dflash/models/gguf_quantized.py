@@ -6,6 +6,11 @@ Q4_K, Q5_K, Q6_K: on the CPU the int8 kernel reads them all, the float32 and bf1
 rewritten into such a format without loss (`gguf_transcode`: Q5_0 as Q8_0); its blocks are copied out of the file
 as they are, with llama's Q/K rows put back in Hugging Face order (a row permutation). 1-D tensors (norms, biases)
 are dequantised and converted exactly as the dense loader does.
+
+Qwen3.5 hybrids (`qwen35`) load too: their value-head rows are put back in transformers' order on the blocks, the
+output projection keeps its columns and an input order (`gguf_hybrid.hybrid_block_rows`); the convolution kernel
+stays dense, and so do the b and a projections where the file stores them in float. Mixtures of experts are
+declined (no expert product over blocks yet).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from gguf import GGMLQuantizationType
 from dflash.errors import ModelLoadError
 from dflash.models.checkpoint import validate_weights
 from dflash.models.gguf_file import GGUFFile
+from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES, hybrid_block_rows
 from dflash.models.gguf_loader import open_gguf_model, undo_conversion
 from dflash.models.gguf_transcode import effective_format, transcode_blocks
 from dflash.models.quantized_weights import (
@@ -30,15 +36,27 @@ from dflash.models.quantized_weights import (
 
 __all__ = [
     "describe_unsupported",
+    "is_hybrid_file",
     "load_gguf_quantized",
     "mixture_of_experts_obstacle",
     "reads_format",
+    "stays_dense",
     "tensor_type_counts",
     "unsupported_matrices",
 ]
 
 # Tensors that hold configuration rather than parameters (never quantized matrices).
 _NON_PARAMETERS = {"rope_freqs.weight"}
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def stays_dense(gguf_name: str, qtype: GGMLQuantizationType, hybrid: bool) -> bool:
+    """Whether a 2-D tensor is loaded dense by the quantized loader: a hybrid's convolution kernel (not a
+    matrix), and its one-row-per-head b and a projections where the file keeps them in float."""
+    if not hybrid:
+        return False
+    small = ".ssm_beta." in gguf_name or ".ssm_alpha." in gguf_name
+    return ".ssm_conv1d." in gguf_name or (small and qtype in _FLOAT_TYPES)
 
 
 def reads_format(device_type: str, qtype: GGMLQuantizationType) -> bool:
@@ -50,11 +68,17 @@ def reads_format(device_type: str, qtype: GGMLQuantizationType) -> bool:
 
 def unsupported_matrices(gguf: GGUFFile, device_type: str = "cpu") -> dict[str, str]:
     """GGUF name -> type name of every matrix the quantized path of `device_type` cannot use."""
+    hybrid = is_hybrid_file(gguf)
     return {
         name: info.qtype.name
         for name, info in gguf.tensors.items()
         if len(info.shape) == 2 and name not in _NON_PARAMETERS and not reads_format(device_type, info.qtype)
+        and not stays_dense(name, info.qtype, hybrid)
     }
+
+
+def is_hybrid_file(gguf: GGUFFile) -> bool:
+    return str(gguf.metadata.get("general.architecture", "")) in GGUF_HYBRID_ARCHITECTURES
 
 
 def mixture_of_experts_obstacle(gguf: GGUFFile) -> str | None:
@@ -64,7 +88,7 @@ def mixture_of_experts_obstacle(gguf: GGUFFile) -> str | None:
         return None
     return (
         f"the model is a mixture of experts ({len(experts)} stacked expert tensors such as {experts[0]}); "
-        "the quantized CPU kernel has no expert product, so they run as dense weights"
+        "the quantized kernels have no expert product, so they run as dense weights"
     )
 
 
@@ -91,8 +115,6 @@ def load_gguf_quantized(path: Path, device_type: str = "cpu") -> QuantizedCheckp
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
     gguf, config, names, tokenizer = open_gguf_model(path)
-    if config.is_hybrid:
-        raise ModelLoadError(f"{path}: linear-attention (hybrid) models run dense weights, not quantized blocks")
     moe = mixture_of_experts_obstacle(gguf)
     if moe is not None:
         raise ModelLoadError(f"{path}: cannot keep the weights quantized: {moe} (use --weights dense)")
@@ -102,17 +124,23 @@ def load_gguf_quantized(path: Path, device_type: str = "cpu") -> QuantizedCheckp
         raise ModelLoadError(f"{path}: cannot keep the weights quantized: {reason}")
     matrices: dict[str, QuantizedMatrix] = {}
     dense: dict[str, torch.Tensor] = {}
+    input_orders: dict[str, torch.Tensor] = {}
     for gguf_name, hf_name in names.items():
         info = gguf.tensors[gguf_name]
-        if len(info.shape) == 2:
+        if len(info.shape) == 2 and not stays_dense(gguf_name, info.qtype, config.is_hybrid):
             blocks = torch.from_numpy(np.array(gguf.raw(info), dtype=np.uint8, order="C"))  # a copy, writable
             blocks = transcode_blocks(blocks, info.qtype)  # [rows, bytes] in effective_format(info.qtype)
-            blocks = undo_conversion(blocks, gguf_name, config).contiguous()
-            matrices[hf_name] = QuantizedMatrix(blocks, effective_format(info.qtype), info.shape[1])
+            if config.is_hybrid:
+                blocks, order = hybrid_block_rows(blocks, gguf_name, config)
+                if order is not None:
+                    input_orders[hf_name] = order
+            else:
+                blocks = undo_conversion(blocks, gguf_name, config)
+            matrices[hf_name] = QuantizedMatrix(blocks.contiguous(), effective_format(info.qtype), info.shape[1])
         else:
             values = np.array(gguf.dequantize(info), dtype=np.float32, order="C")
             dense[hf_name] = undo_conversion(torch.from_numpy(values), gguf_name, config)
         gguf.release(info)  # copied: the file's pages need not stay resident
     shapes = {name: torch.empty(m.shape, device="meta") for name, m in matrices.items()}
     validate_weights(config, {**dense, **shapes}, path)
-    return QuantizedCheckpoint(config, dense, tokenizer, path, matrices)
+    return QuantizedCheckpoint(config, dense, tokenizer, path, matrices, input_orders)

@@ -137,9 +137,12 @@ def join_formats(parts: Sequence[QuantizedMatrix]) -> list[QuantizedMatrix]:
 @dataclass
 class QuantizedCheckpoint(Checkpoint):
     """A checkpoint whose matrices stay quantized: `matrices` holds every 2-D weight under its Hugging Face
-    name; `weights` holds the rest (norms, biases) as dense tensors."""
+    name; `weights` holds the rest (norms, biases, a hybrid's convolution) as dense tensors. `input_orders`: for a
+    matrix whose stored columns are not in the model's input order (a hybrid's `out_proj`), the input feature
+    each stored column multiplies, [columns] long."""
 
     matrices: dict[str, QuantizedMatrix] = field(default_factory=dict)
+    input_orders: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def type_counts(self) -> dict[str, int]:
         """Matrix formats -> how many matrices use them."""

@@ -12,8 +12,9 @@ logged at info level. `quantized` requested explicitly raises `ModelLoadError` w
 
 `quantized` on a CUDA device keeps the matrices quantized on the GPU for the Triton programs
 (`dflash.models.gpu_quantized_layers`): the dtype must be bfloat16 or float16, Triton installed, and every matrix
-in a format they read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); the model kinds the CPU path declines (hybrids,
-Gemma 4, mixtures of experts) are declined there too. `auto` on a GPU stays dense: on a Qwen3-8B-shaped Q4_K_M
+in a format they read (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K); the model kinds the CPU path declines (Gemma 4,
+mixtures of experts) are declined there too. Qwen3.5 hybrids with dense MLPs keep their matrices quantized on
+either device (their convolution kernels stay dense). `auto` on a GPU stays dense: on a Qwen3-8B-shaped Q4_K_M
 file quantized weights decode 1.28x faster than bf16 but process prompts at 0.68x (results/gpu_peers_h100.json),
 so they are for decode-bound use and for models whose dense weights would not fit.
 """
@@ -123,7 +124,6 @@ def _model_obstacle(path: Path, device_type: str) -> str | None:
     if path.is_dir() or path.suffix.lower() != ".gguf":
         return "the model is not a GGUF file"
     from dflash.models.gguf_file import GGUFFile
-    from dflash.models.gguf_hybrid import GGUF_HYBRID_ARCHITECTURES
     from dflash.models.gguf_quantized import (
         describe_unsupported,
         mixture_of_experts_obstacle,
@@ -131,8 +131,6 @@ def _model_obstacle(path: Path, device_type: str) -> str | None:
     )
 
     gguf = GGUFFile(path)
-    if str(gguf.metadata.get("general.architecture", "")) in GGUF_HYBRID_ARCHITECTURES:
-        return "linear-attention (hybrid) models run dense weights"
     if gguf.metadata.get("general.architecture") == "gemma4":
         return "quantized CPU weights do not support Gemma 4 yet"
     moe = mixture_of_experts_obstacle(gguf)
