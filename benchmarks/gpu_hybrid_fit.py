@@ -38,6 +38,20 @@ from dflash.models.gguf_loader import open_gguf_model
 
 GIB = 2**30
 TARGET_LAYERS = [1, 16, 31, 46, 61]  # the published Qwen3.5-27B drafter's feature layers
+PEAKS: list[tuple[int, int]] = []  # the allocator's peaks (allocated, reserved) before each generation
+
+
+def largest_tensors(count: int = 20) -> list[str]:
+    """The largest CUDA storages alive (shape, dtype, MiB), to see where the memory went."""
+    import gc
+
+    seen: dict[int, tuple[int, str]] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = (storage.nbytes(), f"{list(obj.shape)} {str(obj.dtype).removeprefix('torch.')}")
+    ranked = sorted(seen.values(), reverse=True)[:count]
+    return [f"{nbytes / 2**20:.0f} MiB {what}" for nbytes, what in ranked]
 
 
 def make_drafter(config: ModelConfig, folder: Path) -> Path:
@@ -69,8 +83,14 @@ def generate(engine: Any, tokens: int, new: int, spec: str, seed: int) -> dict[s
     ids = torch.randint(10, vocab - 10, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
     request = GenerationRequest(prompt_ids=ids, max_new_tokens=new, ignore_eos=True, use_prefix_cache=False,
                                 sampling=SamplingParams(temperature=0.0))
-    stats = engine.generate(request, spec=spec).stats
+    PEAKS.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))  # before this one
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        stats = engine.generate(request, spec=spec).stats
+    finally:
+        peak = torch.cuda.max_memory_allocated()
     return {
+        "peak_allocated_gib": round(peak / GIB, 3),
         "prompt_tokens": stats.prompt_tokens, "prefill_s": round(stats.prefill_s, 3),
         "prefill_tok_s": round(stats.prompt_tokens / stats.prefill_s, 1),
         "completion_tokens": stats.completion_tokens, "decode_tok_s": round(stats.tokens_per_s, 2),
@@ -88,6 +108,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--short", type=int, default=32)
+    parser.add_argument("--no-cap", action="store_true", help="measure the peaks without capping the allocator")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     result: dict[str, Any] = {**provenance(torch.device("cuda")), "settings": {
@@ -105,7 +126,8 @@ def main() -> None:
     free, total = torch.cuda.mem_get_info()
     context = (total - free) / GIB
     allocator = args.cap_gib - context - args.outside_gib
-    torch.cuda.set_per_process_memory_fraction(allocator * GIB / total)
+    if not args.no_cap:
+        torch.cuda.set_per_process_memory_fraction(allocator * GIB / total)
     result["memory"] = {"device_total_gib": round(total / GIB, 2), "context_gib": round(context, 3),
                         "allocator_cap_gib": round(allocator, 3)}
     print(json.dumps(result), flush=True)
@@ -116,7 +138,8 @@ def main() -> None:
     )
     result["load_s"] = round(time.perf_counter() - started, 1)
     result["loaded_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
-    print("loaded", result["load_s"], result["loaded_gib"], flush=True)
+    result["largest_after_load"] = largest_tensors()
+    print("loaded", result["load_s"], result["loaded_gib"], *result["largest_after_load"], sep="\n", flush=True)
     runs: dict[str, Any] = {}
     try:
         engine.warm_up()
@@ -130,11 +153,14 @@ def main() -> None:
         runs["error"] = f"{type(exc).__name__}: {exc}"[:600]
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    peak = torch.cuda.max_memory_reserved() / GIB
+    PEAKS.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+    peak = max(reserved for _, reserved in PEAKS) / GIB
+    result["largest_at_end"] = largest_tensors()
     outside = (total - free) / GIB - torch.cuda.memory_reserved() / GIB
     result["runs"] = runs
     result["memory"].update(
-        peak_allocated_gib=round(torch.cuda.max_memory_allocated() / GIB, 3), peak_reserved_gib=round(peak, 3),
+        peak_allocated_gib=round(max(allocated for allocated, _ in PEAKS) / GIB, 3),
+        peak_reserved_gib=round(peak, 3),
         outside_allocator_at_end_gib=round(outside, 3), peak_device_gib=round(peak + outside, 3),
         within_cap=bool(peak + outside <= args.cap_gib and "error" not in runs),
     )

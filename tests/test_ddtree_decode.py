@@ -434,7 +434,8 @@ def test_compacted_cache_equals_a_fresh_prefill(
 @pytest.mark.parametrize("pair", ["spread", "golden-oracle"])
 def test_drafter_gets_the_features_of_the_committed_positions(pair: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every round the drafter gets exactly the features of positions [its cache length, start), and they equal the
-    features a fresh target forward over the committed sequence gives there (so compaction took the right rows)."""
+    features a fresh target forward over the committed sequence gives there (so compaction took the right rows);
+    the prompt's went into its cache while the prompt was prefilled (the first round reads none)."""
     target, drafter = spread_pair() if pair == "spread" else golden_pair()
     if pair == "spread":
         prompt, max_new, budget, sampling = [1, 2, 3, 4, 5, 6], 50, FULL_TREE, SamplingParams(temperature=1.0, seed=3)
@@ -450,7 +451,7 @@ def test_drafter_gets_the_features_of_the_committed_positions(pair: str, monkeyp
     patch_draft_logits(monkeypatch, drafter, spy)
     tokens, stats = run_ddtree(target, drafter, prompt, max_new, budget=budget, sampling=sampling)
     monkeypatch.undo()
-    assert seen[0][0] == 0 and seen[0][2] == len(prompt)
+    assert seen[0][0] == len(prompt) == seen[0][2] and seen[0][1].shape[1] == 0
     assert stats.accepted_tokens > max_new // 2
     sequence = torch.tensor([prompt + tokens])
     reference = target(sequence, capture=drafter.config.target_layer_ids, logits="none").features
@@ -458,6 +459,30 @@ def test_drafter_gets_the_features_of_the_committed_positions(pair: str, monkeyp
     for drafter_len, new_features, start in seen:
         assert drafter_len + new_features.shape[1] == start
         torch.testing.assert_close(new_features, reference[:, drafter_len:start], atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_features_absorbed_chunk_by_chunk_equal_one_absorption() -> None:
+    """A prompt prefilled in chunks of 3 with each chunk's features handed to the drafter's cache as it completes
+    leaves that cache as absorbing the whole prompt's features at once does (and no features are returned)."""
+    from dflash.generation.forwards import EAGER
+    from dflash.generation.prefill import chunked_prefill
+
+    target, drafter = spread_pair()
+    prompt = torch.tensor([[5, 9, 2, 7, 7, 1, 3, 8, 4, 6]]) % target.config.vocab_size
+    streamed = drafter.new_cache(16)
+    with torch.inference_mode():
+        logits, features = chunked_prefill(
+            target, target.new_cache(16), prompt, chunk=3, capture=drafter.config.target_layer_ids,
+            on_features=lambda chunk, start: EAGER.absorb_draft_context(drafter, chunk, start, streamed),
+        )
+        whole = target(prompt, capture=drafter.config.target_layer_ids, logits="none").features
+        assert logits is not None and features is None and whole is not None
+        at_once = drafter.new_cache(16)
+        drafter.absorb_context(whole, torch.arange(10)[None], at_once)
+    assert streamed.length == at_once.length == 10
+    torch.testing.assert_close(streamed.keys[..., :10, :], at_once.keys[..., :10, :], atol=1e-5, rtol=0)
+    torch.testing.assert_close(streamed.values[..., :10, :], at_once.values[..., :10, :], atol=1e-5, rtol=0)
+    assert streamed.positions[0, :10].tolist() == list(range(10))
 
 
 # ---- sampling ------------------------------------------------------------------------------------------------

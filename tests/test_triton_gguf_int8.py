@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from dflash import environment
-from dflash.kernels import triton_gguf_int8
+from dflash.kernels import gguf_nibbles, triton_gguf_int8
 from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, nibble_matrix
 from dflash.kernels.triton_gguf_int8 import (
     INTEGER_ROWS,
@@ -42,6 +42,19 @@ def test_words_and_scales_are_the_files_weights(qtype: GGMLQuantizationType) -> 
     expected = torch.from_numpy(dequantize(blocks, qtype).reshape(24, k)).float()
     assert torch.equal(matrix.dequantized(), expected)  # bit for bit: fp16 scales times small integers in float32
     assert matrix.nbytes == (blocks.size if qtype != T.Q4_K else blocks.size + 24 * (k // 256) * 4)
+
+
+@pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
+def test_rows_re_laid_a_few_at_a_time_equal_one_pass(qtype: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big matrix is re-laid in passes of rows (bounded temporaries): 24 rows 5 at a time, the last pass short."""
+    k = reduction(qtype)
+    blocks = torch.from_numpy(format_blocks(24, k, qtype, seed=5))
+    whole = nibble_matrix(blocks, qtype, k)
+    monkeypatch.setattr(gguf_nibbles, "_VALUES_PER_PASS", 5 * k)
+    passes = nibble_matrix(blocks, qtype, k)
+    for name in ("words", "pairs", "sub_scales", "high_bits"):
+        a, b = getattr(whole, name), getattr(passes, name)
+        assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)), name
 
 
 @needs_triton

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.generation.forwards import Forwards
-from dflash.generation.prefill import chunked_prefill
+from dflash.generation.prefill import FeatureSink, chunked_prefill
 from dflash.kv.cache import KVCache
 from dflash.kv.prefix_cache import CachedBlock, PrefixCache, restorable, restore_prefix
 from dflash.models.model import CausalLM
@@ -66,14 +66,18 @@ def prefill_prompt(
     should_stop: Callable[[], bool] | None = None,
     prefix_cache: PrefixCache | None = None,
     forwards: Forwards | None = None,
+    on_features: FeatureSink | None = None,
 ) -> PromptPrefill | None:
     """prompt: [1, length] into an empty `cache`. Returns None when `should_stop` abandoned the prefill (after
     storing the full blocks of the chunks it completed). `forwards` runs the model (`chunked_prefill`). A hybrid
     model's linear-attention state is kept at every block boundary while it prefills, stored with the blocks and
-    restored from the deepest reused one."""
+    restored from the deepest reused one. Without a usable prefix cache, `on_features` takes each chunk's
+    features (`chunked_prefill`) and the result's features are None; a prefix cache stores them, and they come
+    back whole."""
     if not prefix_cache_usable(prefix_cache, chunk, capture):
         logits, captured = chunked_prefill(
-            model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop, forwards=forwards
+            model, cache, prompt, chunk=chunk, capture=capture, should_stop=should_stop, forwards=forwards,
+            on_features=on_features,
         )
         return None if logits is None else PromptPrefill(logits, captured, 0)
     assert prefix_cache is not None

@@ -87,6 +87,13 @@ class DraftDeviceForwards(Forwards):
     def new_drafter_cache(self, drafter: DFlashDrafter, capacity: int) -> KVCache:
         return self.inner.new_drafter_cache(drafter, capacity)
 
+    def absorb_draft_context(
+        self, drafter: DFlashDrafter, features: torch.Tensor, start: int, cache: KVCache
+    ) -> None:
+        current = torch.cuda.device(self.draft_device) if self.draft_device.type == "cuda" else nullcontext()
+        with current:
+            self.inner.absorb_draft_context(drafter, features.to(self.draft_device, non_blocking=True), start, cache)
+
     def prefill_chunk(self, chunk: int) -> int:
         return self.inner.prefill_chunk(chunk)
 

@@ -67,6 +67,16 @@ class Forwards:
         """An empty drafter context cache of `capacity` slots for one generation."""
         return drafter.new_cache(capacity)
 
+    def absorb_draft_context(
+        self, drafter: DFlashDrafter, features: torch.Tensor, start: int, cache: KVCache
+    ) -> None:
+        """Committed context rows into the drafter's cache ahead of its rounds (`DFlashDrafter.absorb_context`):
+        features [1, rows, n*hidden] of positions start .. start + rows - 1, which must follow cache.length."""
+        import torch
+
+        positions = torch.arange(start, start + features.shape[1], device=drafter.fc.weight.device)[None]
+        drafter.absorb_context(features.to(drafter.fc.weight.device), positions, cache)
+
     def prefill_chunk(self, chunk: int) -> int:
         """The prefill chunk to use when `chunk` is asked for."""
         return chunk

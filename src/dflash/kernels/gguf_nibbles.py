@@ -76,11 +76,34 @@ class NibbleMatrix:
         return (q * scale[..., None] + minimum[..., None]).reshape(self.n, self.k)
 
 
+# values re-laid per pass: the passes' int32/int64 temporaries stay within a few hundred MB (a 248K-row LM head
+# at once would need several GB beside the model)
+_VALUES_PER_PASS = 1 << 25
+
+
 def nibble_matrix(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> NibbleMatrix:
     """blocks: uint8 [n, row bytes] of Q4_0, Q4_1, Q4_K or Q6_K rows of k values (on any device) -> the same weights
-    re-laid (on the blocks' device)."""
+    re-laid (on the blocks' device), a bounded number of rows at a time into the final tensors."""
     if qtype not in NIBBLE_FORMATS:
         raise ValueError(f"{qtype.name} is not a 4-bit format the word programs read")
+    n = blocks.shape[0]
+    rows = max(1, _VALUES_PER_PASS // k)
+    if n <= rows:
+        return _relaid(blocks, qtype, k)
+    first = _relaid(blocks[:rows], qtype, k)
+    fields = [first.words, first.pairs, first.sub_scales, first.high_bits]
+    out = [None if t is None else t.new_empty((n, *t.shape[1:])) for t in fields]
+    for start in range(0, n, rows):
+        part = first if start == 0 else _relaid(blocks[start : start + rows], qtype, k)
+        for target, piece in zip(out, (part.words, part.pairs, part.sub_scales, part.high_bits), strict=True):
+            if target is not None and piece is not None:
+                target[start : start + piece.shape[0]] = piece
+    words, pairs, sub_scales, high_bits = out
+    assert words is not None and pairs is not None
+    return NibbleMatrix(qtype, n, k, words, pairs, sub_scales, high_bits)
+
+
+def _relaid(blocks: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> NibbleMatrix:
     n = blocks.shape[0]
     if qtype == T.Q6_K:
         return _six_bit_matrix(blocks, n, k)

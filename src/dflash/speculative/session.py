@@ -63,9 +63,10 @@ def begin_speculation(
 ) -> SpecSession | GenerationStats:
     """Prefill and commit the first token. Returns the stats alone when the prefill was cancelled.
 
-    `rows_per_round` is the most rows a round writes after the committed prefix (sizes the caches). With a
-    `prefix_cache`, a cached prefix restores both the target K/V and the features of its positions: the drafter
-    reads the features of every prompt position on its first round, cached or not. `forwards` runs both models
+    `rows_per_round` is the most rows a round writes after the committed prefix (sizes the caches). Each prefill
+    chunk's features go into the drafter's cache as the chunk completes. With a usable `prefix_cache`, a cached
+    prefix restores both the target K/V and the features of its positions instead, and the drafter reads the
+    features of every prompt position on its first round. `forwards` runs both models
     and makes their caches."""
     device = target.embed_tokens.weight.device
     prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=device)
@@ -75,15 +76,25 @@ def begin_speculation(
     # the drafter writes its block's keys and values in the free slots after its context
     drafter_cache = forwards.new_drafter_cache(drafter, capacity + drafter.config.block_size)
     started = time.perf_counter()
+    absorbed: list[torch.Tensor] = []  # the first chunk's features, for the width of an empty remainder
+
+    def absorb(chunk_features: torch.Tensor, start: int) -> None:
+        """Each prefill chunk's features straight into the drafter's cache: a long prompt's features (several
+        GB at 27B and 32K positions) are never all alive, and its first round reads no backlog."""
+        forwards.absorb_draft_context(drafter, chunk_features, start, drafter_cache)
+        if not absorbed:
+            absorbed.append(chunk_features[:, :0])
+
     prefilled = prefill_prompt(
         target, target_cache, prompt, chunk=prefill_chunk, capture=drafter.config.target_layer_ids,
-        should_stop=should_stop, prefix_cache=prefix_cache, forwards=forwards,
+        should_stop=should_stop, prefix_cache=prefix_cache, forwards=forwards, on_features=absorb,
     )
     if prefilled is None:
         sink.finish_cancelled()
         return stats
-    logits, features = prefilled.logits, prefilled.features
-    assert features is not None  # [1, prompt, n*hidden]
+    logits = prefilled.logits
+    features = prefilled.features if prefilled.features is not None else absorbed[0]
+    # [1, prompt, n*hidden] from a prefix cache, else [1, 0, n*hidden]: the drafter holds every prompt position
     stats.cached_tokens = prefilled.cached_tokens
     stats.prefill_s = elapsed_since(started, device)
     decode_started = time.perf_counter()
