@@ -33,6 +33,7 @@ TRITON_TESTS := tests/test_triton_argmax.py tests/test_triton_attention.py tests
 	tests/test_kv_move.py tests/test_device_tree.py tests/test_fused_padded_drafter.py tests/test_triton_delta_rule.py \
 	tests/test_fused_hybrid.py tests/test_triton_experts.py \
 	tests/test_gguf_hybrid_quantized.py::test_quantized_hybrid_on_the_gpu_programs \
+	tests/test_gguf_hybrid_quantized.py::test_fused_runner_serves_a_quantized_hybrid \
 	tests/test_fastpath.py::test_fused_layers_match_the_static_forward \
 	tests/test_fastpath.py::test_fused_drafter_round_matches_the_static_round
 # The other pass leaves them out: whole files ignored, single tests deselected.

@@ -184,3 +184,27 @@ def test_a_converted_hybrid_against_transformers(tmp_path: Path) -> None:
         want, got = hf(ids).logits, model(ids).logits
     assert got is not None
     torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not gguf_programs_usable(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
+@torch.inference_mode()
+def test_fused_runner_serves_a_quantized_hybrid(files: dict[str, Path]) -> None:
+    """The fused hybrid forward over GGUF matrices (the joint input projection, the reordered output projection,
+    the MLP through the word programs; float32 under the interpreter) against the unfused static forward: a
+    prompt, then a 3-row tree, the same logits."""
+    from dflash.fastpath.fused_hybrid import supports_fused_hybrid
+    from dflash.fastpath.runner import GraphRunner
+
+    model = build_quantized_model(_quantized(files["q4_k_m"], "cuda"), block_programs=True)
+    assert supports_fused_hybrid(model)
+    runners = [GraphRunner(model, None, capacity=64, capture=False, fused=fused) for fused in (False, True)]
+    caches = [runner.lease_target_cache(40) for runner in runners]
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    steps = ((torch.tensor([random_prompts(1, VOCAB, seed=9, lengths=(9,))[0]]), None, None),
+             (torch.tensor([[5, 9, 10]]), torch.tensor([[9, 10, 10]]), ancestors))
+    for ids, positions, mask in steps:
+        outs = [runner.target_forward(ids, positions, cache, mask, (), "all")
+                for runner, cache in zip(runners, caches, strict=True)]
+        assert outs[0] is not None and outs[1] is not None and outs[0].logits is not None
+        torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=0, atol=1e-4 * outs[0].logits.abs().max().item())
+    assert runners[1].fused and not runners[0].fused

@@ -202,13 +202,27 @@ def test_dequantize_program_gives_the_weights(qtype: GGMLQuantizationType) -> No
 @needs_triton
 @pytest.mark.parametrize("qtype", NIBBLE_FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [5, 16, 40])
-def test_tensor_core_products_match_the_dequantised_weights(qtype: GGMLQuantizationType, rows: int) -> None:
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tensor_core_products_match_the_dequantised_weights(
+    qtype: GGMLQuantizationType, rows: int, splits: int
+) -> None:
+    """Whole reductions, and reductions split in three parts (each a whole number of steps, the last one short
+    where the groups do not divide: Q4_0's 9 groups as 4 + 4 + 1), summed in order."""
     k, n = reduction(qtype), 45
     matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, qtype, seed=rows)), qtype, k).to(DEVICE)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
     want = x @ matrix.dequantized().T
-    got = nibble_dot(x, matrix, block_n=16, group_step=4)
+    got = nibble_dot(x, matrix, block_n=16, group_step=4, splits=splits)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_split_reductions_keep_every_sm_busy() -> None:
+    from dflash.kernels.triton_gguf_int8 import dot_splits
+
+    cpu = torch.device("cpu")  # counted as an H100's 132 SMs
+    assert dot_splits(80, 160, cpu) == 7  # a 5,120-row matrix in blocks of 64: 560 programs
+    assert dot_splits(544, 40, cpu) == 1  # already 544 programs
+    assert dot_splits(3, 6, cpu) == 1  # too short to split
 
 
 @needs_triton

@@ -26,6 +26,7 @@ from dflash.fastpath.fused_layers import (
     MLP_REGION,
     Owed,
     add_norm,
+    apply_linear,
     attention_residual_and_mlp,
     embed_rows,
     final_norm_and_features,
@@ -40,27 +41,42 @@ from dflash.kv.cache import KVCache
 from dflash.kv.recurrent import DeltaRows
 from dflash.kv.static_recurrent import StaticRecurrentStates
 from dflash.models.gated_deltanet import GatedDeltaNet
+from dflash.models.gpu_quantized_layers import GGUFLinear
 from dflash.models.layers import GatedMLP
 from dflash.models.model import CausalLM
+from dflash.models.quantized_model import InputOrdered
 from dflash.models.qwen3_5 import Qwen35DecoderLayer
 
 
 def supports_fused_hybrid(model: CausalLM) -> bool:
-    """Qwen3.5 layers with dense SiLU MLPs and plain linear projections (no quantized modules, no experts)."""
+    """Qwen3.5 layers with dense SiLU MLPs (no experts), their projections plain linear layers without bias or
+    GGUF matrices (a quantized model: the linear layers' input projections one joint module of all four, an
+    output projection that may reorder its input)."""
     if not triton_available() or not model.config.is_hybrid or model.config.hidden_act != "silu":
         return False
     for layer in model.layers:
         if type(layer) is not Qwen35DecoderLayer or type(layer.mlp) is not GatedMLP:
             return False
         mixer = layer.linear_attn
-        linears = [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        linears: list[nn.Module] = [layer.mlp.gate_up_proj, layer.mlp.down_proj]
         if mixer is not None and mixer.in_proj_joint is not None:
-            return False
-        if mixer is not None:
+            if mixer.joined_projections != len(mixer.PROJECTIONS):
+                return False
+            linears += [mixer.in_proj_joint, mixer.out_proj]
+        elif mixer is not None:
             linears += [mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj]
-        if any(type(module) is not nn.Linear or module.bias is not None for module in linears):
+        if not all(_fusable_product(module) for module in linears):
             return False
     return True
+
+
+def _fusable_product(module: nn.Module) -> bool:
+    """A product `apply_linear` runs: a linear layer without bias, or GGUF matrices (reordering their input)."""
+    if isinstance(module, InputOrdered):
+        module = module.inner
+    if type(module) is GGUFLinear:
+        return module.bias is None
+    return type(module) is nn.Linear and module.bias is None
 
 
 def join_projections(mixer: GatedDeltaNet) -> torch.Tensor:
@@ -85,7 +101,7 @@ def join_all_projections(model: CausalLM) -> None:
     memory handed back to the device: each joined matrix is larger than the pieces it replaces, so the caching
     allocator could not reuse them, and a model near the GPU's size would run out."""
     for layer in model.layers:
-        if isinstance(layer.linear_attn, GatedDeltaNet):
+        if isinstance(layer.linear_attn, GatedDeltaNet) and layer.linear_attn.in_proj_joint is None:
             join_projections(layer.linear_attn)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.empty_cache()
@@ -97,8 +113,10 @@ def fused_gdn(
 ) -> torch.Tensor:
     """One Gated DeltaNet layer's token mixing for normed rows h [rows, hidden] -> the gated read-out [rows,
     value_heads * value_dim] (before the output product); its state written to `states`."""
-    joined = join_projections(mixer)
-    proj = fast_linear(h, joined)  # [rows, channels + z + 2 * value_heads]
+    if mixer.in_proj_joint is not None:  # GGUF matrices, joined at load
+        proj = apply_linear(h, mixer.in_proj_joint)  # [rows, channels + z + 2 * value_heads]
+    else:
+        proj = fast_linear(h, join_projections(mixer))
     channels = mixer.shape.conv_channels
     window, state = states.read(mixer.slot)  # [1, kernel - 1, channels], [1, value_heads, key_dim, value_dim]
     kept = states.row_buffers(mixer.slot, h.shape[0])  # the rows' inputs go straight to the rollback's buffers

@@ -35,6 +35,7 @@ from dflash.models.int8_linear import Int8Linear
 from dflash.models.layers import DecoderLayer, GatedMLP, RMSNorm
 from dflash.models.model import CausalLM
 from dflash.models.moe import SparseMoeBlock
+from dflash.models.quantized_model import InputOrdered
 from dflash.models.qwen3_moe import Qwen3MoeDecoderLayer
 from dflash.parallel.collectives import PartialSums
 from dflash.parallel.layers import RowParallelLinear, VocabParallelHead
@@ -76,7 +77,8 @@ def _fusable_expert_layer(model: CausalLM, layer: nn.Module) -> bool:
 def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, an `Int8Linear` (int8 rows), or a
     `RowParallelLinear` (this rank's product, then the sum over the ranks), or a `VocabParallelHead` (this rank's
-    logits, then every rank's gathered); a `GGUFLinear` through its own block program."""
+    logits, then every rank's gathered); a `GGUFLinear` through its own block program, an `InputOrdered` one
+    after reordering x."""
     if isinstance(module, Int8Linear):
         return fast_linear(x, module.values, module.bias, module.scales)
     if isinstance(module, RowParallelLinear):
@@ -85,6 +87,8 @@ def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
         return module.gather(fast_linear(x, module.weight))
     if isinstance(module, GGUFLinear):
         return module(x)  # GGUF blocks: the block program (`dflash.kernels.triton_gguf_matmul`)
+    if isinstance(module, InputOrdered):  # stored columns out of the input's order (a hybrid's GGUF out_proj)
+        return apply_linear(x.index_select(-1, module.order), module.inner)
     assert isinstance(module, nn.Linear)
     return fast_linear(x, module.weight, module.bias)
 

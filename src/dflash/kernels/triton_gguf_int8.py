@@ -49,6 +49,8 @@ __all__ = [
 MAX_ROWS = 8
 INTEGER_ROWS = 4  # past 4 rows the tensor-core word program is as fast or faster (H100)
 DOT_ROWS = 64
+PROGRAMS_PER_SM = 4  # tensor-core products: programs per SM a split reduction aims for
+MIN_SPLIT_STEPS = 4  # and the fewest steps of GROUP_STEP groups in one part
 ROUNDING_GROUPS = 32  # groups of 32 values per rounding program
 WIDE_WORDS = 2**31  # a matrix of this many words or more needs 64-bit offsets in the programs
 FORMAT_CODES = {
@@ -166,22 +168,52 @@ def nibble_matmul(
 
 
 def nibble_dot(
-    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int = 64, group_step: int = 4,
-    warps: int = 4,
+    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int | None = None,
+    group_step: int = 4, warps: int = 4, splits: int | None = None,
 ) -> torch.Tensor:
     """x: [rows, k] contiguous (16-bit; float32 for tests), rows <= `DOT_ROWS` -> x @ W^T [rows, n] in x's dtype
-    on tensor cores (float32 sums), written into `out` when given (columns contiguous)."""
+    on tensor cores (float32 sums), written into `out` when given (columns contiguous).
+
+    A matrix of few output blocks would leave most of the GPU idle (a 5,120-row matrix is 80 programs), so the
+    reduction is split (`splits`, default `dot_splits`): each part's float32 sums go to their own plane and the
+    planes are added in order afterwards (deterministic: no atomics). `block_n` (output columns per program):
+    128 up to 32 rows, 64 beyond (results/gpu_nibble_dot_split_h100.json)."""
     rows, k = x.shape
+    if block_n is None:
+        block_n = 128 if rows <= 32 else 64
     if k != matrix.k or not 1 <= rows <= DOT_ROWS:
         raise ValueError(f"nibble_dot takes 1 to {DOT_ROWS} rows of {matrix.k} values, not {list(x.shape)}")
     if out is None:
         out = torch.empty((rows, matrix.n), dtype=x.dtype, device=x.device)
-    _programs().nibble_dot_kernel[(-(-matrix.n // block_n),)](
-        x.contiguous(), matrix.words.view(torch.uint8), *_scale_tensors(matrix), out, rows, matrix.n, k, out.stride(0),
+    blocks, groups = -(-matrix.n // block_n), k // GROUP
+    parts = dot_splits(blocks, groups // group_step, x.device) if splits is None else max(1, splits)
+    per_part = -(-groups // parts)
+    split_groups = -(-per_part // group_step) * group_step  # a whole number of steps per part
+    parts = -(-groups // split_groups)
+    target = out if parts == 1 else torch.empty((parts, rows, matrix.n), dtype=torch.float32, device=x.device)
+    _programs().nibble_dot_kernel[(blocks, parts)](
+        x.contiguous(), matrix.words.view(torch.uint8), *_scale_tensors(matrix), target, rows, matrix.n, k,
+        target.stride(-2), split_groups,
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=block_n,
         GROUP_STEP=group_step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=2,
     )
+    if parts > 1:
+        out.copy_(target.sum(dim=0))
     return out
+
+
+def dot_splits(blocks: int, steps: int, device: torch.device) -> int:
+    """How many parts to split a tensor-core product's reduction into: enough programs to give every SM
+    `PROGRAMS_PER_SM` of them, no part shorter than `MIN_SPLIT_STEPS` steps."""
+    wanted = -(-PROGRAMS_PER_SM * _multiprocessors(device) // blocks)
+    return max(1, min(wanted, steps // MIN_SPLIT_STEPS))
+
+
+@cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H100's, for the interpreter
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def nibble_dequantize(

@@ -170,21 +170,27 @@ def group_values(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def nibble_dot_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, out_ptr, rows, n, k, out_stride,
+    x_ptr, bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, out_ptr, rows, n, k, out_stride, split_groups,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_STEP: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """out[rows, n] = x @ W^T on tensor cores: each step's weights dequantised in registers to x's dtype as two
-    tiles (every group's first and second 16 values), each against the matching columns of x."""
+    tiles (every group's first and second 16 values), each against the matching columns of x. Program (i, s)
+    sums groups s * split_groups .. (s + 1) * split_groups - 1 of its columns into plane s of out ([splits, rows,
+    n] partial sums when split, out itself when not)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     cols_inside = cols < n
     m = tl.arange(0, BLOCK_M)
     m_inside = m < rows
     t = tl.arange(0, 16)
+    split = tl.program_id(1)
+    out_ptr += split.to(tl.int64) * rows * out_stride
+    start = split * split_groups
+    stop = tl.minimum(start + split_groups, k // 32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for first in range(0, k // 32, GROUP_STEP):
+    for first in range(start, stop, GROUP_STEP):
         g = first + tl.arange(0, GROUP_STEP)
-        g_inside = g < k // 32
+        g_inside = g < stop
         low, high = group_values(bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, cols, cols_inside, g, g_inside, k, FORMAT)
         x_at = m.to(tl.int64)[:, None, None] * k + g[None, :, None] * 32 + t[None, None, :]  # [BM, GS, 16]
         x_mask = m_inside[:, None, None] & g_inside[None, :, None]
