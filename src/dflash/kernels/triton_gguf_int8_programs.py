@@ -291,3 +291,81 @@ def six_bit_matmul_kernel(  # type: ignore[no-untyped-def]
         out_ptr + m[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
         mask=m_inside[:, None] & cols_inside[None, :],
     )
+
+
+@triton.jit
+def group_codes(  # type: ignore[no-untyped-def]
+    bytes_ptr, highs_ptr, cols, cols_inside, g, k, FORMAT: tl.constexpr
+):
+    """Group g's 32 integer codes of rows cols, int8 [BN, 32] in value order: 4-bit q (0..15) for the 4-bit
+    formats, q - 32 (-32..31) for Q6_K (its top bits from `high_bits`)."""
+    t = tl.arange(0, 16)
+    raw = tl.load(bytes_ptr + cols.to(tl.int64)[:, None] * (k // 2) + g * 16 + t[None, :],
+                  mask=cols_inside[:, None], other=0).to(tl.int32)  # [BN, 16]: byte t = value t low, t + 16 high
+    low = raw & 15
+    high = raw >> 4
+    if FORMAT == 3:
+        halves = cols.to(tl.int64) * (k // 16) + g * 2  # [BN]
+        shift = 2 * (t // 4) + 8 * (t % 4)
+        top_first = (tl.load(highs_ptr + halves, mask=cols_inside, other=0)[:, None] >> shift[None, :]) & 3
+        top_second = (tl.load(highs_ptr + halves + 1, mask=cols_inside, other=0)[:, None] >> shift[None, :]) & 3
+        low = (low | (top_first << 4)) - 32
+        high = (high | (top_second << 4)) - 32
+    codes = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (low.shape[0], 32))  # [BN, 32]: 0..15, 16..31
+    return codes.to(tl.int8)
+
+
+@triton.jit
+def nibble_mma_kernel(  # type: ignore[no-untyped-def]
+    high_ptr, low_ptr, scale_ptr, total_ptr, bytes_ptr, pairs_ptr, sub_ptr, highs_ptr, out_ptr,
+    rows, n, k, out_stride, split_groups,
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+):
+    """out[rows, n] = x @ W^T on integer tensor cores: per group of 32, the rounded input's 8-bit part(s) [BM, 32]
+    against the group's integer codes [32, BN] (exact int32 sums), then the float side once per group as the
+    integer-dot programs do: acc += (scale_w dx) isum + min_w sx (Q6_K: its two scales of 16, no min). Program
+    (i, s) sums groups s * split_groups .. of its columns into plane s of out (as `nibble_dot_kernel`)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    cols_inside = cols < n
+    m = tl.arange(0, BLOCK_M)
+    m_inside = m < rows
+    t = tl.arange(0, 32)
+    groups = k // 32
+    split = tl.program_id(1)
+    out_ptr += split.to(tl.int64) * rows * out_stride
+    start = split * split_groups
+    stop = tl.minimum(start + split_groups, groups)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    one = tl.arange(0, 1)
+    for g in range(start, stop):
+        codes = group_codes(bytes_ptr, highs_ptr, cols, cols_inside, g, k, FORMAT)  # [BN, 32] int8
+        x_at = m[:, None] * k + g * 32 + t[None, :]  # [BM, 32]
+        x_high = tl.load(high_ptr + x_at, mask=m_inside[:, None], other=0)
+        dx = tl.load(scale_ptr + m * groups + g, mask=m_inside, other=0.0)  # [BM]
+        if FORMAT == 3:  # Q6_K: one scale per 16 values, so two sums: each half of x against the codes
+            first = t[None, :] < 16
+            isum_a = tl.dot(tl.where(first, x_high, 0).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
+            isum_b = tl.dot(tl.where(first, 0, x_high).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
+            if PARTS == 2:
+                x_low = tl.load(low_ptr + x_at, mask=m_inside[:, None], other=0)
+                isum_a = isum_a * 256 + tl.dot(tl.where(first, x_low, 0).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
+                isum_b = isum_b * 256 + tl.dot(tl.where(first, 0, x_low).to(tl.int8), tl.trans(codes), out_dtype=tl.int32)
+            halves = cols.to(tl.int64) * (k // 16) + g * 2
+            d = tl.load(pairs_ptr + cols.to(tl.int64) * (k // 256) + g // 8, mask=cols_inside, other=0.0).to(tl.float32)
+            scale_a = d * tl.load(sub_ptr + halves, mask=cols_inside, other=0).to(tl.int8).to(tl.float32)
+            scale_b = d * tl.load(sub_ptr + halves + 1, mask=cols_inside, other=0).to(tl.int8).to(tl.float32)
+            acc += dx[:, None] * (isum_a.to(tl.float32) * scale_a[None, :] + isum_b.to(tl.float32) * scale_b[None, :])
+        else:
+            isum = tl.dot(x_high, tl.trans(codes), out_dtype=tl.int32)  # [BM, BN]
+            if PARTS == 2:
+                x_low = tl.load(low_ptr + x_at, mask=m_inside[:, None], other=0)
+                isum = isum * 256 + tl.dot(x_low, tl.trans(codes), out_dtype=tl.int32)
+            w_scale, w_min = group_scales(pairs_ptr, sub_ptr, cols.to(tl.int64), cols_inside, g + one, g + one < stop,
+                                          groups, FORMAT)  # [BN, 1] each
+            sx = tl.load(total_ptr + m * groups + g, mask=m_inside, other=0.0)  # [BM]
+            acc += (dx[:, None] * tl.reshape(w_scale, (1, BLOCK_N))) * isum.to(tl.float32)
+            acc += sx[:, None] * tl.reshape(w_min, (1, BLOCK_N))
+    tl.store(
+        out_ptr + m[:, None] * out_stride + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+        mask=m_inside[:, None] & cols_inside[None, :],
+    )
