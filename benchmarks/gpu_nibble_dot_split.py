@@ -1,8 +1,6 @@
-"""The tensor-core word products for 5-64 rows (verifications, trees, the drafter's block through the LM head) on the
-matrices of a Qwen3.5-27B Q4_K_M file: `nibble_dot` (weights dequantised to bf16 in registers), whole reductions
-against split ones and a small grid of configurations, and `nibble_mma` (the input rounded to 8-bit parts, integer
-tensor cores; its rounding timed apart, `--mma-only` for these alone): microseconds per product and the weight
-bytes streamed per second.
+"""The tensor-core word product (`nibble_dot`, 5-64 rows: verifications, trees, the drafter's block through the
+LM head) on the matrices of a Qwen3.5-27B Q4_K_M file, whole reductions against split ones, and a small grid of
+configurations: microseconds per product and the weight bytes streamed per second.
 
 Usage: python benchmarks/gpu_nibble_dot_split.py --out results/FILE.json
 """
@@ -24,7 +22,7 @@ from gguf import GGMLQuantizationType
 from dflash.bench.provenance import provenance
 from dflash.bench.random_gguf import random_blocks
 from dflash.kernels.gguf_nibbles import nibble_matrix
-from dflash.kernels.triton_gguf_int8 import dot_splits, nibble_dot, nibble_mma, quantize_input
+from dflash.kernels.triton_gguf_int8 import dot_splits, nibble_dot
 
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
 # Qwen3.5-27B: (name, rows n, columns k, format)
@@ -55,7 +53,6 @@ def time_us(run: Any, iters: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="16,33,64")
-    parser.add_argument("--mma-only", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -73,14 +70,7 @@ def main() -> None:
             timings: dict[str, float] = {}
             timings["default"] = time_us(partial(nibble_dot, x, matrix, out=out))
             timings["unsplit"] = time_us(partial(nibble_dot, x, matrix, out=out, splits=1))
-            for parts in (1, 2):
-                quantized = quantize_input(x, parts=parts)
-                timings[f"round_parts{parts}"] = time_us(partial(quantize_input, x, parts=parts))
-                for block_n, warps in itertools.product((32, 64, 128), (4, 8)):
-                    timings[f"mma_parts{parts}_bn{block_n}_w{warps}"] = time_us(
-                        partial(nibble_mma, quantized, matrix, out=out, block_n=block_n, warps=warps))
-            grid = [] if args.mma_only else list(itertools.product((32, 64, 128), (4, 8), (4, 8)))
-            for block_n, step, warps in grid:
+            for block_n, step, warps in itertools.product((32, 64, 128), (4, 8), (4, 8)):
                 if block_n == 128 and rows == 64 and warps == 4:
                     continue
                 label = f"bn{block_n}_gs{step}_w{warps}"
@@ -90,7 +80,7 @@ def main() -> None:
                 except Exception as exc:  # a configuration the compiler refuses: noted, not fatal
                     timings[label] = float("nan")
                     print(label, type(exc).__name__, str(exc)[:120], flush=True)
-            best = min((v, key) for key, v in timings.items() if v == v and not key.startswith("round"))
+            best = min((v, key) for key, v in timings.items() if v == v)
             entry[f"rows_{rows}"] = {
                 "us": {key: round(v, 1) for key, v in timings.items()},
                 "splits_default": dot_splits(-(-n // 64), k // 32 // 4, device),

@@ -42,7 +42,6 @@ __all__ = [
     "nibble_dequantize",
     "nibble_dot",
     "nibble_matmul",
-    "nibble_mma",
     "nibble_product",
     "quantize_input",
 ]
@@ -197,39 +196,6 @@ def nibble_dot(
         target.stride(-2), split_groups,
         FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=block_n,
         GROUP_STEP=group_step, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=2,
-    )
-    if parts > 1:
-        out.copy_(target.sum(dim=0))
-    return out
-
-
-def nibble_mma(
-    x: torch.Tensor | QuantizedInput, matrix: NibbleMatrix, out: torch.Tensor | None = None,
-    dtype: torch.dtype | None = None, block_n: int = 64, warps: int = 4, splits: int | None = None,
-) -> torch.Tensor:
-    """x: [rows, k] (rows <= `DOT_ROWS`) or its `quantize_input` -> x @ W^T [rows, n] on integer tensor cores:
-    the rounding and exact integer sums of `nibble_matmul` (so a verified row gets the one-row product's value up
-    to the float side's order), each group's codes against the input's 8-bit parts in one int8 product. Reductions
-    split as `nibble_dot`'s."""
-    quantized = x if isinstance(x, QuantizedInput) else quantize_input(x)
-    rows, k = quantized.high.shape
-    if k != matrix.k or not 1 <= rows <= DOT_ROWS:
-        raise ValueError(f"nibble_mma takes 1 to {DOT_ROWS} rows of {matrix.k} values, not {[rows, k]}")
-    out_dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else torch.float32)
-    if out is None:
-        out = torch.empty((rows, matrix.n), dtype=out_dtype, device=quantized.high.device)
-    blocks, groups = -(-matrix.n // block_n), k // GROUP
-    parts = dot_splits(blocks, groups // 4, out.device) if splits is None else max(1, splits)
-    split_groups = -(-groups // parts)
-    parts = -(-groups // split_groups)
-    target = out if parts == 1 else torch.empty((parts, rows, matrix.n), dtype=torch.float32, device=out.device)
-    sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
-    _programs().nibble_mma_kernel[(blocks, parts)](
-        quantized.high, quantized.low, quantized.scale, quantized.total, matrix.words.view(torch.uint8), matrix.pairs,
-        sub, matrix.high_bits if matrix.high_bits is not None else matrix.words, target, rows, matrix.n, k,
-        target.stride(-2), split_groups,
-        FORMAT=FORMAT_CODES[matrix.qtype], BLOCK_M=max(16, next_power_of_two(rows)), BLOCK_N=block_n,
-        PARTS=quantized.parts, num_warps=warps, num_stages=2,
     )
     if parts > 1:
         out.copy_(target.sum(dim=0))
