@@ -69,14 +69,16 @@ def convert_hybrid(hf: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def hybrid_metadata(hf: Any, mtp_layers: int) -> dict[str, Any]:
-    cfg, arch = hf.config, "qwen35"
+def hybrid_metadata(hf: Any, mtp_layers: int, arch: str = "qwen35", dense_width: bool = True) -> dict[str, Any]:
+    """The `{arch}.*` keys llama.cpp writes for the model (the width of dense MLPs where it has them), with a
+    byte-level tokenizer's."""
+    cfg = hf.config
     md = {
         f"{arch}.block_count": cfg.num_hidden_layers + mtp_layers,
         f"{arch}.nextn_predict_layers": mtp_layers,
         f"{arch}.context_length": 512,
         f"{arch}.embedding_length": cfg.hidden_size,
-        f"{arch}.feed_forward_length": cfg.intermediate_size,
+        **({f"{arch}.feed_forward_length": cfg.intermediate_size} if dense_width else {}),
         f"{arch}.attention.head_count": cfg.num_attention_heads,
         f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         f"{arch}.attention.key_length": cfg.head_dim,

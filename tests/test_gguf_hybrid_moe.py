@@ -16,9 +16,9 @@ from dflash.models.gguf_loader import load_gguf
 from dflash.models.moe_weights import stack_expert_weights
 from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
-from tests.hybrid_gguf import HYBRID_NAMES, tiled_rows
+from tests.hybrid_gguf import HYBRID_NAMES, hybrid_metadata, tiled_rows
 from tests.hybrid_models import hf_tiny_35_moe, hf_tiny_next
-from tests.loading_helpers import gguf_tokenizer_metadata, train_byte_level_tokenizer, write_gguf
+from tests.loading_helpers import write_gguf
 from tests.spec_helpers import one_torch_thread, run
 
 transformers = pytest.importorskip("transformers")
@@ -108,31 +108,14 @@ def _convert(hf: Any, arch: str, *, fused_experts: bool = False) -> dict[str, np
 
 def _metadata(hf: Any, arch: str) -> dict[str, Any]:
     cfg = hf.config
-    md = {
-        f"{arch}.block_count": cfg.num_hidden_layers,
-        f"{arch}.context_length": 512,
-        f"{arch}.embedding_length": cfg.hidden_size,
-        f"{arch}.attention.head_count": cfg.num_attention_heads,
-        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-        f"{arch}.attention.key_length": cfg.head_dim,
-        f"{arch}.attention.value_length": cfg.head_dim,
-        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
-        f"{arch}.rope.freq_base": 10000.0,
-        f"{arch}.rope.dimension_count": cfg.head_dim // 4,
-        f"{arch}.full_attention_interval": 4,
-        f"{arch}.ssm.conv_kernel": cfg.linear_conv_kernel_dim,
-        f"{arch}.ssm.state_size": cfg.linear_key_head_dim,
-        f"{arch}.ssm.group_count": cfg.linear_num_key_heads,
-        f"{arch}.ssm.time_step_rank": cfg.linear_num_value_heads,
-        f"{arch}.ssm.inner_size": cfg.linear_value_head_dim * cfg.linear_num_value_heads,
+    experts = {
         f"{arch}.expert_count": cfg.num_experts,
         f"{arch}.expert_used_count": cfg.num_experts_per_tok,
         f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
         f"{arch}.expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size,
     }
-    if arch == "qwen3next":  # Qwen3.5-MoE's config has no dense width
-        md[f"{arch}.feed_forward_length"] = cfg.intermediate_size
-    return {**md, **gguf_tokenizer_metadata(train_byte_level_tokenizer())}
+    # Qwen3.5-MoE's config has no dense width
+    return {**hybrid_metadata(hf, 0, arch, dense_width=arch == "qwen3next"), **experts}
 
 
 _MODELS = {"qwen35moe": hf_tiny_35_moe, "qwen3next": hf_tiny_next}

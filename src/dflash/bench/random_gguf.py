@@ -17,19 +17,13 @@ described in `dflash.bench.random_gguf_hybrid`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
-from dflash.bench.random_gguf_hybrid import (
-    HYBRID_SHAPES,
-    HybridShape,
-    add_hybrid_metadata,
-    hybrid_float_tensor,
-    hybrid_layer_tensors,
-)
+from dflash.bench.gguf_shapes import SHAPES, HybridShape, Shape, add_decoder_metadata
+from dflash.bench.random_gguf_hybrid import add_hybrid_metadata, hybrid_float_tensor, hybrid_layer_tensors
 
 Q8_0, Q4_K, Q6_K, F32 = (
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.F32
@@ -38,29 +32,6 @@ Q4_0, Q4_1 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1
 QUANT_MIXES = ("q8_0", "q4_1", "q4_0", "q4_k_m")
 SINGLE_FORMAT_MIXES = {"q8_0": Q8_0, "q4_1": Q4_1, "q4_0": Q4_0}
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A Qwen3-family decoder's sizes."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool = False
-
-
-SHAPES = {
-    "qwen3-8b": Shape(36, 4096, 12288, 32, 8, 128, 151936),
-    "qwen3-32b": Shape(64, 5120, 25600, 64, 8, 128, 151936),
-    "qwen3-0.6b": Shape(28, 1024, 3072, 16, 8, 128, 151936, tied=True),
-    "smollm2-135m": Shape(30, 576, 1536, 9, 3, 64, 49152, tied=True),  # the default model's sizes
-    "tiny": Shape(2, 256, 512, 4, 2, 64, 1024),  # for tests
-}
 
 
 def more_bits(layer: int, layers: int) -> bool:
@@ -90,7 +61,7 @@ def layer_tensors(shape: Shape, layer: int, mix: str) -> list[tuple[str, tuple[i
     ]
 
 
-def all_tensors(shape: Shape | HybridShape, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
+def all_tensors(shape: Shape, mix: str) -> list[tuple[str, tuple[int, int], GGMLQuantizationType]]:
     """Every tensor of the file, in llama.cpp's order."""
     single = SINGLE_FORMAT_MIXES.get(mix)
     tensors = [("token_embd.weight", (shape.vocab, shape.hidden), single or Q4_K)]
@@ -170,12 +141,11 @@ def _tensor_data(
 
 def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> Path:
     """Write the random model `shape_name` in quant mix `mix` to `path`, tensor by tensor."""
-    every_shape: dict[str, Shape | HybridShape] = {**SHAPES, **HYBRID_SHAPES}
-    if shape_name not in every_shape:
-        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(every_shape)}")
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}; choose one of {', '.join(SHAPES)}")
     if mix not in QUANT_MIXES:
         raise ValueError(f"unknown quant mix {mix!r}; choose one of {', '.join(QUANT_MIXES)}")
-    shape = every_shape[shape_name]
+    shape = SHAPES[shape_name]
     if mix not in SINGLE_FORMAT_MIXES and shape.hidden % 256:
         raise ValueError(f"{shape_name}'s rows of {shape.hidden} values are not whole 256-value super-blocks: "
                          f"write it in {', '.join(SINGLE_FORMAT_MIXES)}")
@@ -186,7 +156,7 @@ def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> P
     if isinstance(shape, HybridShape):
         add_hybrid_metadata(writer, shape)
     else:
-        _add_qwen3_metadata(writer, shape)
+        add_decoder_metadata(writer, shape, context=40960, rope_base=1_000_000.0)
     writer.add_file_type(FILE_TYPES[mix])
     _add_vocabulary(writer, shape.vocab)
     tensors = all_tensors(shape, mix)
@@ -205,19 +175,6 @@ def write_random_gguf(path: Path, shape_name: str, mix: str, seed: int = 0) -> P
         writer.write_tensor_data(_tensor_data(name, dims, kind, rng))
     writer.close()
     return path
-
-
-def _add_qwen3_metadata(writer: GGUFWriter, shape: Shape) -> None:
-    writer.add_block_count(shape.layers)
-    writer.add_context_length(40960)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(1_000_000.0)
 
 
 FILE_TYPES = {

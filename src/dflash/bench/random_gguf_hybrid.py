@@ -9,48 +9,13 @@ likewise; the rest is Q4_K and the output matrix Q6_K.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from dflash.bench.gguf_shapes import HybridShape, add_decoder_metadata
+
 F32 = GGMLQuantizationType.F32
 TensorList = list[tuple[str, tuple[int, int], GGMLQuantizationType]]
-
-
-@dataclass(frozen=True)
-class HybridShape:
-    """A Qwen3.5 hybrid decoder's sizes (transformers' names shortened)."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    key_heads: int  # linear attention: q/k heads
-    value_heads: int
-    key_dim: int
-    value_dim: int
-    conv_kernel: int = 4
-    interval: int = 4  # every interval-th layer is full attention
-    rotary_dim: int = 64
-    tied: bool = False
-
-    def is_linear(self, layer: int) -> bool:
-        return (layer + 1) % self.interval != 0
-
-    @property
-    def conv_channels(self) -> int:
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-
-
-HYBRID_SHAPES = {
-    "qwen3.5-27b": HybridShape(64, 5120, 17408, 24, 4, 256, 248320, 16, 48, 128, 128),
-    # for tests: rows of 256 values (the K formats' super-blocks), two value heads per key head
-    "tiny-hybrid": HybridShape(4, 256, 512, 4, 2, 64, 1024, 2, 4, 32, 64, rotary_dim=16),
-}
 
 
 def hybrid_layer_tensors(
@@ -107,16 +72,7 @@ def hybrid_float_tensor(name: str, dims: tuple[int, int], rng: np.random.Generat
 def add_hybrid_metadata(writer: GGUFWriter, shape: HybridShape) -> None:
     """The `qwen35.*` keys llama.cpp and `dflash.models.gguf_hybrid` read (block count and the rest)."""
     arch = "qwen35"
-    writer.add_block_count(shape.layers)
-    writer.add_context_length(262144)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10_000_000.0)
+    add_decoder_metadata(writer, shape, context=262144, rope_base=10_000_000.0)
     writer.add_rope_dimension_count(shape.rotary_dim)
     pairs = shape.rotary_dim // 2  # the multimodal rope sections of a text-only model: positions equal in each
     writer.add_array(f"{arch}.rope.dimension_sections", [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0])
