@@ -28,13 +28,6 @@ def tiled_rows(rows: np.ndarray, groups: int, per_group: int, head_rows: int) ->
 
 def convert_hybrid(hf: Any) -> dict[str, np.ndarray]:
     """The model's tensors as llama.cpp's converter writes them (see `dflash.models.gguf_hybrid`)."""
-    cfg = hf.config
-    groups, per_group = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    q_and_k, head_v = 2 * groups * cfg.linear_key_head_dim, cfg.linear_value_head_dim
-
-    def tile(rows: np.ndarray, head_rows: int) -> np.ndarray:
-        return tiled_rows(rows, groups, per_group, head_rows)
-
     out: dict[str, np.ndarray] = {}
     for name, tensor in hf.state_dict().items():
         w = tensor.detach().float().numpy()
@@ -46,27 +39,42 @@ def convert_hybrid(hf: Any) -> dict[str, np.ndarray]:
             out["output.weight"] = w
         else:
             block, part = name.removeprefix("model.layers.").split(".", 1)
-            b = f"blk.{block}."
-            if part == "linear_attn.A_log":
-                out[b + "ssm_a"] = tile(-np.exp(w)[:, None], 1)[:, 0]
-            elif part == "linear_attn.dt_bias":
-                out[b + "ssm_dt.bias"] = tile(w[:, None], 1)[:, 0]
+            if part.startswith("linear_attn.") and part != "linear_attn.norm.weight":
+                stem, w = converted_linear_attention(hf.config, part, w, tiled=True)
             else:
-                stem, suffix = part.rsplit(".", 1)
-                if stem == "linear_attn.conv1d":
-                    w = w[:, 0]
-                if stem in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
-                    w = np.concatenate((w[:q_and_k], tile(w[q_and_k:], head_v)))
-                elif stem == "linear_attn.in_proj_z":
-                    w = tile(w, head_v)
-                elif stem in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
-                    w = tile(w, 1)
-                elif stem == "linear_attn.out_proj":
-                    w = tile(w.T, head_v).T
-                elif stem.endswith("norm") and stem != "linear_attn.norm":
+                stem_name, suffix = part.rsplit(".", 1)
+                stem = f"{HYBRID_NAMES[stem_name]}.{suffix}"
+                if stem_name.endswith("norm") and stem_name != "linear_attn.norm":
                     w = w + 1
-                out[f"{b}{HYBRID_NAMES[stem]}.{suffix}"] = w
+            out[f"blk.{block}.{stem}"] = w
     return out
+
+
+def converted_linear_attention(cfg: Any, part: str, w: np.ndarray, tiled: bool) -> tuple[str, np.ndarray]:
+    """A DeltaNet tensor `part` (its name within the layer) as the converter writes it -> (GGUF name within the
+    block, tensor); `tiled`: value heads in llama.cpp's tiled order (Qwen3.5's converter; Qwen3-Next's keeps them)."""
+    groups, per_group = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    q_and_k, head_v = 2 * groups * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    def tile(rows: np.ndarray, head_rows: int) -> np.ndarray:
+        return tiled_rows(rows, groups, per_group, head_rows) if tiled else rows
+
+    if part == "linear_attn.A_log":
+        return "ssm_a", tile(-np.exp(w)[:, None], 1)[:, 0]
+    if part == "linear_attn.dt_bias":
+        return "ssm_dt.bias", tile(w[:, None], 1)[:, 0]
+    stem, suffix = part.rsplit(".", 1)
+    if stem == "linear_attn.conv1d":
+        w = w[:, 0]
+    if stem in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+        w = np.concatenate((w[:q_and_k], tile(w[q_and_k:], head_v)))
+    elif stem == "linear_attn.in_proj_z":
+        w = tile(w, head_v)
+    elif stem in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
+        w = tile(w, 1)
+    elif stem == "linear_attn.out_proj":
+        w = tile(w.T, head_v).T
+    return f"{HYBRID_NAMES[stem]}.{suffix}", w
 
 
 def hybrid_metadata(hf: Any, mtp_layers: int, arch: str = "qwen35", dense_width: bool = True) -> dict[str, Any]:

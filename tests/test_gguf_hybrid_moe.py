@@ -16,7 +16,7 @@ from dflash.models.gguf_loader import load_gguf
 from dflash.models.moe_weights import stack_expert_weights
 from dflash.models.registry import build_model
 from dflash.models.weight_choice import choose_weights
-from tests.hybrid_gguf import HYBRID_NAMES, hybrid_metadata, tiled_rows
+from tests.hybrid_gguf import HYBRID_NAMES, converted_linear_attention, hybrid_metadata
 from tests.hybrid_models import hf_tiny_35_moe, hf_tiny_next
 from tests.loading_helpers import write_gguf
 from tests.spec_helpers import one_torch_thread, run
@@ -32,32 +32,6 @@ _MOE_NAMES = {  # transformers layer part -> llama.cpp tensor stem
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "linear_attn.in_proj_ba": "ssm_ba",
 }
-
-
-def _linear_attention(cfg: Any, part: str, w: np.ndarray, tiled: bool) -> tuple[str, np.ndarray] | None:
-    """A DeltaNet tensor as the converter writes it; None for Qwen3-Next's fused `in_proj_qkvz` (split apart)."""
-    groups, per_group = cfg.linear_num_key_heads, cfg.linear_num_value_heads // cfg.linear_num_key_heads
-    q_and_k, head_v = 2 * groups * cfg.linear_key_head_dim, cfg.linear_value_head_dim
-
-    def tile(rows: np.ndarray, head_rows: int) -> np.ndarray:
-        return tiled_rows(rows, groups, per_group, head_rows) if tiled else rows
-
-    if part == "linear_attn.A_log":
-        return "ssm_a", tile(-np.exp(w)[:, None], 1)[:, 0]
-    if part == "linear_attn.dt_bias":
-        return "ssm_dt.bias", tile(w[:, None], 1)[:, 0]
-    stem, suffix = part.rsplit(".", 1)
-    if stem == "linear_attn.conv1d":
-        w = w[:, 0]
-    if stem in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
-        w = np.concatenate((w[:q_and_k], tile(w[q_and_k:], head_v)))
-    elif stem == "linear_attn.in_proj_z":
-        w = tile(w, head_v)
-    elif stem in ("linear_attn.in_proj_b", "linear_attn.in_proj_a"):
-        w = tile(w, 1)
-    elif stem == "linear_attn.out_proj":
-        w = tile(w.T, head_v).T
-    return f"{_MOE_NAMES[stem]}.{suffix}", w
 
 
 def _split_qkvz(cfg: Any, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +67,7 @@ def _convert(hf: Any, arch: str, *, fused_experts: bool = False) -> dict[str, np
         elif part == "linear_attn.in_proj_qkvz.weight":
             out[b + "attn_qkv.weight"], out[b + "attn_gate.weight"] = _split_qkvz(cfg, w)
         elif part.startswith("linear_attn.") and part != "linear_attn.in_proj_ba.weight":
-            converted = _linear_attention(cfg, part, w, tiled=arch == "qwen35moe")
+            converted = converted_linear_attention(cfg, part, w, tiled=arch == "qwen35moe")
             assert converted is not None
             out[b + converted[0]] = converted[1]
         else:
