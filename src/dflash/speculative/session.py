@@ -79,11 +79,11 @@ def begin_speculation(
     absorbed: list[torch.Tensor] = []  # the first chunk's features, for the width of an empty remainder
 
     def absorb(chunk_features: torch.Tensor, start: int) -> None:
-        """Each prefill chunk's features straight into the drafter's cache: a long prompt's features (several
-        GB at 27B and 32K positions) are never all alive, and its first round reads no backlog."""
+        """Each prefill chunk's features straight into the drafter's cache: a long prompt's features (1.6 GiB at
+        27B and 32K positions) are never all alive, and its first round reads no backlog."""
         forwards.absorb_draft_context(drafter, chunk_features, start, drafter_cache)
-        if not absorbed:
-            absorbed.append(chunk_features[:, :0])
+        if not absorbed:  # an empty tensor of their width, not a view that would keep this chunk alive
+            absorbed.append(chunk_features.new_empty(1, 0, chunk_features.shape[-1]))
 
     prefilled = prefill_prompt(
         target, target_cache, prompt, chunk=prefill_chunk, capture=drafter.config.target_layer_ids,
