@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gpu_scale_study import median_ms  # benchmarks/ is on the path
 
 from dflash.bench.provenance import provenance
 from dflash.bench.random_gguf import random_blocks
@@ -36,18 +36,8 @@ MATRICES = [
 ]
 
 
-def time_us(run: Any, iters: int = 20) -> float:
-    run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+def time_us(run: Any) -> float:
+    return median_ms(run, iters=20) * 1e3
 
 
 def main() -> None:
@@ -83,7 +73,7 @@ def main() -> None:
             best = min((v, key) for key, v in timings.items() if v == v)
             entry[f"rows_{rows}"] = {
                 "us": {key: round(v, 1) for key, v in timings.items()},
-                "splits_default": dot_splits(-(-n // 64), k // 32 // 4, device),
+                "splits_default": dot_splits(-(-n // 128), k // 32 // 4, device),
                 "default_gb_s": round(nbytes / timings["default"] / 1e3, 1),
                 "unsplit_gb_s": round(nbytes / timings["unsplit"] / 1e3, 1),
                 "best": best[1], "best_gb_s": round(nbytes / best[0] / 1e3, 1),

@@ -168,7 +168,7 @@ def nibble_matmul(
 
 
 def nibble_dot(
-    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int | None = None,
+    x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor | None = None, block_n: int = 128,
     group_step: int = 4, warps: int = 4, splits: int | None = None,
 ) -> torch.Tensor:
     """x: [rows, k] contiguous (16-bit; float32 for tests), rows <= `DOT_ROWS` -> x @ W^T [rows, n] in x's dtype
@@ -176,11 +176,10 @@ def nibble_dot(
 
     A matrix of few output blocks would leave most of the GPU idle (a 5,120-row matrix is 80 programs), so the
     reduction is split (`splits`, default `dot_splits`): each part's float32 sums go to their own plane and the
-    planes are added in order afterwards (deterministic: no atomics). `block_n` (output columns per program):
-    128 up to 32 rows, 64 beyond (results/gpu_nibble_dot_split_h100.json)."""
+    planes are added in order afterwards (deterministic: no atomics). `block_n` (output columns per program): 128,
+    the fastest at 16 and 33 rows (results/gpu_nibble_dot_split_h100.json); 34-64 rows run the 33-row program
+    (the same 64-row tile)."""
     rows, k = x.shape
-    if block_n is None:
-        block_n = 128 if rows <= 32 else 64
     if k != matrix.k or not 1 <= rows <= DOT_ROWS:
         raise ValueError(f"nibble_dot takes 1 to {DOT_ROWS} rows of {matrix.k} values, not {list(x.shape)}")
     if out is None:
