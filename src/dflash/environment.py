@@ -8,6 +8,8 @@
 | `DFLASH_CPU_LAYER_OPS`         | on       | 0/false/no/off: torch operations instead of the fused CPU kernel        |
 | `DFLASH_CPU_NATIVE_LAYERS`     | on       | 0/false/no/off: CPU decoder layers run from Python, not in one native   |
 |                                |          | call (`dflash.models.native_stack`; the same values either way)         |
+| `DFLASH_CPU_PANELS`            | on       | 0/false/no/off: int8 products read GGUF rows, not weight panels         |
+|                                |          | (`kernels/int8_panels.h`; the same values either way)                   |
 | `DFLASH_CPU_KERNEL_FLAGS`      | none     | compiler flags added to every CPU kernel build, after `-march=native`   |
 |                                |          | (e.g. `-mno-avx512f`: the AVX2 paths on an AVX-512 CPU)                 |
 | `DFLASH_ATTENTION`             | split    | split: the split-key Triton program for 2 to 128 query rows; sdpa: SDPA |
@@ -50,6 +52,7 @@ CACHE_DIR = "DFLASH_CACHE_DIR"
 NO_CACHE = "DFLASH_NO_CACHE"
 CPU_LAYER_OPS = "DFLASH_CPU_LAYER_OPS"
 CPU_NATIVE_LAYERS = "DFLASH_CPU_NATIVE_LAYERS"
+CPU_PANELS = "DFLASH_CPU_PANELS"
 CPU_KERNEL_FLAGS = "DFLASH_CPU_KERNEL_FLAGS"
 ATTENTION = "DFLASH_ATTENTION"
 PADDED_ATTENTION = "DFLASH_PADDED_ATTENTION"
@@ -101,6 +104,11 @@ def cpu_layer_ops_enabled(env: Mapping[str, str] | None = None) -> bool:
 def cpu_native_layers_enabled(env: Mapping[str, str] | None = None) -> bool:
     """`DFLASH_CPU_NATIVE_LAYERS`: on unless 0, false, no or off."""
     return _switched_on(env, CPU_NATIVE_LAYERS)
+
+
+def cpu_panels_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """`DFLASH_CPU_PANELS`: on unless 0, false, no or off."""
+    return _switched_on(env, CPU_PANELS)
 
 
 def cpu_kernel_flags(env: Mapping[str, str] | None = None) -> tuple[str, ...]:

@@ -121,7 +121,7 @@ def _head_rows(lm_head: nn.Module, ids: torch.Tensor) -> nn.Module:
         from dflash.models.quantized_layers import QuantizedLinear
         from dflash.models.quantized_weights import QuantizedMatrix
 
-        blocks = lm_head.blocks.index_select(0, ids.to(lm_head.blocks.device))
+        blocks = lm_head.row_blocks(ids.to(lm_head.blocks.device))
         head = QuantizedLinear(QuantizedMatrix(blocks, GGMLQuantizationType(lm_head.qtype), lm_head.in_features))
         head.use_products(draft_products(lm_head.products))  # the target head's kernel, as a drafter's
         return head

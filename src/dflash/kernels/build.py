@@ -65,6 +65,7 @@ class QuantKernel(Protocol):
     """The functions the compiled extension exports."""
 
     matmul_capsule: object  # the matmul function's pointer, for the native decoder layers (`cpu_decoder.cpp`)
+    panel_matmul_capsule: object  # `panel_matmul`'s, likewise
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32."""
@@ -83,6 +84,7 @@ class AmxKernel(Protocol):
     """The functions `amx_matmul.cpp` exports."""
 
     matmul_capsule: object  # the matmul function's pointer, for the native decoder layers (`cpu_decoder.cpp`)
+    panel_matmul_capsule: object  # `panel_matmul`'s, likewise
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         """x: [M, K] float32, blocks: [N, bytes per row] uint8 -> [M, N] float32 (bf16 products, float32 sums)."""
@@ -97,6 +99,7 @@ class Int8Kernel(Protocol):
     """The functions `int8_matmul.cpp` exports."""
 
     matmul_capsule: object  # the matmul function's pointer, for the native decoder layers (`cpu_decoder.cpp`)
+    panel_matmul_capsule: object  # `panel_matmul`'s, likewise
 
     def matmul(
         self, x: torch.Tensor, blocks: torch.Tensor, qtype: int, tiles: bool = True, parts: int = 1
@@ -120,6 +123,22 @@ class Int8Kernel(Protocol):
 
     def isa(self) -> str:
         """avx512-vnni, avx-vnni, avx2 or none."""
+        ...
+
+    def panels_available(self) -> bool:
+        """Whether the products here read weight panels (`int8_panels.h`: AVX-512 VNNI builds)."""
+        ...
+
+    def to_panels(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+        """blocks: [N, bytes per row] uint8 (Q4_0, Q4_1 or Q8_0 rows) -> [ceil(N / 16), ...] uint8 weight panels."""
+        ...
+
+    def panel_rows(self, panels: torch.Tensor, qtype: int, ids: torch.Tensor) -> torch.Tensor:
+        """panels, ids: [R] int64 -> the GGUF rows [R, bytes per row] uint8 they hold."""
+        ...
+
+    def panel_matmul(self, x: torch.Tensor, panels: torch.Tensor, qtype: int, n: int, parts: int = 1) -> torch.Tensor:
+        """x: [M, K] float32, panels of n rows -> [M, n] float32, bitwise `matmul` of the rows they hold."""
         ...
 
 
@@ -176,7 +195,7 @@ class DecoderKernel(Protocol):
     (`dflash.models.native_stack`), `DrafterLayer` and `DrafterStack` a drafter's (`dflash.drafter.native_drafter`)."""
 
     def bind(self, int8_matmul: object, float_matmul: object, amx_matmul: object, rms_norm: object, rotary: object,
-             attention: object, attention_slots: object, silu_mul: object) -> None: ...
+             attention: object, attention_slots: object, silu_mul: object, panel_matmul: object = None) -> None: ...
 
     Product: type
     Linear: type

@@ -47,6 +47,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -383,6 +384,8 @@ void group_tile(const uint8_t* weights, int64_t row_bytes, int64_t blocks, int64
   }
 }
 #endif
+
+#include "int8_panels.h"  // after QuantizedRows and chain_step, which its products use
 
 #if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
 // Input rows per vector tile beyond one: every group of weight rows is unpacked once per tile.
@@ -732,6 +735,104 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, i
   return out;
 }
 
+bool panels_available() {
+#if defined(DFLASH_INT8_512)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor to_panels(const torch::Tensor& blocks, int64_t qtype) {
+  // blocks: [N, K / 32 * block bytes] uint8 (GGUF rows) -> [ceil(N / 16), K / 32 * record bytes] uint8 panels
+  const PanelFormat f = panel_format(qtype);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) % f.source_bytes == 0,
+              "blocks must be a contiguous 2-D uint8 CPU tensor of whole blocks");
+  const int64_t n = blocks.size(0), n_blocks = blocks.size(1) / f.source_bytes;
+  const int64_t groups = (n + kPanelRows - 1) / kPanelRows, group_bytes = n_blocks * f.record_bytes();
+  torch::Tensor panels = torch::zeros({groups, group_bytes}, blocks.options());
+  const uint8_t* source = blocks.data_ptr<uint8_t>();
+  uint8_t* out = panels.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t r = 0; r < kPanelRows && g * kPanelRows + r < n; ++r) {
+        const uint8_t* row = source + (g * kPanelRows + r) * blocks.size(1);
+        for (int64_t b = 0; b < n_blocks; ++b) {
+          block_to_panel(f, row + b * f.source_bytes, r, out + g * group_bytes + b * f.record_bytes());
+        }
+      }
+    }
+  });
+  return panels;
+}
+
+torch::Tensor panel_rows(const torch::Tensor& panels, int64_t qtype, const torch::Tensor& ids) {
+  // panels: [groups, K / 32 * record bytes] uint8, ids: [R] int64 row numbers -> [R, K / 32 * block bytes] uint8
+  const PanelFormat f = panel_format(qtype);
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kUInt8 && panels.dim() == 2 &&
+                  panels.is_contiguous() && panels.size(1) % f.record_bytes() == 0,
+              "panels must be a contiguous 2-D uint8 CPU tensor of whole records");
+  const torch::Tensor rows = ids.to(torch::kLong).contiguous();
+  const int64_t n_blocks = panels.size(1) / f.record_bytes(), count = rows.numel();
+  torch::Tensor out = torch::empty({count, n_blocks * f.source_bytes}, panels.options());
+  const int64_t* id = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t g = id[i] / kPanelRows, r = id[i] % kPanelRows;
+    TORCH_CHECK(id[i] >= 0 && g < panels.size(0), "row ", id[i], " is outside the panels");
+    const uint8_t* group = panels.data_ptr<uint8_t>() + g * panels.size(1);
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      panel_to_block(f, group + b * f.record_bytes(), r,
+                     out.data_ptr<uint8_t>() + i * out.size(1) + b * f.source_bytes);
+    }
+  }
+  return out;
+}
+
+torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& panels, int64_t qtype, int64_t n,
+                           int64_t parts) {
+  // x: [M, K] float32; panels: [ceil(n / 16), K / 32 * record bytes] uint8 (`to_panels`) -> y: [M, n] float32,
+  // bitwise `int8_matmul` of the same rows
+  TORCH_CHECK(panels_available(), "panel products need AVX-512 VNNI; this build has ", kInt8Isa);
+  TORCH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
+  const PanelFormat f = panel_format(qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+              "x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kUInt8 && panels.dim() == 2 &&
+                  panels.is_contiguous(), "panels must be a contiguous 2-D uint8 CPU tensor");
+  const torch::Tensor input = x.contiguous();
+  const int64_t m = input.size(0), k = input.size(1), n_blocks = k / kBlockValues;
+  TORCH_CHECK(k % kBlockValues == 0 && panels.size(1) == n_blocks * f.record_bytes() &&
+                  panels.size(0) == (n + kPanelRows - 1) / kPanelRows,
+              "panels [", panels.size(0), ", ", panels.size(1), "] do not hold ", n, " rows of ", k, " values");
+  torch::Tensor out = torch::empty({m, n}, input.options());
+  if (m == 0 || n == 0) return out;
+#if defined(DFLASH_INT8_512)
+  const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k, static_cast<int>(parts));
+  const uint8_t* weights = panels.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  const int64_t groups = panels.size(0), grain = std::max<int64_t>(1, kMinRowsPerTask / kPanelRows);
+  const auto run = [&](auto qtype_constant, auto parts_constant) {
+    constexpr int64_t kQtype = decltype(qtype_constant)::value;
+    constexpr int kParts = decltype(parts_constant)::value;
+    at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      panel_groups<kQtype, kParts>(weights, n_blocks, n, rows, y, begin, end);
+    });
+  };
+  const auto with_parts = [&](auto qtype_constant) {
+    if (parts == 2) {
+      run(qtype_constant, std::integral_constant<int, 2>{});
+    } else {
+      run(qtype_constant, std::integral_constant<int, 1>{});
+    }
+  };
+  if (qtype == kTypeQ4_0) with_parts(std::integral_constant<int64_t, kTypeQ4_0>{});
+  if (qtype == kTypeQ4_1) with_parts(std::integral_constant<int64_t, kTypeQ4_1>{});
+  if (qtype == kTypeQ8_0) with_parts(std::integral_constant<int64_t, kTypeQ8_0>{});
+#endif
+  return out;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x) {
   // x: [M, K] float32 -> (q: [M, K] int8, scales: [M, K / 32] float32), as the products quantise their inputs
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
@@ -761,6 +862,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("matmul", &int8_matmul, "y[M, N] = int8(x)[M, K] @ dequant(blocks)[N, K]^T", py::arg("x"),
              py::arg("blocks"), py::arg("qtype"), py::arg("tiles") = true, py::arg("parts") = 1,
              py::call_guard<py::gil_scoped_release>());
+  module.def("panels_available", &panels_available, "whether this build's products read weight panels");
+  module.def("to_panels", &to_panels, "GGUF rows [N, bytes] -> weight panels [ceil(N / 16), ...] (int8_panels.h)",
+             py::arg("blocks"), py::arg("qtype"), py::call_guard<py::gil_scoped_release>());
+  module.def("panel_rows", &panel_rows, "the GGUF rows `ids` of weight panels", py::arg("panels"), py::arg("qtype"),
+             py::arg("ids"), py::call_guard<py::gil_scoped_release>());
+  module.def("panel_matmul", &panel_matmul, "y[M, n] = int8(x)[M, K] @ dequant(panels)[n, K]^T, bitwise `matmul`",
+             py::arg("x"), py::arg("panels"), py::arg("qtype"), py::arg("n"), py::arg("parts") = 1,
+             py::call_guard<py::gil_scoped_release>());
   module.def("quantize", &quantize, "x [M, K] -> (int8 [M, K], scales [M, K / 32]) as the products quantise x",
              py::arg("x"), py::call_guard<py::gil_scoped_release>());
   module.def("available", &available, "whether this build has an integer dot product path");
@@ -768,4 +877,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("isa", &isa, "the instruction set this build uses: avx512-vnni, avx-vnni, avx2 or none");
   // for the native decoder layers (cpu_decoder.cpp), which call this very function
   module.attr("matmul_capsule") = py::capsule(reinterpret_cast<void*>(&int8_matmul), "dflash.int8_matmul");
+  module.attr("panel_matmul_capsule") = py::capsule(reinterpret_cast<void*>(&panel_matmul), "dflash.panel_matmul");
 }

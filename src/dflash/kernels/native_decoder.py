@@ -72,6 +72,7 @@ def _bind_products(kernel: DecoderKernel, kind: str) -> bool:
         return False
     capsule = products.matmul_capsule
     int8, float32, amx = (capsule if kind == name else None for name in ("int8", "float32", "amx"))
-    kernel.bind(int8, float32, amx, None, None, None, None, None)
+    panels = products.panel_matmul_capsule if kind == "int8" else None
+    kernel.bind(int8, float32, amx, None, None, None, None, None, panels)
     _bound.add(kind)
     return True

@@ -13,6 +13,7 @@ namespace native_layers {
 namespace py = pybind11;
 
 using Int8Matmul = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, bool, int64_t);
+using PanelMatmul = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t, int64_t, int64_t);
 using BlockMatmul = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t);
 using RmsNorm = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, double, bool);
 using Rotary = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&);
@@ -25,6 +26,7 @@ using SiluMul = torch::Tensor (*)(const torch::Tensor&);
 // The functions of the other extensions, set once by `bind` (null where that extension is not loaded).
 struct Functions {
   Int8Matmul int8_matmul = nullptr;
+  PanelMatmul panel_matmul = nullptr;
   BlockMatmul float_matmul = nullptr;
   BlockMatmul amx_matmul = nullptr;
   RmsNorm rms_norm = nullptr;
@@ -44,8 +46,9 @@ inline void set_from(Fn& slot, const py::object& capsule) {
 
 inline void bind(const py::object& int8_matmul, const py::object& float_matmul, const py::object& amx_matmul,
           const py::object& rms_norm, const py::object& rotary, const py::object& attention,
-          const py::object& attention_slots, const py::object& silu_mul) {
+          const py::object& attention_slots, const py::object& silu_mul, const py::object& panel_matmul) {
   set_from(functions.int8_matmul, int8_matmul);
+  set_from(functions.panel_matmul, panel_matmul);
   set_from(functions.float_matmul, float_matmul);
   set_from(functions.amx_matmul, amx_matmul);
   set_from(functions.rms_norm, rms_norm);
@@ -62,11 +65,13 @@ enum Kind : int64_t {
   kAmx = 2,      // QuantizedLinear on the AMX kernel
   kInt8 = 3,     // QuantizedLinear on the int8 kernel, one 8-bit part
   kInt8x2 = 4,   // QuantizedLinear on the int8 kernel, two 8-bit parts
+  kPanels = 5,   // QuantizedLinear on the int8 kernel, weight panels (int8_panels.h), one 8-bit part
+  kPanelsx2 = 6, // the same, two 8-bit parts
 };
 
 struct Product {
   int64_t kind;
-  torch::Tensor weights;  // kDense: float weight [out, in]; else GGUF blocks [out, bytes per row] uint8
+  torch::Tensor weights;  // kDense: float weight [out, in]; kPanels*: weight panels; else GGUF blocks [out, bytes]
   int64_t qtype;
   int64_t out;
 };
@@ -91,6 +96,10 @@ inline torch::Tensor block_product(const Product& p, const torch::Tensor& rows) 
     case kInt8x2:
       TORCH_CHECK(functions.int8_matmul != nullptr, "the int8 products kernel is not bound");
       return functions.int8_matmul(rows, p.weights, p.qtype, true, p.kind == kInt8x2 ? 2 : 1);
+    case kPanels:
+    case kPanelsx2:
+      TORCH_CHECK(functions.panel_matmul != nullptr, "the int8 panel products are not bound");
+      return functions.panel_matmul(rows, p.weights, p.qtype, p.out, p.kind == kPanelsx2 ? 2 : 1);
     default:
       TORCH_CHECK(false, "unknown product kind ", p.kind);
   }
@@ -134,7 +143,7 @@ inline torch::Tensor normed(const Norm& norm, const torch::Tensor& x) {
 }
 
 inline Product make_product(int64_t kind, torch::Tensor weights, int64_t qtype, int64_t out) {
-  TORCH_CHECK(kind >= kDense && kind <= kInt8x2, "unknown product kind ", kind);
+  TORCH_CHECK(kind >= kDense && kind <= kPanelsx2, "unknown product kind ", kind);
   return Product{kind, std::move(weights), qtype, out};
 }
 

@@ -44,7 +44,7 @@ from torch import nn
 from dflash.errors import ModelLoadError
 from dflash.kernels.build import KernelUnavailable, load_amx_kernel, load_int8_kernel
 from dflash.models.gguf_transcode import effective_format
-from dflash.models.quantized_layers import QuantizedLinear
+from dflash.models.quantized_layers import QuantizedEmbedding, QuantizedLinear
 from dflash.models.quantized_weights import float_kernels_read, is_supported_type
 
 __all__ = [
@@ -157,8 +157,13 @@ def tile_products(kind: str) -> bool:
 
 
 def use_cpu_matmul(model: nn.Module, kind: str) -> int:
-    """Put every quantized matrix of `model` on the `kind` kernel; returns how many there are."""
+    """Put every quantized matrix of `model` on the `kind` kernel; returns how many there are. A table tied to a
+    head (the same blocks) then reads the head's, in the layout the kernel keeps them (`share_table`)."""
     matrices = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    tables = {m.blocks.data_ptr(): m for m in model.modules() if isinstance(m, QuantizedEmbedding)}
     for matrix in matrices:
+        tied = tables.get(matrix.blocks.data_ptr())
         matrix.use_products(kind)
+        if tied is not None:
+            tied.share_table(matrix)
     return len(matrices)

@@ -33,6 +33,7 @@ __all__ = [
 # QuantizedLinear.products -> (the extension that computes it, the kind code of cpu_decoder.cpp)
 PRODUCT_KINDS = {"float32": ("float32", 1), "amx": ("amx", 2), "int8": ("int8", 3), "int8x2": ("int8", 4)}
 DENSE_KIND = 0
+PANEL_CODE_OFFSET = 2  # int8 3 -> 5, int8x2 4 -> 6 (`native_layers.h`: kPanels, kPanelsx2)
 
 _layer_changes = 0  # `layers_changed` calls
 
@@ -136,6 +137,8 @@ def _product(module: QuantizedLinear, kinds: set[str]) -> tuple[int, torch.Tenso
         raise Unsupported
     extension, code = PRODUCT_KINDS[module.products]
     kinds.add(extension)
+    if module.panels:  # the int8 kinds' codes on weight panels: 5 (one part), 6 (two)
+        code += PANEL_CODE_OFFSET
     return code, module.blocks, module.qtype, module.out_features
 
 

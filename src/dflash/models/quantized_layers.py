@@ -13,6 +13,10 @@ themselves are in the `blocks` buffer; neither buffer is part of the state dict.
 invariant as well), `use_products("int8")` to the integer kernel (inputs quantised to int8 blocks, batch
 invariant as well); `dflash.models.cpu_matmul` chooses for a whole model. The float32 and AMX kernels read Q4_1
 and Q8_0 only: a matrix in Q4_0, Q4_K, Q5_K or Q6_K starts on int8x2 products and refuses the other two.
+On the int8 kernels, where the CPU's products run on the AVX-512 VNNI vector path, a Q4_0, Q4_1 or Q8_0 matrix is
+kept as weight panels instead of GGUF rows (`kernels/int8_panels.h`: 16 rows interleaved, the same bytes moved; its
+products bitwise the rows', at 1.2-1.6x the speed); `row_blocks` gives its GGUF rows back either way, and a tied
+`QuantizedEmbedding` looks its rows up in the head's panels (`share_table`) rather than keep a second copy.
 `QuantizedStack` holds a fused projection whose parts are in different formats (Q4_K_M files store some layers'
 attn_v in Q6_K beside attn_q and attn_k in Q4_K): one product per format, outputs side by side.
 """
@@ -28,6 +32,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from dflash import environment
 from dflash.errors import ModelLoadError
 from dflash.kernels.build import (
     AmxKernel,
@@ -44,7 +49,10 @@ from dflash.models.quantized_weights import (
     require_cpu_readable,
 )
 
-__all__ = ["QuantizedEmbedding", "QuantizedLinear", "QuantizedStack", "linear_of_parts", "uses_quantized_weights"]
+# the formats weight panels hold (`kernels/int8_panels.h`)
+PANEL_FORMATS = frozenset({int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_1), int(GGMLQuantizationType.Q8_0)})
+
+__all__ = ["PANEL_FORMATS", "QuantizedEmbedding", "QuantizedLinear", "QuantizedStack", "linear_of_parts", "uses_quantized_weights"]
 
 
 class QuantizedLinear(nn.Module):
@@ -63,6 +71,7 @@ class QuantizedLinear(nn.Module):
         self.out_features = matrix.rows
         self.qtype = int(matrix.qtype)
         self.products = "float32"
+        self.panels = False  # `blocks` holds weight panels (int8 kernels), not GGUF rows
         self._kernel: QuantKernel | AmxKernel | Int8Kernel
         if float_kernels_read(matrix.qtype):
             self._kernel = load_quant_kernel()
@@ -71,6 +80,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
         self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
+        if self.products == "int8x2":
+            self._arrange(self._panels_here())
 
     def use_products(self, products: str) -> None:
         """float32 (the float32 kernel), amx (bf16 products on AMX tiles), int8 (int8 inputs, integer dot
@@ -91,12 +102,43 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"unknown products {products!r}")
         self.products = products
+        self._arrange(self._panels_here())
+        QuantizedLinear.products_changes += 1
+
+    def row_blocks(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The GGUF rows `ids` (all by default) of the matrix: [rows, bytes per row] uint8, whatever its layout."""
+        if not self.panels:
+            return self.blocks if ids is None else self.blocks.index_select(0, ids)
+        if ids is None:
+            ids = torch.arange(self.out_features)
+        return cast(Int8Kernel, self._kernel).panel_rows(self.blocks, self.qtype, ids)
+
+    def _panels_here(self) -> bool:
+        """Whether this matrix's products read weight panels: int8 products on the AVX-512 VNNI vector path (not
+        where AMX tiles take several rows: they read GGUF rows) of a format panels hold."""
+        if self.products not in ("int8", "int8x2") or not environment.cpu_panels_enabled():
+            return False
+        kernel = cast(Int8Kernel, self._kernel)
+        return self.qtype in PANEL_FORMATS and kernel.panels_available() and not kernel.has_tiles()
+
+    def _arrange(self, panels: bool) -> None:
+        """Keep `blocks` as weight panels or as GGUF rows (moved, not copied: one layout is kept)."""
+        if panels == self.panels:
+            return
+        if panels:
+            self.blocks = load_int8_kernel().to_panels(self.blocks, self.qtype)
+        else:
+            self.blocks = load_int8_kernel().panel_rows(self.blocks, self.qtype, torch.arange(self.out_features))
+        self.panels = panels
         QuantizedLinear.products_changes += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        if self.products == "int8x2":
+        if self.panels:
+            parts = 2 if self.products == "int8x2" else 1
+            y = cast(Int8Kernel, self._kernel).panel_matmul(rows, self.blocks, self.qtype, self.out_features, parts)
+        elif self.products == "int8x2":
             y = cast(Int8Kernel, self._kernel).matmul(rows, self.blocks, self.qtype, True, 2)  # [rows, out]
         else:
             y = self._kernel.matmul(rows, self.blocks, self.qtype)  # [rows, out]
@@ -106,7 +148,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, qtype={self.qtype}, "
-                f"products={self.products}")
+                f"products={self.products}{', panels' if self.panels else ''}")
 
 
 class QuantizedStack(nn.Module):
@@ -154,11 +196,22 @@ class QuantizedEmbedding(nn.Module):
         self.embedding_dim = matrix.columns
         self.qtype = int(matrix.qtype)
         self._kernel = load_quant_kernel() if float_kernels_read(matrix.qtype) else None
+        self.panels = False  # `blocks` are a tied head's weight panels (`share_table`)
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
 
+    def share_table(self, head: QuantizedLinear) -> None:
+        """Read the rows from a tied head's blocks in whatever layout it keeps them (one copy of the table)."""
+        if (head.qtype, head.out_features, head.in_features) != (self.qtype, self.num_embeddings, self.embedding_dim):
+            raise ValueError("the head does not hold this table")
+        self.blocks, self.panels = head.blocks, head.panels
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.blocks.index_select(0, input_ids.reshape(-1))  # [n, bytes per row]
+        ids = input_ids.reshape(-1)
+        if self.panels:
+            rows = load_int8_kernel().panel_rows(self.blocks, self.qtype, ids)  # [n, bytes per row]
+        else:
+            rows = self.blocks.index_select(0, ids)  # [n, bytes per row]
         if self._kernel is not None:
             values = self._kernel.dequantize(rows, self.qtype, self.embedding_dim)  # [n, dim]
         else:
