@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from dflash.bench.provenance import provenance, write_result
-from dflash.engine.engine import EngineOptions
+from dflash.engine.engine import Engine, EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.generation.request import GenerationRequest
 from dflash.models.model import CausalLM
@@ -52,8 +52,7 @@ def forward_ms(target: CausalLM, rows: int, context: int, calls: int) -> float:
     return best * 1000
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per file")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rows", type=int, default=5)
@@ -61,9 +60,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    engine = load_engine("default", options=EngineOptions(max_batch=1, spec="ddtree", always_speculate=True))
-    engine.warm_up()
+
+
+def compare_ways(
+    engine: Engine, ways: dict[str, Callable[[], None]], args: argparse.Namespace, script: str
+) -> dict[str, Any]:
+    """Taking turns between `ways` (each a call that switches the engine to it), `args.repeats` times: a plain step,
+    a verification of `args.rows` rows, and whole greedy generations in plain decoding and in DDTree speculating
+    every round. Returns the result's common fields: medians per way, the first way's speedup over the second,
+    acceptance, and whether every way gave the same tokens."""
+    recorded = provenance(engine.device)  # before any switch sets its variable
     chats = [chat for name in ("humaneval", "mtbench") for chat in read_prompt_file(PROMPTS / f"{name}.jsonl")[: args.prompts]]
     prompts = [engine.prompt_set_ids(chat) for chat in chats]
     drafter = engine.drafter
@@ -83,8 +89,8 @@ def main() -> None:
     acceptance: dict[str, float] = {}
     with torch.inference_mode():
         for _ in range(args.repeats):
-            for way, flag in (("native", "1"), ("python", "0")):
-                os.environ[SWITCH] = flag
+            for way, switch in ways.items():
+                switch()
                 figures[way]["step_1_row_ms"].append(forward_ms(engine.target, 1, args.context, args.calls))
                 figures[way][f"verify_{args.rows}_rows_ms"].append(
                     forward_ms(engine.target, args.rows, args.context, args.calls))
@@ -103,24 +109,38 @@ def main() -> None:
                     figures[way][f"{mode}_tokens_per_s"].append(sum(map(len, produced)) / seconds)
                     tokens[way][mode] = produced
                     acceptance[mode] = statistics.fmean(accepted)
-    os.environ.pop(SWITCH, None)
     medians = {way: {name: round(statistics.median(values), 3) for name, values in table.items()}
                for way, table in figures.items()}
-    result: dict[str, Any] = {
-        **provenance(engine.device),
-        "command": "python benchmarks/cpu_native_layers.py " + " ".join(
+    first, second = list(ways)[:2]
+    return {
+        **recorded,
+        "command": f"python benchmarks/{script} " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "model": engine.model_name, "cpu_matmul": engine.cpu_matmul, "threads": torch.get_num_threads(),
-        "ran_natively": runs_natively(engine.target),
         "prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
         "medians": medians,
-        "native_speedup": {  # python time / native time (tokens/s: native / python)
-            name: round(medians["native"][name] / medians["python"][name], 3) if name.endswith("per_s")
-            else round(medians["python"][name] / medians["native"][name], 3) for name in medians["native"]},
+        f"{first}_speedup": {  # the second way's time / the first's (tokens/s: the first's / the second's)
+            name: round(medians[first][name] / medians[second][name], 3) if name.endswith("per_s")
+            else round(medians[second][name] / medians[first][name], 3) for name in medians[first]},
         "ddtree_acceptance_length": round(acceptance["ddtree"], 3),
-        "same_tokens": {mode: tokens["native"][mode] == tokens["python"][mode] for mode in ("plain", "ddtree")},
-        "ddtree_tokens_are_plain_tokens": tokens["native"]["ddtree"] == tokens["native"]["plain"],
+        "same_tokens": {mode: all(tokens[way][mode] == tokens[first][mode] for way in ways) for mode in ("plain", "ddtree")},
+        "ddtree_tokens_are_plain_tokens": tokens[first]["ddtree"] == tokens[first]["plain"],
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args()
+    engine = load_engine("default", options=EngineOptions(max_batch=1, spec="ddtree", always_speculate=True))
+    engine.warm_up()
+
+    def switch(flag: str) -> Callable[[], None]:
+        return lambda: os.environ.__setitem__(SWITCH, flag)
+
+    result = compare_ways(engine, {"native": switch("1"), "python": switch("0")}, args, "cpu_native_layers.py")
+    os.environ.pop(SWITCH, None)
+    result["ran_natively"] = runs_natively(engine.target)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(result, args.out)
