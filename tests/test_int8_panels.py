@@ -1,5 +1,5 @@
 """Weight panels (`kernels/int8_panels.h`): the int8 kernel's interleaved layout of Q4_0 / Q4_1 / Q8_0 matrices on
-the AVX-512 VNNI vector path. Panel products are bitwise the GGUF-row products (any rows, parts, sizes, threads);
+the vector paths (AVX-512 VNNI, AVX2; the AVX2 path by narrowing the build's flags too). Panel products are bitwise the GGUF-row products (any rows, parts, sizes, threads);
 the layout moves bytes only (rows come back exactly); `QuantizedLinear` keeps one layout and switches between them;
 a tied table reads the head's panels; `DFLASH_CPU_PANELS=0` keeps GGUF rows."""
 
@@ -26,7 +26,7 @@ def _panels_obstacle() -> str | None:
         return "no int8 dot products on this CPU"
     kernel = load_int8_kernel()
     if not kernel.panels_available():
-        return f"weight panels need AVX-512 VNNI ({kernel.isa()} here)"
+        return f"weight panels need AVX2 at least ({kernel.isa()} here)"
     return None
 
 

@@ -122,14 +122,17 @@ def _load(
         products = choose_cpu_matmul(loading.cpu_matmul, speculative=speculative, formats=formats)
     if isinstance(checkpoint, QuantizedCheckpoint):
         target = build_quantized_model(checkpoint, device=torch_device, dtype=torch_dtype)
+        del checkpoint.weights
+        checkpoint.matrices.clear()  # the model holds the rows it took: weight panels may replace them below
         if products is not None:  # the CPU kernel's products (a GPU's blocks go through the Triton programs)
             use_cpu_matmul(target, products.kind)
+            return_free_heap()  # the GGUF rows weight panels replaced, before the drafter's temporaries
     else:
         target = build_model(
             checkpoint.config, checkpoint.weights, device=torch_device, dtype=torch_dtype,
             source=str(checkpoint.source), tensor_parallel=tensor_parallel,
         )
-    del checkpoint.weights
+        del checkpoint.weights
     drafter = None
     if draft not in (None, "", "none"):
         assert draft is not None
