@@ -120,3 +120,24 @@ def test_tied_table_reads_the_head_panels() -> None:
     assert head.panels and table.panels
     assert table.blocks is head.blocks  # one copy of the table
     assert torch.equal(table(ids), before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")])
+def test_narrower_builds_give_the_same_bits(kernel: Int8Kernel, flags: tuple[str, ...]) -> None:
+    """The AVX2 builds' panel products (two halves of 8 lanes; vpdpbusd with AVX-VNNI, else vpmaddubsw, with Q8_0's
+    values turned back into signed bytes) are their own row products and the AVX-512 build's, bit for bit."""
+    if _panels_obstacle() is not None:
+        pytest.skip(str(_panels_obstacle()))
+    narrow = load_int8_kernel(flags)
+    if not narrow.isa().startswith("avx"):
+        pytest.skip(f"the compiler builds no AVX2 path here ({narrow.isa()})")
+    for qtype in (Q4_0, Q4_1, Q8_0):
+        blocks = any_bytes(45, 224, qtype, seed=8)  # a group's second half partly filled
+        panels = narrow.to_panels(blocks, int(qtype))
+        assert torch.equal(panels, kernel.to_panels(blocks, int(qtype)))  # one layout for every path
+        for parts in (1, 2):
+            x = torch.randn(6, 224, generator=torch.Generator().manual_seed(parts))
+            want = kernel.panel_matmul(x, panels, int(qtype), 45, parts)
+            assert torch.equal(narrow.panel_matmul(x, panels, int(qtype), 45, parts), want), (qtype, parts)
+            assert torch.equal(narrow.matmul(x, blocks, int(qtype), False, parts), want), (qtype, parts)
