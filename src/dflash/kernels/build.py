@@ -126,7 +126,7 @@ class Int8Kernel(Protocol):
         ...
 
     def panels_available(self) -> bool:
-        """Whether the products here read weight panels (`int8_panels.h`: the AVX-512 VNNI and AVX2 builds)."""
+        """Whether the products here read weight panels (`int8_panels.h`: AVX-512 VNNI builds)."""
         ...
 
     def to_panels(self, blocks: torch.Tensor, qtype: int) -> torch.Tensor:

@@ -736,7 +736,7 @@ torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, i
 }
 
 bool panels_available() {
-#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+#if defined(DFLASH_INT8_512)
   return true;
 #else
   return false;
@@ -793,7 +793,7 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
                            int64_t parts) {
   // x: [M, K] float32; panels: [ceil(n / 16), K / 32 * record bytes] uint8 (`to_panels`) -> y: [M, n] float32,
   // bitwise `int8_matmul` of the same rows
-  TORCH_CHECK(panels_available(), "panel products need AVX2 or AVX-512 VNNI; this build has ", kInt8Isa);
+  TORCH_CHECK(panels_available(), "panel products need AVX-512 VNNI; this build has ", kInt8Isa);
   TORCH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
   const PanelFormat f = panel_format(qtype);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
@@ -807,7 +807,7 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
               "panels [", panels.size(0), ", ", panels.size(1), "] do not hold ", n, " rows of ", k, " values");
   torch::Tensor out = torch::empty({m, n}, input.options());
   if (m == 0 || n == 0) return out;
-#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
+#if defined(DFLASH_INT8_512)
   const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k, static_cast<int>(parts));
   const uint8_t* weights = panels.data_ptr<uint8_t>();
   float* y = out.data_ptr<float>();

@@ -1,5 +1,5 @@
 // Weight panels: the int8 kernel's own layout of a Q4_0, Q4_1 or Q8_0 matrix (int8_matmul.cpp), for CPUs whose
-// products run on the vector paths (AVX-512 VNNI; AVX2, with or without AVX-VNNI).
+// products run on the AVX-512 VNNI vector path.
 //
 // In GGUF order each weight row is its own stream of blocks, so a vector lane holds 4 values of one row and the
 // kernel must sum every row's lanes across the vector for each block (about 44 shuffles and adds per input row and
@@ -101,31 +101,15 @@ inline void panel_to_block(const PanelFormat& f, const uint8_t* record, int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The products: 16 weight rows of a group (one lane each; two halves of 8 lanes on AVX2) x INPUTS input rows, one
-// block a step.
+// The products (AVX-512 VNNI): 16 weight rows of a group (one lane each) x INPUTS input rows, one block a step.
+// On the 256-bit paths a row's block is one vector, summed across its lanes in a few instructions: panels gained
+// nothing there (0.9-1.1x, measured with the same code on 8-lane halves) and those builds keep GGUF rows.
 // ---------------------------------------------------------------------------------------------------------
-// The format traits `chain_step` reads (int8_matmul.cpp), per path: vpdpbusd multiplies Q8_0's stored unsigned
-// bytes (value + 128) and removes 128 times the input's sum after, as Q4_0's 8; the AVX2 path turns them back into
-// signed values and multiplies |w| by the input carrying w's sign (vpmaddubsw would saturate on value + 128), a
-// dot product with no offset. Either way the same integer per block.
-template <int64_t kQtype, bool kStoredQ8Offset>
-struct PanelChain {
-  static constexpr bool kHasMin = kQtype == kTypeQ4_1;
-  static constexpr int kOffset = kQtype == kTypeQ4_0 ? 8 : (kQtype == kTypeQ8_0 && kStoredQ8Offset) ? 128 : 0;
-  static constexpr bool kNibbles = kQtype != kTypeQ8_0;
-  static constexpr int64_t kFactorBytes = kHasMin ? 64 : 32;
-  static constexpr int64_t kRecordBytes = kFactorBytes + (kNibbles ? 256 : 512);
-};
-
-inline void input_words(const int8_t* input, int32_t (&words)[8]) { std::memcpy(words, input, sizeof words); }
-
 #if defined(DFLASH_INT8_512)
-constexpr int kPanelLanes = 16;  // lanes a vector holds: the whole group
-
 // The 8 value vectors of a record as unsigned bytes, vector i against the input block's dword i.
-template <class Chain>
-inline void panel_values(const uint8_t* values, int /*half*/, __m512i (&w)[8]) {
-  if constexpr (Chain::kNibbles) {
+template <bool kNibbles>
+inline void panel_values(const uint8_t* values, __m512i (&w)[8]) {
+  if constexpr (kNibbles) {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -141,10 +125,9 @@ inline void panel_values(const uint8_t* values, int /*half*/, __m512i (&w)[8]) {
 
 // Every lane's integer dot product of a block: sum_i w[i] . broadcast(dword i of the input block), in two
 // independent sums (integer additions: any order gives the same sums).
-template <class Chain>
 inline __m512i panel_dot(const __m512i (&w)[8], const int8_t* input) {
   int32_t words[8];
-  input_words(input, words);
+  std::memcpy(words, input, sizeof words);
   __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
 #pragma GCC unroll 4
   for (int j = 0; j < 8; j += 2) {
@@ -154,121 +137,63 @@ inline __m512i panel_dot(const __m512i (&w)[8], const int8_t* input) {
   return _mm512_add_epi32(even, odd);
 }
 
-inline __m512 panel_factors(const uint8_t* at, int /*half*/) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-}
-inline void store_lanes(float* y, __m512 acc, int valid) {
-  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << valid) - 1u), acc);
-}
-using PanelVector = __m512i;
-using PanelFloats = __m512;
-inline __m512 zero_floats() { return _mm512_setzero_ps(); }
-inline __m512i shifted_sum(__m512i high, __m512i low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 8), low); }
-constexpr bool kStoredQ8Offset = true;
+// The format traits `chain_step` reads (int8_matmul.cpp): vpdpbusd multiplies Q8_0's stored unsigned bytes (value +
+// 128), and 128 times the input's sum is removed after, as Q4_0's 8.
+template <int64_t kQtype>
+struct PanelChain {
+  static constexpr bool kHasMin = kQtype == kTypeQ4_1;
+  static constexpr int kOffset = kQtype == kTypeQ4_0 ? 8 : kQtype == kTypeQ8_0 ? 128 : 0;
+  static constexpr bool kNibbles = kQtype != kTypeQ8_0;
+  static constexpr int64_t kFactorBytes = kHasMin ? 64 : 32;
+  static constexpr int64_t kRecordBytes = kFactorBytes + (kNibbles ? 256 : 512);
+};
 
-#elif defined(DFLASH_INT8_256)
-constexpr int kPanelLanes = 8;  // lanes a vector holds: half a group
-
-// The 8 value vectors of a record's `half` (lanes 8 half .. 8 half + 7), vector i against the input's dword i:
-// unsigned nibbles, or Q8_0's values back as signed bytes.
-template <class Chain>
-inline void panel_values(const uint8_t* values, int half, __m256i (&w)[8]) {
-  if constexpr (Chain::kNibbles) {
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = load_bytes(values + 64 * j + 32 * half);
-      w[2 * j] = low_nibbles(v);
-      w[2 * j + 1] = high_nibbles(v);
-    }
-  } else {
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      w[j] = _mm256_xor_si256(load_bytes(values + 64 * j + 32 * half), _mm256_set1_epi8(static_cast<char>(0x80)));
-    }
-  }
-}
-
-template <class Chain>
-inline __m256i panel_dot(const __m256i (&w)[8], const int8_t* input) {
-  int32_t words[8];
-  input_words(input, words);
-  __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int j = 0; j < 8; j += 2) {
-    const __m256i x0 = _mm256_set1_epi32(words[j]), x1 = _mm256_set1_epi32(words[j + 1]);
-    if constexpr (Chain::kNibbles) {
-      even = _mm256_add_epi32(even, dot_u8_s8(w[j], x0));
-      odd = _mm256_add_epi32(odd, dot_u8_s8(w[j + 1], x1));
-    } else {  // |w| x (x with w's sign)
-      even = _mm256_add_epi32(even, dot_u8_s8(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(x0, w[j])));
-      odd = _mm256_add_epi32(odd, dot_u8_s8(_mm256_abs_epi8(w[j + 1]), _mm256_sign_epi8(x1, w[j + 1])));
-    }
-  }
-  return _mm256_add_epi32(even, odd);
-}
-
-inline __m256 panel_factors(const uint8_t* at, int half) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16 * half)));
-}
-inline void store_lanes(float* y, __m256 acc, int valid) {
-  alignas(32) float out[8];
-  _mm256_store_ps(out, acc);
-  std::memcpy(y, out, static_cast<size_t>(valid) * sizeof(float));
-}
-using PanelVector = __m256i;
-using PanelFloats = __m256;
-inline __m256 zero_floats() { return _mm256_setzero_ps(); }
-inline __m256i shifted_sum(__m256i high, __m256i low) { return _mm256_add_epi32(_mm256_slli_epi32(high, 8), low); }
-constexpr bool kStoredQ8Offset = false;
-#endif
-
-#if defined(DFLASH_INT8_512) || defined(DFLASH_INT8_256)
-// The `half`-th kPanelLanes lanes of a group (the group at `group`, `blocks` records) x INPUTS input rows from
-// `first_input`, PARTS parts; y: INPUTS rows of n floats, this group's rows from `first_row`.
+// 16 weight rows (the group at `group`, `blocks` records) x INPUTS input rows from `first_input`, PARTS parts;
+// y: INPUTS rows of n floats, this group's lanes from `first_row`.
 template <int64_t kQtype, int INPUTS, int PARTS>
-void panel_tile(const uint8_t* group, int64_t blocks, int64_t n, int64_t first_row, int half, const QuantizedRows& x,
+void panel_tile(const uint8_t* group, int64_t blocks, int64_t n, int64_t first_row, const QuantizedRows& x,
                 int64_t first_input, float* y) {
-  using Chain = PanelChain<kQtype, kStoredQ8Offset>;
-  PanelFloats acc[INPUTS];
-  for (int c = 0; c < INPUTS; ++c) acc[c] = zero_floats();
+  using Chain = PanelChain<kQtype>;
+  __m512 acc[INPUTS];
+  for (int c = 0; c < INPUTS; ++c) acc[c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* record = group + b * Chain::kRecordBytes;
     _mm_prefetch(reinterpret_cast<const char*>(record + 16 * Chain::kRecordBytes), _MM_HINT_T0);
-    const PanelFloats d = panel_factors(record, half);
-    PanelFloats m = zero_floats();
-    if constexpr (Chain::kHasMin) m = panel_factors(record + 32, half);
-    PanelVector w[8];
-    panel_values<Chain>(record + Chain::kFactorBytes, half, w);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record)));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (Chain::kHasMin) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 32)));
+    __m512i w[8];
+    panel_values<Chain::kNibbles>(record + Chain::kFactorBytes, w);
 #pragma GCC unroll 4
     for (int c = 0; c < INPUTS; ++c) {
       const int64_t input = first_input + c;
-      PanelVector dots = panel_dot<Chain>(w, x.values(input) + b * kBlockValues);
+      __m512i dots = panel_dot(w, x.values(input) + b * kBlockValues);
       if constexpr (PARTS == 2) {  // 256 (w . q) + (w . low), as the row-stream path's dot2
-        dots = shifted_sum(dots, panel_dot<Chain>(w, x.lows(input) + b * kBlockValues));
+        dots = _mm512_add_epi32(_mm512_slli_epi32(dots, 8), panel_dot(w, x.lows(input) + b * kBlockValues));
       }
       const int32_t* halves = x.half_totals(input) + 2 * b;
       acc[c] = chain_step<Chain>(acc[c], d, m, dots, x.scales(input)[b], x.sums(input)[b], halves[0] + halves[1]);
     }
   }
-  const int64_t row = first_row + half * kPanelLanes;
-  const int valid = static_cast<int>(std::min<int64_t>(kPanelLanes, n - row));
-  for (int c = 0; c < INPUTS; ++c) store_lanes(y + c * n + row, acc[c], valid);
+  const int valid = static_cast<int>(std::min<int64_t>(kPanelRows, n - first_row));
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  for (int c = 0; c < INPUTS; ++c) _mm512_mask_storeu_ps(y + c * n + first_row, mask, acc[c]);
 }
 
 // Input rows per tile: each group's records are read once per tile (from L1 after the first tile).
 constexpr int kPanelTileInputs = 4;
 
 template <int64_t kQtype, int INPUTS, int PARTS>
-void panel_times_inputs(const uint8_t* group, int64_t blocks, int64_t n, int64_t first_row, int half,
-                        const QuantizedRows& x, int64_t first_input, int64_t inputs, float* y) {
+void panel_times_inputs(const uint8_t* group, int64_t blocks, int64_t n, int64_t first_row, const QuantizedRows& x,
+                        int64_t first_input, int64_t inputs, float* y) {
   int64_t c = 0;
   for (; c + INPUTS <= inputs; c += INPUTS) {
-    panel_tile<kQtype, INPUTS, PARTS>(group, blocks, n, first_row, half, x, first_input + c, y + c * n);
+    panel_tile<kQtype, INPUTS, PARTS>(group, blocks, n, first_row, x, first_input + c, y + c * n);
   }
   if constexpr (INPUTS > 1) {
     if (c < inputs) {
-      panel_times_inputs<kQtype, INPUTS - 1, PARTS>(group, blocks, n, first_row, half, x, first_input + c,
-                                                    inputs - c, y + c * n);
+      panel_times_inputs<kQtype, INPUTS - 1, PARTS>(group, blocks, n, first_row, x, first_input + c, inputs - c,
+                                                    y + c * n);
     }
   }
 }
@@ -277,12 +202,10 @@ void panel_times_inputs(const uint8_t* group, int64_t blocks, int64_t n, int64_t
 template <int64_t kQtype, int PARTS>
 void panel_groups(const uint8_t* panels, int64_t blocks, int64_t n, const QuantizedRows& x, float* y,
                   int64_t group_begin, int64_t group_end) {
-  const int64_t group_bytes = blocks * PanelChain<kQtype, kStoredQ8Offset>::kRecordBytes;
+  const int64_t group_bytes = blocks * PanelChain<kQtype>::kRecordBytes;
   for (int64_t g = group_begin; g < group_end; ++g) {
-    for (int half = 0; half * kPanelLanes < kPanelRows && g * kPanelRows + half * kPanelLanes < n; ++half) {
-      panel_times_inputs<kQtype, kPanelTileInputs, PARTS>(panels + g * group_bytes, blocks, n, g * kPanelRows, half,
-                                                          x, 0, x.rows, y);
-    }
+    panel_times_inputs<kQtype, kPanelTileInputs, PARTS>(panels + g * group_bytes, blocks, n, g * kPanelRows, x, 0,
+                                                        x.rows, y);
   }
 }
 #endif

@@ -13,7 +13,7 @@ themselves are in the `blocks` buffer; neither buffer is part of the state dict.
 invariant as well), `use_products("int8")` to the integer kernel (inputs quantised to int8 blocks, batch
 invariant as well); `dflash.models.cpu_matmul` chooses for a whole model. The float32 and AMX kernels read Q4_1
 and Q8_0 only: a matrix in Q4_0, Q4_K, Q5_K or Q6_K starts on int8x2 products and refuses the other two.
-On the int8 kernels, where the CPU's products run on the vector paths (AVX-512 VNNI, AVX2), a Q4_0, Q4_1 or Q8_0 matrix is
+On the int8 kernels, where the CPU's products run on the AVX-512 VNNI vector path, a Q4_0, Q4_1 or Q8_0 matrix is
 kept as weight panels instead of GGUF rows (`kernels/int8_panels.h`: 16 rows interleaved, the same bytes moved; its
 products bitwise the rows', at 1.2-1.6x the speed); `row_blocks` gives its GGUF rows back either way, and a tied
 `QuantizedEmbedding` looks its rows up in the head's panels (`share_table`) rather than keep a second copy.
@@ -114,7 +114,7 @@ class QuantizedLinear(nn.Module):
         return cast(Int8Kernel, self._kernel).panel_rows(self.blocks, self.qtype, ids)
 
     def _panels_here(self) -> bool:
-        """Whether this matrix's products read weight panels: int8 products on the vector paths (not
+        """Whether this matrix's products read weight panels: int8 products on the AVX-512 VNNI vector path (not
         where AMX tiles take several rows: they read GGUF rows) of a format panels hold."""
         if self.products not in ("int8", "int8x2") or not environment.cpu_panels_enabled():
             return False
