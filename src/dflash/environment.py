@@ -25,6 +25,8 @@
 |                                |          | the Triton program (CUDA); hybrids then decode without CUDA graphs      |
 | `DFLASH_GGUF_INPUT`            | int8x2   | GPU products with GGUF 4/6-bit words: the inputs rounded to two 8-bit   |
 |                                |          | parts (about 15 bits), or to one (int8: llama.cpp's precision, faster)  |
+| `DFLASH_GGUF_ROWS`             | cuda     | GPU products of 1-8 rows with GGUF 4/6-bit words: the CUDA program      |
+|                                |          | (built with nvcc on first use), or triton (the Triton program)          |
 | `DFLASH_PRODUCTS`              | skinny   | skinny: the Triton products for few rows; cublas: cuBLAS everywhere     |
 | `DFLASH_TP_ALLREDUCE`          | auto     | tensor-parallel sums: auto, nccl, symmetric, fused, oneway            |
 | `DFLASH_TP_VOCAB_SPLIT`        | on       | 0: embeddings and LM head whole on every rank, not split by vocab rows  |
@@ -62,6 +64,7 @@ FLA = "DFLASH_FLA"
 DELTA_RULE_PROGRAM = "DFLASH_DELTA_RULE_PROGRAM"
 PRODUCTS = "DFLASH_PRODUCTS"
 GGUF_INPUT = "DFLASH_GGUF_INPUT"
+GGUF_ROWS = "DFLASH_GGUF_ROWS"
 TP_ALLREDUCE = "DFLASH_TP_ALLREDUCE"
 TP_VOCAB_SPLIT = "DFLASH_TP_VOCAB_SPLIT"
 API_KEY = "DFLASH_API_KEY"
@@ -75,6 +78,7 @@ ATTENTION_CHOICES = ("split", "sdpa")  # the first is the default
 PADDED_ATTENTION_CHOICES = ("paged", "gather")
 PRODUCTS_CHOICES = ("skinny", "cublas")
 GGUF_INPUT_CHOICES = ("int8x2", "int8")
+GGUF_ROWS_CHOICES = ("cuda", "triton")
 TP_ALLREDUCE_CHOICES = ("auto", "nccl", "symmetric", "fused", "oneway")
 
 _OFF = frozenset({"", "0", "false", "no", "off", "none"})
@@ -154,6 +158,11 @@ def delta_rule_program_enabled(env: Mapping[str, str] | None = None) -> bool:
 def gguf_input(env: Mapping[str, str] | None = None) -> str:
     """`DFLASH_GGUF_INPUT`: "int8x2" (the default) or "int8"; raises `ValueError` for anything else."""
     return _choice(_environ(env), GGUF_INPUT, GGUF_INPUT_CHOICES)
+
+
+def gguf_rows(env: Mapping[str, str] | None = None) -> str:
+    """`DFLASH_GGUF_ROWS`: "cuda" (the default) or "triton"; raises `ValueError` for anything else."""
+    return _choice(_environ(env), GGUF_ROWS, GGUF_ROWS_CHOICES)
 
 
 def products(env: Mapping[str, str] | None = None) -> str:

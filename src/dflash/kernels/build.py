@@ -32,6 +32,7 @@ from dflash.errors import DFlashError
 __all__ = [
     "BUILD_FLAGS",
     "AmxKernel",
+    "CudaRowsKernel",
     "DecoderKernel",
     "Int8Kernel",
     "KernelUnavailable",
@@ -39,6 +40,7 @@ __all__ = [
     "QuantKernel",
     "kernel_source",
     "load_amx_kernel",
+    "load_cuda_rows_kernel",
     "load_decoder_kernel",
     "load_int8_kernel",
     "load_layer_ops",
@@ -52,13 +54,14 @@ LAYER_OPS_SOURCE = "cpu_layer_ops.cpp"
 AMX_SOURCE = "amx_matmul.cpp"
 INT8_SOURCE = "int8_matmul.cpp"
 DECODER_SOURCE = "cpu_decoder.cpp"
+CUDA_ROWS_SOURCE = "cuda_nibble_rows.cu"
 # -ffp-contract=off: no multiply-add fusion chosen by the compiler (see the source's batch-invariance note).
 BUILD_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 LINK_FLAGS = ("-fopenmp",)
 
 
 class KernelUnavailable(DFlashError):
-    """A CPU kernel cannot be built or loaded here; the message says why."""
+    """A compiled kernel cannot be built or loaded here; the message says why."""
 
 
 class QuantKernel(Protocol):
@@ -189,6 +192,18 @@ class LayerOpsKernel(Protocol):
         ...
 
 
+class CudaRowsKernel(Protocol):
+    """What `cuda_nibble_rows.cu` exports."""
+
+    def nibble_rows(
+        self, high: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, total: torch.Tensor,
+        half_total: torch.Tensor, words: torch.Tensor, tops: torch.Tensor, pairs: torch.Tensor, sub: torch.Tensor,
+        out: torch.Tensor, format: int, parts: int,
+    ) -> None:
+        """out[rows, n] = x @ W^T for x's 8-bit parts (`QuantizedInput`) and W's words (`NibbleMatrix`)."""
+        ...
+
+
 class DecoderKernel(Protocol):
     """What `cpu_decoder.cpp` exports: `bind` takes the other extensions' function capsules; `Product`, `Linear`,
     `Norm`, `Layer`, `Segment` and `DecoderStack` describe and run a target's decoder layers
@@ -240,13 +255,24 @@ def load_layer_ops(extra_flags: tuple[str, ...] = ()) -> LayerOpsKernel:
     return cast(LayerOpsKernel, _load(LAYER_OPS_SOURCE, "dflash_layer_ops", (*BUILD_FLAGS, *extra_flags)))
 
 
+def load_cuda_rows_kernel() -> CudaRowsKernel:
+    """The CUDA products of 1-8 rows with GGUF words (`cuda_nibble_rows.cu`, built with nvcc on first use, for the
+    current GPU's architecture); `KernelUnavailable` without a CUDA device or a CUDA compiler."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailable("no CUDA device")
+    major, minor = torch.cuda.get_device_capability()
+    # the architecture is part of the build's key (nvcc builds for the device it finds)
+    return cast(CudaRowsKernel, _load(CUDA_ROWS_SOURCE, "dflash_cuda_rows", ("-O3", f"-DDFLASH_CUDA_ARCH={major}{minor}")))
+
+
 def load_decoder_kernel() -> DecoderKernel:
     """The compiled native decoder layers (built on first use), before `bind` (`dflash.kernels.native_decoder`)."""
     return cast(DecoderKernel, _load(DECODER_SOURCE, "dflash_decoder", BUILD_FLAGS))
 
 
 def _load(source_name: str, prefix: str, flags: tuple[str, ...]) -> object:
-    flags = (*flags, *environment.cpu_kernel_flags())  # after -march=native, so they narrow it
+    if not source_name.endswith(".cu"):
+        flags = (*flags, *environment.cpu_kernel_flags())  # after -march=native, so they narrow it
     entry = (source_name, *flags)
     with _lock:
         if entry in _loaded:
@@ -278,12 +304,12 @@ def _build_or_import(source_name: str, prefix: str, flags: tuple[str, ...]) -> o
         try:
             return _import_library(name, built)
         except ImportError as exc:
-            log.warning("rebuilding the CPU kernel %s: %s", source_name, exc)
+            log.warning("rebuilding the kernel %s: %s", source_name, exc)
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise KernelUnavailable(f"cannot create the kernel build directory {directory}: {exc.strerror or exc}") from None
-    log.warning("building the CPU kernel %s into %s (first use only; about a minute)", source_name, directory)
+    log.warning("building the kernel %s into %s (first use only; about a minute)", source_name, directory)
     _put_interpreter_scripts_on_path()
     try:
         from torch.utils.cpp_extension import load
@@ -292,12 +318,13 @@ def _build_or_import(source_name: str, prefix: str, flags: tuple[str, ...]) -> o
             name=name,
             sources=[str(source)],
             extra_cflags=list(flags),
+            extra_cuda_cflags=["-O3"] if source_name.endswith(".cu") else None,
             extra_ldflags=list(LINK_FLAGS),
             build_directory=str(directory),
             verbose=False,
         )
     except Exception as exc:  # compiler missing, compile error, ninja missing, import error...
-        raise KernelUnavailable(f"building the CPU kernel {source_name} failed: {_first_lines(str(exc))}") from None
+        raise KernelUnavailable(f"building the kernel {source_name} failed: {_first_lines(str(exc))}") from None
     return module
 
 

@@ -21,6 +21,7 @@ dequantised (`nibble_dequantize`) for cuBLAS.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -29,6 +30,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from dflash import environment
+from dflash.kernels.build import CudaRowsKernel, KernelUnavailable, load_cuda_rows_kernel
 from dflash.kernels.gguf_nibbles import GROUP, NibbleMatrix
 from dflash.kernels.triton_decode import interpreting, next_power_of_two
 
@@ -45,6 +47,8 @@ __all__ = [
     "nibble_product",
     "quantize_input",
 ]
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
 INTEGER_ROWS = 4  # past 4 rows the tensor-core word program is as fast or faster (H100)
@@ -146,6 +150,14 @@ def nibble_matmul(
         out = torch.empty((rows, matrix.n), dtype=out_dtype, device=quantized.high.device)
     elif out.shape != (rows, matrix.n) or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {matrix.n}] with contiguous columns")
+    rows_kernel = _cuda_rows(quantized, matrix)
+    if rows_kernel is not None:
+        sub = matrix.sub_scales if matrix.sub_scales is not None else matrix.pairs
+        tops = matrix.high_bits if matrix.high_bits is not None else matrix.words
+        rows_kernel.nibble_rows(quantized.high, quantized.low, quantized.scale, quantized.total,
+                                quantized.half_total, matrix.words, tops, matrix.pairs, sub, out,
+                                FORMAT_CODES[matrix.qtype], quantized.parts)
+        return out
     grid = (-(-matrix.n // config.block_n),)
     if matrix.qtype == GGMLQuantizationType.Q6_K:
         _programs().six_bit_matmul_kernel[grid](
@@ -165,6 +177,25 @@ def nibble_matmul(
         num_warps=config.warps, num_stages=config.stages,
     )
     return out
+
+
+def _cuda_rows(quantized: QuantizedInput, matrix: NibbleMatrix) -> CudaRowsKernel | None:
+    """The CUDA program for these operands (`cuda_nibble_rows.cu`: 1-8 rows on a GPU, 16-byte aligned words and
+    inputs), or None: the Triton program serves them (`DFLASH_GGUF_ROWS=triton`, the interpreter, no nvcc)."""
+    if not quantized.high.is_cuda or interpreting() or environment.gguf_rows() != "cuda" or quantized.high.shape[0] > MAX_ROWS:
+        return None
+    if any(t.data_ptr() % 16 for t in (quantized.high, quantized.low, matrix.words)):
+        return None
+    return _cuda_rows_kernel()
+
+
+@cache
+def _cuda_rows_kernel() -> CudaRowsKernel | None:
+    try:
+        return load_cuda_rows_kernel()
+    except KernelUnavailable as exc:
+        log.warning("the CUDA products of GGUF words are unavailable, the Triton program serves them: %s", exc)
+        return None
 
 
 def nibble_dot(

@@ -1,0 +1,86 @@
+"""The CUDA program for 1-8 rows with GGUF words (`kernels/cuda_nibble_rows.cu`) against the Triton program
+(`DFLASH_GGUF_ROWS=triton`) on Qwen3-8B's matrices (random Q4_K / Q6_K words): kernel time per product, 20 copies of
+the product captured in one CUDA graph per replay (no launch cost), the median of the replays, and the word bytes
+streamed per second; 1, 4 and 8 input rows, one and two input parts; the two programs take turns.
+
+Usage: python benchmarks/gpu_nibble_rows.py --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gpu_scale_study import as_graph, median_ms  # benchmarks/ is on the path
+
+from dflash.bench.provenance import provenance
+from dflash.bench.random_gguf import random_blocks
+from dflash.kernels.gguf_nibbles import nibble_matrix
+from dflash.kernels.triton_gguf_int8 import nibble_matmul, quantize_input
+
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+# Qwen3-8B: (name, rows n, columns k, format)
+MATRICES = [
+    ("qkv", 6144, 4096, Q4_K),
+    ("o", 4096, 4096, Q4_K),
+    ("gate_up", 24576, 4096, Q4_K),
+    ("down", 4096, 12288, Q4_K),
+    ("down_q6", 4096, 12288, Q6_K),
+    ("lm_head_q6", 151936, 4096, Q6_K),
+]
+COPIES = 20
+
+
+def graphed_us(product: Callable[[], object]) -> float:
+    def copies() -> None:
+        for _ in range(COPIES):
+            product()
+
+    return median_ms(as_graph(copies), iters=15) * 1e3 / COPIES
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,4,8")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rng = np.random.default_rng(0)
+    result: dict[str, Any] = {**provenance(device), "copies_per_replay": COPIES, "matrices": {}}
+    for name, n, k, qtype in MATRICES:
+        matrix = nibble_matrix(torch.from_numpy(random_blocks(n, k, qtype, rng)).to(device), qtype, k)
+        entry: dict[str, Any] = {"n": n, "k": k, "format": qtype.name, "mb": round(matrix.nbytes / 1e6, 1)}
+        for rows in (int(r) for r in args.rows.split(",")):
+            for parts in (1, 2):
+                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+                quantized = quantize_input(x, parts=parts)
+                out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+                times: dict[str, list[float]] = {"cuda": [], "triton": []}
+                for _ in range(args.repeats):
+                    for program in times:
+                        os.environ["DFLASH_GGUF_ROWS"] = program
+                        times[program].append(graphed_us(lambda: nibble_matmul(quantized, matrix, out=out)))
+                os.environ.pop("DFLASH_GGUF_ROWS", None)
+                us = {program: min(values) for program, values in times.items()}
+                entry[f"rows_{rows}_parts_{parts}"] = {
+                    "us": {p: round(v, 2) for p, v in us.items()},
+                    "gb_s": {p: round(matrix.nbytes / v / 1e3, 1) for p, v in us.items()},
+                    "cuda_speedup": round(us["triton"] / us["cuda"], 3),
+                }
+                print(name, rows, parts, json.dumps(entry[f"rows_{rows}_parts_{parts}"]), flush=True)
+        result["matrices"][name] = entry
+        del matrix
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
