@@ -14,10 +14,10 @@ from dflash import environment
 from dflash.kernels import gguf_nibbles, triton_gguf_int8
 from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, nibble_matrix
 from dflash.kernels.triton_gguf_int8 import (
-    INTEGER_ROWS,
     MAX_ROWS,
     NibbleConfig,
     input_parts,
+    integer_rows,
     nibble_dequantize,
     nibble_dot,
     nibble_matmul,
@@ -227,16 +227,17 @@ def test_split_reductions_keep_every_sm_busy() -> None:
 
 @needs_triton
 def test_product_takes_the_path_for_its_rows() -> None:
-    """Integer dot products up to INTEGER_ROWS rows (the inputs' rounding shows), tensor cores beyond (float32
+    """Integer dot products up to `integer_rows()` rows (the inputs' rounding shows), tensor cores beyond (float32
     under the interpreter: the float product's bits up to summation order), each into a slice of a wider output."""
     k, n = 256, 24
     matrix = nibble_matrix(torch.from_numpy(format_blocks(n, k, T.Q4_K, seed=2)), T.Q4_K, k).to(DEVICE)
     weights = matrix.dequantized()
-    for rows in (INTEGER_ROWS, INTEGER_ROWS + 1, 70):
+    limit = integer_rows(DEVICE)
+    for rows in (limit, limit + 1, 70):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
         wide = torch.zeros(rows, n + 8, device=DEVICE)
         nibble_product(x, matrix, wide[:, 4 : 4 + n])
         want = x @ weights.T
-        tolerance = 2e-4 if rows <= INTEGER_ROWS else 1e-5
+        tolerance = 2e-4 if rows <= limit else 1e-5
         assert float((wide[:, 4 : 4 + n] - want).abs().max()) <= tolerance * float((x.abs() @ weights.abs().T).max())
         assert not bool(wide[:, :4].any()) and not bool(wide[:, 4 + n :].any())

@@ -23,9 +23,16 @@
 
 namespace {
 
-constexpr int kWarps = 4;         // warps per block
-constexpr int kRowsPerWarp = 2;   // weight rows per warp
-constexpr int kUnroll = 4;        // groups per lane per step
+// The tiling (benchmarks/gpu_nibble_rows.py builds other values with -D to compare them).
+#ifndef DFLASH_ROWS_PER_WARP
+#define DFLASH_ROWS_PER_WARP 2
+#endif
+#ifndef DFLASH_UNROLL
+#define DFLASH_UNROLL 4
+#endif
+constexpr int kWarps = 4;                          // warps per block
+constexpr int kRowsPerWarp = DFLASH_ROWS_PER_WARP;  // weight rows per warp
+constexpr int kUnroll = DFLASH_UNROLL;              // groups per lane per step
 constexpr unsigned kNibbles = 0x0F0F0F0Fu;
 
 enum Format : int { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kQ6_K = 3 };

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from dflash.kernels.gguf_nibbles import NibbleMatrix
-from dflash.kernels.triton_gguf_int8 import INTEGER_ROWS, nibble_dequantize, nibble_product, quantize_input
+from dflash.kernels.triton_gguf_int8 import integer_rows, nibble_dequantize, nibble_product, quantize_input
 from dflash.kernels.triton_gguf_matmul import MAX_ROWS, gguf_dequantize, gguf_matmul
 
 __all__ = ["QuantizedPart", "dequantize_part", "part_rows", "quantized_linear"]
@@ -46,7 +46,7 @@ def quantized_linear(x: torch.Tensor, parts: Sequence[QuantizedPart], bias: torc
         x = x.contiguous()
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
         shared = None
-        if rows <= INTEGER_ROWS and any(isinstance(part, NibbleMatrix) for part in parts):
+        if rows <= integer_rows(x.device) and any(isinstance(part, NibbleMatrix) for part in parts):
             shared = quantize_input(x)
         start = 0
         for part in parts:

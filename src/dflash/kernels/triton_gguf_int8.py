@@ -15,7 +15,7 @@ sums are exact, so a row's result does not depend on how many rows are multiplie
 Every extra input row costs its own `dp4a`s, so past a few rows the products go to tensor cores instead:
 `nibble_dot` (up to `DOT_ROWS` rows: each step's weights dequantised in registers to x's dtype, as two tiles of
 every group's first and second halves against the matching columns of x, so no tile is re-laid). `nibble_product`
-chooses: `INTEGER_ROWS` rows or fewer by integer dot products, then tensor cores, then (prefill chunks) the matrix
+chooses: `integer_rows()` rows or fewer by integer dot products, then tensor cores, then (prefill chunks) the matrix
 dequantised (`nibble_dequantize`) for cuBLAS.
 """
 
@@ -35,11 +35,13 @@ from dflash.kernels.gguf_nibbles import GROUP, NibbleMatrix
 from dflash.kernels.triton_decode import interpreting, next_power_of_two
 
 __all__ = [
+    "CUDA_INTEGER_ROWS",
     "DOT_ROWS",
     "INTEGER_ROWS",
     "MAX_ROWS",
     "NibbleConfig",
     "QuantizedInput",
+    "integer_rows",
     "nibble_config",
     "nibble_dequantize",
     "nibble_dot",
@@ -51,7 +53,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8
-INTEGER_ROWS = 4  # past 4 rows the tensor-core word program is as fast or faster (H100)
+INTEGER_ROWS = 4  # past 4 rows the tensor-core word program is as fast or faster than the Triton integer one (H100)
+CUDA_INTEGER_ROWS = 8  # the CUDA integer program beats it up to 8 rows on every Qwen3-8B matrix (1.05-2.3x, H200:
+# results/gpu_nibble_rows_h200.json)
 DOT_ROWS = 64
 PROGRAMS_PER_SM = 4  # tensor-core products: programs per SM a split reduction aims for
 MIN_SPLIT_STEPS = 4  # and the fewest steps of GROUP_STEP groups in one part
@@ -179,6 +183,15 @@ def nibble_matmul(
     return out
 
 
+def integer_rows(device: torch.device) -> int:
+    """Rows up to which products take integer dot products rather than tensor cores: `CUDA_INTEGER_ROWS` where the
+    CUDA program serves them, else `INTEGER_ROWS`. (A row's result can then differ between 4 and 8 rows only where
+    the CUDA program is missing, which no engine mixes.)"""
+    if device.type == "cuda" and not interpreting() and environment.gguf_rows() == "cuda" and _cuda_rows_kernel():
+        return CUDA_INTEGER_ROWS
+    return INTEGER_ROWS
+
+
 def _cuda_rows(quantized: QuantizedInput, matrix: NibbleMatrix) -> CudaRowsKernel | None:
     """The CUDA program for these operands (`cuda_nibble_rows.cu`: 1-8 rows on a GPU, 16-byte aligned words and
     inputs), or None: the Triton program serves them (`DFLASH_GGUF_ROWS=triton`, the interpreter, no nvcc)."""
@@ -273,9 +286,9 @@ def nibble_product(
     x: torch.Tensor, matrix: NibbleMatrix, out: torch.Tensor, quantized: QuantizedInput | None = None
 ) -> torch.Tensor:
     """x [rows, k] @ W^T into out [rows, n] by the path for its number of rows; `quantized` is x's rounding when
-    the caller shares one between several matrices (used up to `INTEGER_ROWS` rows)."""
+    the caller shares one between several matrices (used up to `integer_rows()` rows)."""
     rows = x.shape[0]
-    if rows <= INTEGER_ROWS:
+    if rows <= integer_rows(x.device):
         return nibble_matmul(quantized if quantized is not None else x, matrix, out=out, dtype=x.dtype)
     if rows <= DOT_ROWS:
         return nibble_dot(x, matrix, out=out)
