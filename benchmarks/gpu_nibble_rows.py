@@ -24,21 +24,30 @@ import torch
 from gguf import GGMLQuantizationType
 from gpu_scale_study import as_graph, median_ms  # benchmarks/ is on the path
 
+from dflash.bench.gguf_shapes import SHAPES, Shape
 from dflash.bench.provenance import provenance
 from dflash.bench.random_gguf import random_blocks
 from dflash.kernels.gguf_nibbles import nibble_matrix
 from dflash.kernels.triton_gguf_int8 import FORMAT_CODES, nibble_matmul, quantize_input
 
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
-# Qwen3-8B: (name, rows n, columns k, format)
-MATRICES = [
-    ("qkv", 6144, 4096, Q4_K),
-    ("o", 4096, 4096, Q4_K),
-    ("gate_up", 24576, 4096, Q4_K),
-    ("down", 4096, 12288, Q4_K),
-    ("down_q6", 4096, 12288, Q6_K),
-    ("lm_head_q6", 151936, 4096, Q6_K),
-]
+
+
+def decoder_matrices(shape: Shape) -> list[tuple[str, int, int, GGMLQuantizationType]]:
+    """A decoder's matrices as (name, rows n, columns k, format): Q4_K_M keeps most in Q4_K, some down projections
+    and the head in Q6_K."""
+    attention = shape.heads * shape.head_dim
+    return [
+        ("qkv", attention + 2 * shape.kv_heads * shape.head_dim, shape.hidden, Q4_K),
+        ("o", shape.hidden, attention, Q4_K),
+        ("gate_up", 2 * shape.intermediate, shape.hidden, Q4_K),
+        ("down", shape.hidden, shape.intermediate, Q4_K),
+        ("down_q6", shape.hidden, shape.intermediate, Q6_K),
+        ("lm_head_q6", shape.vocab, shape.hidden, Q6_K),
+    ]
+
+
+MATRICES = decoder_matrices(SHAPES["qwen3-8b"])
 COPIES = 20
 
 
