@@ -141,7 +141,7 @@ def test_a_failed_build_falls_back_to_torch_once(monkeypatch: pytest.MonkeyPatch
 
     def no_compiler() -> LayerOpsKernel:
         calls.append(1)
-        raise KernelUnavailable("building the CPU kernel cpu_layer_ops.cpp failed: g++: not found")
+        raise KernelUnavailable("building the kernel cpu_layer_ops.cpp failed: g++: not found")
 
     monkeypatch.setattr(fused_cpu, "load_layer_ops", no_compiler)
     monkeypatch.setattr(fused_cpu, "_kernel", None)

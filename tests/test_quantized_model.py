@@ -161,7 +161,7 @@ def test_kernel_unavailable_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def no_kernel(extra_flags: tuple[str, ...] = ()) -> None:
-        raise KernelUnavailable("building the CPU kernel quant_matmul.cpp failed: g++: not found")
+        raise KernelUnavailable("building the kernel quant_matmul.cpp failed: g++: not found")
 
     monkeypatch.setattr(build, "load_quant_kernel", no_kernel)
     with caplog.at_level(logging.WARNING, "dflash.models.weight_choice"):
@@ -176,9 +176,9 @@ def test_a_failing_build_raises_kernel_unavailable(tmp_path: Path, monkeypatch: 
     """A real compiler failure (a flag g++ rejects) becomes KernelUnavailable, remembered for the process."""
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
     flags = ("-fno-such-option-in-any-compiler",)
-    with pytest.raises(KernelUnavailable, match=r"building the CPU kernel quant_matmul\.cpp failed"):
+    with pytest.raises(KernelUnavailable, match=r"building the kernel quant_matmul\.cpp failed"):
         load_quant_kernel(flags)
-    with pytest.raises(KernelUnavailable, match=r"building the CPU kernel quant_matmul\.cpp failed"):
+    with pytest.raises(KernelUnavailable, match=r"building the kernel quant_matmul\.cpp failed"):
         load_quant_kernel(flags)
 
 
