@@ -94,11 +94,15 @@ def test_parts_other_than_one_or_two_are_refused(kernel: Int8Kernel) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avxvnni")])
-def test_two_parts_on_the_256_bit_builds(flags: tuple[str, ...]) -> None:
+def test_two_parts_on_the_256_bit_builds(kernel: Int8Kernel, flags: tuple[str, ...]) -> None:
+    """The 256-bit builds' two-part products (their second parts rounded by the scalar loop) are the two-part
+    inputs' products, row invariant, and bitwise the default build's (whose second parts may be vector code)."""
     narrow = load_int8_kernel(flags)
     if not narrow.available():
         pytest.skip("no AVX2 here")
     x = torch.randn(19, 224, generator=torch.Generator().manual_seed(2))
+    # a block whose scale is 1 and residuals reach half a step both ways (+-128 second-part steps, clamped to 127)
+    x[0, :32] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 0.25, -0.75, 3.0] * 4)
     for qtype in (Q4_1, Q8_0):
         blocks = raw_blocks(45, 224, qtype, seed=5)
         y = narrow.matmul(x, torch.from_numpy(blocks), int(qtype), True, 2)
@@ -107,6 +111,7 @@ def test_two_parts_on_the_256_bit_builds(flags: tuple[str, ...]) -> None:
         alone = torch.cat([narrow.matmul(x[i : i + 1], torch.from_numpy(blocks), int(qtype), True, 2)
                            for i in range(19)])
         assert torch.equal(y, alone)
+        assert torch.equal(y, kernel.matmul(x, torch.from_numpy(blocks), int(qtype), True, 2))
 
 
 def test_choice_of_int8x2(monkeypatch: pytest.MonkeyPatch) -> None:

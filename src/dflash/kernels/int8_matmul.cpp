@@ -110,6 +110,37 @@ inline float quantize_block(const float* x, int8_t* q) {
 inline float quantize_block(const float* x, int8_t* q) { return quantize_block_scalar(x, q); }
 #endif
 
+// A block's second parts (the first rounding's residual rounded again to 8 bits) and the integer sums of 256 q + low
+// over each 16-value half (scalar; the reference for the vector form below).
+inline void second_parts_scalar(const float* x, const int8_t* q, float d, float inverse, int8_t* low,
+                                int (&halves)[2]) {
+  for (int j = 0; j < kBlockValues; ++j) {
+    const float residual = x[j] - d * static_cast<float>(q[j]);  // |residual| <= d / 2
+    low[j] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * inverse), -127.0f, 127.0f));
+    halves[j / 16] += 256 * q[j] + low[j];
+  }
+}
+
+#if defined(DFLASH_INT8_512)
+// The same values: the product and the difference rounded separately (no FMA), the conversion rounding to nearest
+// even as nearbyint does, the clamp to [-127, 127] before narrowing; integer sums in any order.
+inline void second_parts(const float* x, const int8_t* q, float d, float inverse, int8_t* low, int (&halves)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    const __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+    const __m512 residual =
+        _mm512_sub_ps(_mm512_loadu_ps(x + 16 * h), _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(qi)));
+    __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(residual, _mm512_set1_ps(inverse)));
+    rounded = _mm512_min_epi32(_mm512_max_epi32(rounded, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(low + 16 * h), _mm512_cvtepi32_epi8(rounded));
+    halves[h] += _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(qi, 8), rounded));
+  }
+}
+#else
+inline void second_parts(const float* x, const int8_t* q, float d, float inverse, int8_t* low, int (&halves)[2]) {
+  second_parts_scalar(x, q, d, inverse, low, halves);
+}
+#endif
+
 // One input row -> its blocks' values, scales, scaled sums and half-block integer sums; with `low` (two parts)
 // also the second parts, the scale then being dx / 256 and the sums those of 256 q + low.
 void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* scale, float* sum,
@@ -129,13 +160,7 @@ void quantize_row(const float* x, int64_t k, int64_t padded, int8_t* q, float* s
       for (int j = 0; j < kBlockValues; ++j) halves[j / 16] += block[j];
       scale[b] = d;
     } else {
-      int8_t* block_low = low + b * kBlockValues;
-      const float inverse = d > 0.0f ? 256.0f / d : 0.0f;
-      for (int j = 0; j < kBlockValues; ++j) {
-        const float residual = values[j] - d * static_cast<float>(block[j]);  // |residual| <= d / 2
-        block_low[j] = static_cast<int8_t>(std::clamp(std::nearbyint(residual * inverse), -127.0f, 127.0f));
-        halves[j / 16] += 256 * block[j] + block_low[j];
-      }
+      second_parts(values, block, d, d > 0.0f ? 256.0f / d : 0.0f, low + b * kBlockValues, halves);
       scale[b] = d / 256.0f;
     }
     half_total[2 * b] = halves[0];
