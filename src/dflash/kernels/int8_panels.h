@@ -43,8 +43,6 @@ struct PanelFormat {
   int64_t record_bytes() const { return factor_bytes + value_bytes; }
 };
 
-inline bool has_panels(int64_t qtype) { return qtype == kTypeQ4_0 || qtype == kTypeQ4_1 || qtype == kTypeQ8_0; }
-
 inline PanelFormat panel_format(int64_t qtype) {
   if (qtype == kTypeQ4_0) return {18, 32, 256, true, false};
   if (qtype == kTypeQ4_1) return {20, 64, 256, true, true};
