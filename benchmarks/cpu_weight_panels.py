@@ -26,7 +26,7 @@ from dflash.engine.engine import Engine, EngineOptions
 from dflash.engine.loading import load_engine
 from dflash.kernels.build import load_int8_kernel
 from dflash.models.cpu_matmul import draft_products, use_cpu_matmul
-from dflash.models.quantized_layers import QuantizedLinear
+from dflash.models.quantized_layers import PANEL_FORMATS, QuantizedLinear
 
 SWITCH = "DFLASH_CPU_PANELS"
 
@@ -46,7 +46,7 @@ def arrange(engine: Engine, flag: str) -> Callable[[], None]:
             if isinstance(head, QuantizedLinear):
                 head.use_products(head.products)
         matrices = [m for m in engine.target.modules() if isinstance(m, QuantizedLinear)]
-        assert all(m.panels == (flag == "1") for m in matrices if m.qtype in (2, 3, 8))
+        assert all(m.panels == (flag == "1") for m in matrices if m.qtype in PANEL_FORMATS)
 
     return switch
 

@@ -80,8 +80,6 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("blocks", matrix.blocks, persistent=False)
         self.register_buffer("weight", torch.empty(0, dtype=torch.float32), persistent=False)
         self.bias = nn.Parameter(torch.zeros(matrix.rows)) if bias else None
-        if self.products == "int8x2":
-            self._arrange(self._panels_here())
 
     def use_products(self, products: str) -> None:
         """float32 (the float32 kernel), amx (bf16 products on AMX tiles), int8 (int8 inputs, integer dot
