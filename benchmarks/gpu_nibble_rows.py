@@ -60,20 +60,27 @@ def graphed_us(product: Callable[[], object]) -> float:
 
 
 def variant_kernels(variants: str) -> dict[str, Any]:
-    """Builds of the CUDA program with other tilings ("ROWSxUNROLL": weight rows per warp x groups per lane per
-    step), each in its own folder, built in parallel threads."""
+    """Builds of the CUDA program with other tilings, "ROWSxUNROLL[xBLOCKS][@SOURCE]": weight rows per warp x groups
+    per lane per step [x blocks an SM must hold, which caps the registers] [from another source file, e.g. an
+    earlier revision of the program], each in its own folder, built in parallel threads."""
+    import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).resolve().parents[1] / "src" / "dflash" / "kernels" / "cuda_nibble_rows.cu"
+    checkout_source = Path(__file__).resolve().parents[1] / "src" / "dflash" / "kernels" / "cuda_nibble_rows.cu"
 
     def build(variant: str) -> Any:
-        rows, unroll = variant.split("x")
-        folder = Path(tempfile.gettempdir()) / f"nibble_rows_{variant}"
+        tiling, _, other = variant.partition("@")
+        source = Path(other) if other else checkout_source
+        rows, unroll, *blocks = tiling.split("x")
+        flags = ["-O3", f"-DDFLASH_ROWS_PER_WARP={rows}", f"-DDFLASH_UNROLL={unroll}"]
+        flags += [f"-DDFLASH_MIN_BLOCKS={blocks[0]}"] if blocks else []
+        key = hashlib.sha256(f"{variant}:{source.read_text()}".encode()).hexdigest()[:12]
+        folder = Path(tempfile.gettempdir()) / f"nibble_rows_{key}"
         folder.mkdir(exist_ok=True)
-        return load(name=f"nibble_rows_{rows}_{unroll}", sources=[str(source)], build_directory=str(folder),
-                    extra_cuda_cflags=["-O3", f"-DDFLASH_ROWS_PER_WARP={rows}", f"-DDFLASH_UNROLL={unroll}"])
+        return load(name=f"nibble_rows_{key}", sources=[str(source)], build_directory=str(folder),
+                    extra_cuda_cflags=flags)
 
     names = variants.split(",")
     with ThreadPoolExecutor(len(names)) as pool:
@@ -91,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,8")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--variants", default="", help="tilings to compare instead, e.g. 2x4,4x4,2x8")
+    parser.add_argument("--variants", default="", help="builds to compare instead, e.g. 2x4,4x4,2x4x5,2x4@old.cu")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
