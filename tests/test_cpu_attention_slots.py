@@ -135,3 +135,53 @@ def test_bad_arguments_are_refused(ops: LayerOpsKernel) -> None:
         ops.attention_slots(q, k_pool, v_pool, torch.tensor([3, 5]), torch.ones(2, 3, dtype=torch.bool), 0.125)
     with pytest.raises(RuntimeError, match="multiple"):
         ops.attention_slots(torch.randn(5, 2, 64), k_pool, v_pool, torch.tensor([3, 5]), None, 0.125)
+
+
+def check_segments_equal_each_segment(ops: LayerOpsKernel, heads: int, kv_heads: int, head_dim: int, seed: int) -> None:
+    """Requests of 1 to 16 rows, with and without masks, over different numbers of keys, packed into one q: one
+    call gives bitwise each request's own `attention_slots`."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    k_pool, v_pool = pool_layer(kv_heads, 700, head_dim, token_major=seed % 2 == 1)
+    requests = [(1, 40, "none"), (5, 130, "tree"), (16, 16, "causal"), (1, 1, "none"), (3, 301, "causal")]
+    q = torch.randn(sum(rows for rows, _, _ in requests), heads, head_dim).transpose(0, 1)  # [heads, R, head_dim]
+    starts, counts, slots, masks, want = [], [], [], [], []
+    start = 0
+    for rows, keys, mask_kind in requests:
+        own = torch.randperm(700, generator=generator)[:keys]
+        mask = row_mask(mask_kind, rows, keys, generator)
+        starts.append(start), counts.append(rows), slots.append(own), masks.append(mask)
+        want.append(ops.attention_slots(q[:, start : start + rows], k_pool, v_pool, own, mask, 0.125))
+        start += rows
+    got = ops.attention_segments(q, k_pool, v_pool, starts, counts, slots, masks, 0.125)
+    assert got.shape == (start, heads * head_dim) and got.is_contiguous()
+    assert torch.equal(got, torch.cat(want))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (3, 3)])
+def test_segments_are_bitwise_each_segments_attention(
+    ops: LayerOpsKernel, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    check_segments_equal_each_segment(ops, heads, kv_heads, head_dim, seed=head_dim + heads)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_portable_build_segments_are_bitwise_each_segments_attention(
+    portable_ops: LayerOpsKernel, head_dim: int
+) -> None:
+    check_segments_equal_each_segment(portable_ops, 6, 2, head_dim, seed=head_dim + 1)
+
+
+def test_segments_must_cover_the_rows_in_order(ops: LayerOpsKernel) -> None:
+    k_pool, v_pool = pool_layer(2, 64, 64, token_major=False)
+    q = torch.randn(6, 4, 64)
+    slots = [torch.arange(10), torch.arange(20)]
+    with pytest.raises(RuntimeError, match="in order"):
+        ops.attention_segments(q, k_pool, v_pool, [0, 3], [2, 2], slots, [None, None], 0.125)
+    with pytest.raises(RuntimeError, match="cover 3 rows, q has 4"):
+        ops.attention_segments(q, k_pool, v_pool, [0, 2], [2, 1], slots, [None, None], 0.125)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.attention_segments(q, k_pool, v_pool, [0, 2], [2, 2], [slots[0], torch.tensor([64])], [None, None], 0.125)
+    with pytest.raises(RuntimeError, match="one entry per segment"):
+        ops.attention_segments(q, k_pool, v_pool, [0, 2], [2, 2], slots[:1], [None, None], 0.125)

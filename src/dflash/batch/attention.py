@@ -110,10 +110,18 @@ class PackedAttention:
         keys.index_copy_(1, self.write_slots, k[0].to(keys.dtype))
         values.index_copy_(1, self.write_slots, v[0].to(values.dtype))
         sliding = self.sliding[layer] if layer < len(self.sliding) else False
-        outs = [
-            attend_rows(q[:, :, s.rows], keys, values, s.read_slots, s.sliding_mask if sliding else s.full_mask, scale)
-            for s in self.segments
-        ]
+        masks = [s.sliding_mask if sliding else s.full_mask for s in self.segments]
+        ops = layer_ops(q)
+        if ops is not None and len(self.segments) > 1 and all(
+            fits_attention_kernel(q[:, :, s.rows], mask) for s, mask in zip(self.segments, masks, strict=True)
+        ):  # every request's rows in one call: one parallel region, no concatenation
+            return ops.attention_segments(
+                q[0], keys, values, [s.rows.start for s in self.segments],
+                [s.rows.stop - s.rows.start for s in self.segments], [s.read_slots for s in self.segments],
+                [None if mask is None else mask[0, 0] for mask in masks], scale,
+            )[None]
+        outs = [attend_rows(q[:, :, s.rows], keys, values, s.read_slots, mask, scale)
+                for s, mask in zip(self.segments, masks, strict=True)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 

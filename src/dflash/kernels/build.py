@@ -152,7 +152,7 @@ class LayerOpsKernel(Protocol):
     rms_norm_capsule: object
     rotary_capsule: object
     attention_capsule: object
-    attention_slots_capsule: object
+    attention_segments_capsule: object
     silu_mul_capsule: object
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, adds_one: bool) -> torch.Tensor:
@@ -183,6 +183,22 @@ class LayerOpsKernel(Protocol):
         (the keys read in place through the slots, not gathered)."""
         ...
 
+    def attention_segments(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        starts: list[int],
+        counts: list[int],
+        slots: list[torch.Tensor],
+        masks: list[torch.Tensor | None],
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [H, R, D], every request's rows of a packed forward; segment i: rows [starts[i], starts[i] + counts[i])
+        (together [0, R), in order) read `slots[i]` under `masks[i]` ([counts[i], len(slots[i])] bool or None) ->
+        [R, H * D], bitwise each segment's `attention_slots` side by side, in one parallel region."""
+        ...
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [..., 2I] -> silu(gate) * up [..., I]."""
         ...
@@ -210,7 +226,7 @@ class DecoderKernel(Protocol):
     (`dflash.models.native_stack`), `DrafterLayer` and `DrafterStack` a drafter's (`dflash.drafter.native_drafter`)."""
 
     def bind(self, int8_matmul: object, float_matmul: object, amx_matmul: object, rms_norm: object, rotary: object,
-             attention: object, attention_slots: object, silu_mul: object, panel_matmul: object = None) -> None: ...
+             attention: object, attention_segments: object, silu_mul: object, panel_matmul: object = None) -> None: ...
 
     Product: type
     Linear: type

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                  "layers' computation";
   module.def("bind", &bind, "the other CPU extensions' functions, as their capsules (None: left as bound before)",
              py::arg("int8_matmul"), py::arg("float_matmul"), py::arg("amx_matmul"), py::arg("rms_norm"),
-             py::arg("rotary"), py::arg("attention"), py::arg("attention_slots"), py::arg("silu_mul"),
+             py::arg("rotary"), py::arg("attention"), py::arg("attention_segments"), py::arg("silu_mul"),
              py::arg("panel_matmul") = py::none());
   py::class_<Product>(module, "Product")
       .def(py::init(&make_product), py::arg("kind"), py::arg("weights"), py::arg("qtype"), py::arg("out"));

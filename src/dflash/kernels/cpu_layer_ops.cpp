@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "attention_rows.h"
+#include "packed_segments.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -165,79 +166,96 @@ int64_t grain(int64_t units, int64_t cost_per_unit) {
   return std::max<int64_t>(1, std::min<int64_t>(units, kWorkPerTask / std::max<int64_t>(1, cost_per_unit)));
 }
 
-// One attention call's query rows, mask and output: rows (b, h, s) of q, masks [batch or 1, 1, seq, keys] (null:
-// every key visible), out [batch, seq, heads * d] contiguous.
-struct AttentionRows {
-  int64_t batch, heads, seq, d, kv_heads, keys;
+// One entry of an attention call (a batch row, or one request's rows in a packed forward): row s of query head h at
+// q + h * q_head_stride + s * q_row_stride; key l of row s visible where visible[s * mask_row_stride + l *
+// mask_key_stride] (null: every key visible); its output row s, head h at out + s * out_row_stride + h * d.
+struct AttentionEntry {
+  int64_t seq, keys;
   const float* q;
-  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t q_head_stride, q_row_stride;
   const bool* visible;
-  int64_t mask_batch_stride, mask_row_stride, mask_key_stride;
+  int64_t mask_row_stride, mask_key_stride;
   float* out;
-  float factor;
+  int64_t out_row_stride;
 };
 
-// softmax(q k^T * factor) v for every row of `p`; keys_of(b, kh) and values_of(b, kh) give the addressing functor
-// (row l -> its head_dim floats) of key head kh of batch b. Query head h reads key head h / (heads / kv_heads).
+// softmax(q k^T * factor) v for every row of every entry, in one parallel region; keys_of(e, kh) and values_of(e,
+// kh) give the addressing functor (row l -> its head_dim floats) of key head kh of entry e. Query head h reads key
+// head h / (heads / kv_heads). A row's arithmetic does not depend on the rows computed beside it (see
+// attention_rows.h), so entries can be split into work units in any way.
 template <class KeysOf, class ValuesOf>
-void attend_rows(const AttentionRows& p, const KeysOf& keys_of, const ValuesOf& values_of) {
-  const int64_t batch = p.batch, heads = p.heads, seq = p.seq, d = p.d, kv_heads = p.kv_heads, keys = p.keys;
-  const int64_t group = heads / kv_heads;
-  const float* qs = p.q;
-  const int64_t qb = p.q_batch_stride, qh = p.q_head_stride, qs_ = p.q_row_stride;
-  const bool* visible = p.visible;
-  const int64_t mask_batch_stride = p.mask_batch_stride, mask_row_stride = p.mask_row_stride;
-  const int64_t mask_key_stride = p.mask_key_stride;
-  float* ys = p.out;
-  const float factor = p.factor;
-  if (batch * heads * seq == 0) return;  // no rows (and no slices to divide them into)
+void attend_entries(const std::vector<AttentionEntry>& entries, int64_t heads, int64_t d, int64_t kv_heads,
+                    float factor, const KeysOf& keys_of, const ValuesOf& values_of) {
+  const int64_t group = heads / kv_heads, count = static_cast<int64_t>(entries.size());
 #if defined(__AVX512F__)
   if (d == 64 || d == 128) {
     using Rows = decltype(keys_of(int64_t{0}, int64_t{0}));
-    // Work units: the query rows (heads of the group x sequence rows) of one key head, in `parts` slices so that
-    // every thread has work; each unit reads its key head's keys and values once for all its rows.
-    const int64_t rows_per_head = group * seq;
-    const int64_t parts = std::min<int64_t>(rows_per_head, (2 * at::get_num_threads() + batch * kv_heads - 1) /
-                                                                   (batch * kv_heads));
-    const int64_t per_part = (rows_per_head + parts - 1) / parts;
-    const int64_t units = batch * kv_heads * parts;
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(static_cast<size_t>(per_part * keys));
-      std::vector<const float*> queries(per_part);
-      std::vector<const bool*> masks(per_part);
-      std::vector<float*> weights(per_part), outs(per_part);
+    // Work units: query rows (heads of the group x sequence rows) of one key head of one entry, each entry's in
+    // slices so that every thread has work; a unit reads its key head's keys and values once for all its rows.
+    struct Unit {
+      int64_t entry, kh, first, n;
+    };
+    std::vector<Unit> units;
+    const int64_t share = (2 * at::get_num_threads() + count * kv_heads - 1) / std::max<int64_t>(1, count * kv_heads);
+    int64_t most_rows = 0, most_weights = 0;
+    for (int64_t e = 0; e < count; ++e) {
+      const int64_t rows_per_head = group * entries[e].seq;
+      if (rows_per_head == 0) continue;
+      const int64_t parts = std::min<int64_t>(rows_per_head, share);
+      const int64_t per_part = (rows_per_head + parts - 1) / parts;
+      most_rows = std::max(most_rows, per_part);
+      most_weights = std::max(most_weights, per_part * entries[e].keys);
+      for (int64_t kh = 0; kh < kv_heads; ++kh) {
+        for (int64_t first = 0; first < rows_per_head; first += per_part) {
+          units.push_back({e, kh, first, std::min(per_part, rows_per_head - first)});
+        }
+      }
+    }
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(static_cast<size_t>(most_weights));
+      std::vector<const float*> queries(most_rows);
+      std::vector<const bool*> masks(most_rows);
+      std::vector<float*> weights(most_rows), outs(most_rows);
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t b = u / (kv_heads * parts), kh = (u / parts) % kv_heads, part = u % parts;
-        const int64_t first = part * per_part, n = std::min(rows_per_head, first + per_part) - first;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t h = kh * group + (first + i) / seq, s = (first + i) % seq;
-          queries[i] = qs + b * qb + h * qh + s * qs_;
-          masks[i] = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
-          weights[i] = scratch.data() + i * keys;
-          outs[i] = ys + (b * seq + s) * heads * d + h * d;
+        const Unit& unit = units[u];
+        const AttentionEntry& e = entries[unit.entry];
+        for (int64_t i = 0; i < unit.n; ++i) {
+          const int64_t h = unit.kh * group + (unit.first + i) / e.seq, s = (unit.first + i) % e.seq;
+          queries[i] = e.q + h * e.q_head_stride + s * e.q_row_stride;
+          masks[i] = e.visible == nullptr ? nullptr : e.visible + s * e.mask_row_stride;
+          weights[i] = scratch.data() + i * e.keys;
+          outs[i] = e.out + s * e.out_row_stride + h * d;
         }
         (d == 64 ? attention_rows::attend<4, Rows> : attention_rows::attend<8, Rows>)(
-            queries.data(), static_cast<int>(n), keys_of(b, kh), values_of(b, kh), keys, factor, masks.data(),
-            mask_key_stride, weights.data(), outs.data());
+            queries.data(), static_cast<int>(unit.n), keys_of(unit.entry, unit.kh), values_of(unit.entry, unit.kh),
+            e.keys, factor, masks.data(), e.mask_key_stride, weights.data(), outs.data());
       }
     });
     return;
   }
 #endif
-  const int64_t units = batch * heads * seq;
-  at::parallel_for(0, units, grain(units, 4 * keys * d), [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(static_cast<size_t>(keys));
+  // One unit per query row: entry e's rows are units [offsets[e], offsets[e + 1]).
+  std::vector<int64_t> offsets(count + 1, 0);
+  int64_t most_keys = 0;
+  for (int64_t e = 0; e < count; ++e) {
+    offsets[e + 1] = offsets[e] + heads * entries[e].seq;
+    most_keys = std::max(most_keys, entries[e].keys);
+  }
+  const int64_t units = offsets[count];
+  at::parallel_for(0, units, grain(units, 4 * most_keys * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(static_cast<size_t>(most_keys));
     std::vector<float> acc(static_cast<size_t>(d));
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / (heads * seq), h = (u / seq) % heads, s = u % seq;
-      const int64_t kh = h / group;
-      const float* query = qs + b * qb + h * qh + s * qs_;
-      const bool* row_mask = visible == nullptr ? nullptr : visible + b * mask_batch_stride + s * mask_row_stride;
-      float* dst = ys + (b * seq + s) * heads * d + h * d;
-      scores_of(query, keys_of(b, kh), keys, d, factor, weights.data());
+      const int64_t index = std::upper_bound(offsets.begin(), offsets.end(), u) - offsets.begin() - 1;
+      const AttentionEntry& e = entries[index];
+      const int64_t row = u - offsets[index], h = row / e.seq, s = row % e.seq, kh = h / group, keys = e.keys;
+      const float* query = e.q + h * e.q_head_stride + s * e.q_row_stride;
+      const bool* row_mask = e.visible == nullptr ? nullptr : e.visible + s * e.mask_row_stride;
+      float* dst = e.out + s * e.out_row_stride + h * d;
+      scores_of(query, keys_of(index, kh), keys, d, factor, weights.data());
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < keys; ++l) {
-        if (row_mask != nullptr && !row_mask[l * mask_key_stride]) {
+        if (row_mask != nullptr && !row_mask[l * e.mask_key_stride]) {
           weights[l] = -std::numeric_limits<float>::infinity();
         } else {
           best = std::max(best, weights[l]);
@@ -247,11 +265,54 @@ void attend_rows(const AttentionRows& p, const KeysOf& keys_of, const ValuesOf& 
       exp_in_place(weights.data(), keys);
       float total = 0.0f;
       for (int64_t l = 0; l < keys; ++l) total += weights[l];
-      weighted_values(weights.data(), values_of(b, kh), keys, d, acc.data());
+      weighted_values(weights.data(), values_of(index, kh), keys, d, acc.data());
       const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
       for (int64_t j = 0; j < d; ++j) dst[j] = acc[j] * inverse;
     }
   });
+}
+
+// A request's keys as pool slots: the slots checked in range, contiguous.
+torch::Tensor checked_slots(const torch::Tensor& slots, int64_t pool) {
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1,
+              "slots must be a 1-D int64 CPU tensor");
+  torch::Tensor order = slots.contiguous();
+  const int64_t* slot = order.data_ptr<int64_t>();
+  for (int64_t l = 0; l < order.size(0); ++l) {
+    TORCH_CHECK(slot[l] >= 0 && slot[l] < pool, "slot ", slot[l], " at ", l, " is outside the pool of ", pool);
+  }
+  return order;
+}
+
+// The pool attention's operands: q [H, S, D], k_pool and v_pool [KVH, P, D] (any strides but contiguous in D).
+void check_pool_operands(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool) {
+  check_float_cpu(q, "q");
+  check_float_cpu(k_pool, "k_pool");
+  check_float_cpu(v_pool, "v_pool");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-D");
+  TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == q.size(2),
+              "k_pool and v_pool must both be [kv_heads, slots, head_dim] matching q");
+  TORCH_CHECK(k_pool.size(0) > 0 && q.size(0) % k_pool.size(0) == 0, "query heads must be a multiple of key heads");
+  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
+              "q, k_pool and v_pool must be contiguous in head_dim");
+}
+
+// The entry of `count` query rows of q [H, S, D] from row `start`, over `keys` keys under mask (bool [count, keys]).
+AttentionEntry pool_entry(const torch::Tensor& q, int64_t start, int64_t count, int64_t keys,
+                          const c10::optional<torch::Tensor>& mask, float* out) {
+  const bool* visible = nullptr;
+  int64_t mask_row_stride = 0, mask_key_stride = 0;
+  if (mask.has_value()) {
+    const torch::Tensor& m = *mask;
+    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kBool, "mask must be bool on the CPU");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == count && m.size(1) == keys, "mask must be [rows, keys]");
+    visible = m.data_ptr<bool>();
+    mask_row_stride = m.stride(0);
+    mask_key_stride = m.stride(1);
+  }
+  const int64_t heads = q.size(0), d = q.size(2);
+  return AttentionEntry{count, keys, q.data_ptr<float>() + start * q.stride(1), q.stride(0), q.stride(1), visible,
+                        mask_row_stride, mask_key_stride, out + start * heads * d, heads * d};
 }
 
 }  // namespace
@@ -353,15 +414,20 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
     mask_key_stride = mask_tensor.stride(3);
   }
   torch::Tensor out = torch::empty({batch, seq, heads * d}, q.options());
-  const AttentionRows rows{batch, heads, seq, d, kv_heads, keys, q.data_ptr<float>(), q.stride(0), q.stride(1),
-                           q.stride(2), visible, mask_batch_stride, mask_row_stride, mask_key_stride,
-                           out.data_ptr<float>(), static_cast<float>(scale)};
+  std::vector<AttentionEntry> entries;
+  entries.reserve(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    entries.push_back({seq, keys, q.data_ptr<float>() + b * q.stride(0), q.stride(1), q.stride(2),
+                       visible == nullptr ? nullptr : visible + b * mask_batch_stride, mask_row_stride,
+                       mask_key_stride, out.data_ptr<float>() + b * seq * heads * d, heads * d});
+  }
   const float* ks = k.data_ptr<float>();
   const float* vs = v.data_ptr<float>();
   const int64_t kb = k.stride(0), kh_ = k.stride(1), kl = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vl = v.stride(2);
-  attend_rows(
-      rows, [&](int64_t b, int64_t kh) { return attention_rows::StridedRows{ks + b * kb + kh * kh_, kl}; },
+  attend_entries(
+      entries, heads, d, kv_heads, static_cast<float>(scale),
+      [&](int64_t b, int64_t kh) { return attention_rows::StridedRows{ks + b * kb + kh * kh_, kl}; },
       [&](int64_t b, int64_t kh) { return attention_rows::StridedRows{vs + b * vb + kh * vh, vl}; });
   return out;
 }
@@ -372,46 +438,65 @@ torch::Tensor attention_slots(const torch::Tensor& q, const torch::Tensor& k_poo
   // slots: int64 [L], the request's keys in its own order, each in [0, P); mask: optional bool [S, L], true =
   // visible -> [S, H * D] contiguous, bitwise attention(q[None], k_pool[:, slots][None], v_pool[:, slots][None],
   // mask[None, None], scale): the same rows and arithmetic, the keys and values read in place through the slots.
-  check_float_cpu(q, "q");
-  check_float_cpu(k_pool, "k_pool");
-  check_float_cpu(v_pool, "v_pool");
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-D");
-  const int64_t heads = q.size(0), seq = q.size(1), d = q.size(2);
-  const int64_t kv_heads = k_pool.size(0), pool = k_pool.size(1);
-  TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == d,
-              "k_pool and v_pool must both be [kv_heads, slots, head_dim] matching q");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of key heads");
-  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
-              "q, k_pool and v_pool must be contiguous in head_dim");
-  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1,
-              "slots must be a 1-D int64 CPU tensor");
-  const torch::Tensor order = slots.contiguous();
-  const int64_t keys = order.size(0);
+  check_pool_operands(q, k_pool, v_pool);
+  const torch::Tensor order = checked_slots(slots, k_pool.size(1));
+  torch::Tensor out = torch::empty({q.size(1), q.size(0) * q.size(2)}, q.options());
+  const std::vector<AttentionEntry> entries{pool_entry(q, 0, q.size(1), order.size(0), mask, out.data_ptr<float>())};
   const int64_t* slot = order.data_ptr<int64_t>();
-  for (int64_t l = 0; l < keys; ++l) {
-    TORCH_CHECK(slot[l] >= 0 && slot[l] < pool, "slot ", slot[l], " at ", l, " is outside the pool of ", pool);
-  }
-  const bool* visible = nullptr;
-  int64_t mask_row_stride = 0, mask_key_stride = 0;
-  if (mask.has_value()) {
-    const torch::Tensor& m = *mask;
-    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kBool, "mask must be bool on the CPU");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == seq && m.size(1) == keys, "mask must be [seq, keys]");
-    visible = m.data_ptr<bool>();
-    mask_row_stride = m.stride(0);
-    mask_key_stride = m.stride(1);
-  }
-  torch::Tensor out = torch::empty({seq, heads * d}, q.options());
-  const AttentionRows rows{1, heads, seq, d, kv_heads, keys, q.data_ptr<float>(), 0, q.stride(0), q.stride(1),
-                           visible, 0, mask_row_stride, mask_key_stride, out.data_ptr<float>(),
-                           static_cast<float>(scale)};
   const float* ks = k_pool.data_ptr<float>();
   const float* vs = v_pool.data_ptr<float>();
   const int64_t kh_ = k_pool.stride(0), kl = k_pool.stride(1), vh = v_pool.stride(0), vl = v_pool.stride(1);
-  attend_rows(
-      rows, [&](int64_t, int64_t kh) { return attention_rows::SlotRows{ks + kh * kh_, kl, slot}; },
+  attend_entries(
+      entries, q.size(0), q.size(2), k_pool.size(0), static_cast<float>(scale),
+      [&](int64_t, int64_t kh) { return attention_rows::SlotRows{ks + kh * kh_, kl, slot}; },
       [&](int64_t, int64_t kh) { return attention_rows::SlotRows{vs + kh * vh, vl, slot}; });
   return out;
+}
+
+torch::Tensor attention_segments(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                 const std::vector<packed::Segment>& segments, double scale) {
+  // q: [H, R, D], every request's rows packed; k_pool, v_pool: [KVH, P, D]; segments: the requests' rows in order,
+  // together rows [0, R) -> [R, H * D] contiguous, bitwise each segment's attention_slots(q[:, start:start + count],
+  // k_pool, v_pool, read_slots, mask, scale) side by side, in one parallel region.
+  check_pool_operands(q, k_pool, v_pool);
+  torch::Tensor out = torch::empty({q.size(1), q.size(0) * q.size(2)}, q.options());
+  std::vector<torch::Tensor> orders;
+  std::vector<AttentionEntry> entries;
+  orders.reserve(segments.size());
+  entries.reserve(segments.size());
+  int64_t next = 0;
+  for (const packed::Segment& segment : segments) {
+    TORCH_CHECK(segment.start == next && segment.count >= 0, "segments must cover the rows in order: one starts at ",
+                segment.start, ", not ", next);
+    next += segment.count;
+    TORCH_CHECK(next <= q.size(1), "segments cover ", next, " rows, q has ", q.size(1));
+    orders.push_back(checked_slots(segment.read_slots, k_pool.size(1)));
+    entries.push_back(
+        pool_entry(q, segment.start, segment.count, orders.back().size(0), segment.mask, out.data_ptr<float>()));
+  }
+  TORCH_CHECK(next == q.size(1), "segments cover ", next, " rows, q has ", q.size(1));
+  std::vector<const int64_t*> slots;
+  for (const torch::Tensor& order : orders) slots.push_back(order.data_ptr<int64_t>());
+  const float* ks = k_pool.data_ptr<float>();
+  const float* vs = v_pool.data_ptr<float>();
+  const int64_t kh_ = k_pool.stride(0), kl = k_pool.stride(1), vh = v_pool.stride(0), vl = v_pool.stride(1);
+  attend_entries(
+      entries, q.size(0), q.size(2), k_pool.size(0), static_cast<float>(scale),
+      [&](int64_t e, int64_t kh) { return attention_rows::SlotRows{ks + kh * kh_, kl, slots[e]}; },
+      [&](int64_t e, int64_t kh) { return attention_rows::SlotRows{vs + kh * vh, vl, slots[e]}; });
+  return out;
+}
+
+torch::Tensor attention_segments_lists(const torch::Tensor& q, const torch::Tensor& k_pool,
+                                       const torch::Tensor& v_pool, const std::vector<int64_t>& starts,
+                                       const std::vector<int64_t>& counts, const std::vector<torch::Tensor>& slots,
+                                       const std::vector<c10::optional<torch::Tensor>>& masks, double scale) {
+  TORCH_CHECK(counts.size() == starts.size() && slots.size() == starts.size() && masks.size() == starts.size(),
+              "starts, counts, slots and masks must have one entry per segment");
+  std::vector<packed::Segment> segments;
+  segments.reserve(starts.size());
+  for (size_t i = 0; i < starts.size(); ++i) segments.push_back({starts[i], counts[i], slots[i], masks[i]});
+  return attention_segments(q, k_pool, v_pool, segments, scale);
 }
 
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
@@ -505,6 +590,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "softmax(q k^T * scale) v with k, v read from a pool through slots -> [S, H * D]", py::arg("q"),
              py::arg("k_pool"), py::arg("v_pool"), py::arg("slots"), py::arg("mask"), py::arg("scale"),
              py::call_guard<py::gil_scoped_release>());
+  module.def("attention_segments", &attention_segments_lists,
+             "attention_slots over every request's rows of a packed forward at once -> [R, H * D]", py::arg("q"),
+             py::arg("k_pool"), py::arg("v_pool"), py::arg("starts"), py::arg("counts"), py::arg("slots"),
+             py::arg("masks"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   module.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"), py::call_guard<py::gil_scoped_release>());
   module.def("argmax_rows", &argmax_rows, "[rows, vocab] -> first index of each row's maximum", py::arg("logits"),
              py::call_guard<py::gil_scoped_release>());
@@ -512,7 +601,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.attr("rms_norm_capsule") = py::capsule(reinterpret_cast<void*>(&rms_norm), "dflash.rms_norm");
   module.attr("rotary_capsule") = py::capsule(reinterpret_cast<void*>(&rotary), "dflash.rotary");
   module.attr("attention_capsule") = py::capsule(reinterpret_cast<void*>(&attention), "dflash.attention");
-  module.attr("attention_slots_capsule") =
-      py::capsule(reinterpret_cast<void*>(&attention_slots), "dflash.attention_slots");
+  module.attr("attention_segments_capsule") =
+      py::capsule(reinterpret_cast<void*>(&attention_segments), "dflash.attention_segments");
   module.attr("silu_mul_capsule") = py::capsule(reinterpret_cast<void*>(&silu_mul), "dflash.silu_mul");
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "native_layers.h"
+#include "packed_segments.h"
 
 namespace native_layers {
 
@@ -24,13 +25,7 @@ struct Layer {
   double scale;
 };
 
-// One request's rows in a packed forward of the batched core (`dflash.batch.attention.Segment`): rows
-// [start, start + count) read the pool's slots `read_slots` under `mask` (bool [count, keys], or none).
-struct Segment {
-  int64_t start, count;
-  torch::Tensor read_slots;
-  c10::optional<torch::Tensor> mask;
-};
+using packed::Segment;
 
 class DecoderStack {
  public:
@@ -70,7 +65,7 @@ class DecoderStack {
       const torch::Tensor& pool_values, const torch::Tensor& write_slots, const std::vector<Segment>& segments,
       const std::vector<int64_t>& capture) const {
     TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "x must be [1, rows, hidden]");
-    TORCH_CHECK(functions.attention_slots != nullptr, "the fused layer operations are not bound");
+    TORCH_CHECK(functions.attention_segments != nullptr, "the fused layer operations are not bound");
     TORCH_CHECK(!segments.empty(), "a packed forward has a segment at least");
     return layers(x, cos, sin, capture, [&](const Layer& layer, const torch::Tensor& q, const torch::Tensor& k,
                                                const torch::Tensor& v) {
@@ -79,14 +74,8 @@ class DecoderStack {
           pool_values.select(0, layer.index).narrow(0, 0, layer.kv_heads).narrow(2, 0, layer.head_dim);
       keys.index_copy_(1, write_slots, k.select(0, 0));
       values.index_copy_(1, write_slots, v.select(0, 0));
-      std::vector<torch::Tensor> outputs;
-      outputs.reserve(segments.size());
-      for (const Segment& segment : segments) {
-        const torch::Tensor rows = q.narrow(2, segment.start, segment.count).select(0, 0);  // [heads, n, head_dim]
-        outputs.push_back(
-            functions.attention_slots(rows, keys, values, segment.read_slots, segment.mask, layer.scale).unsqueeze(0));
-      }
-      return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 1);
+      // every request's rows in one call (one parallel region a layer, whatever the number of requests)
+      return functions.attention_segments(q.select(0, 0), keys, values, segments, layer.scale).unsqueeze(0);
     });
   }
 

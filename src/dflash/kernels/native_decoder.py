@@ -52,7 +52,7 @@ def native_decoder(products: Iterable[str]) -> DecoderKernel | None:
             log.warning("native CPU decoder layers unavailable, the layers run from Python: %s", exc)
             return None
         kernel.bind(None, None, None, ops.rms_norm_capsule, ops.rotary_capsule, ops.attention_capsule,
-                    ops.attention_slots_capsule, ops.silu_mul_capsule)
+                    ops.attention_segments_capsule, ops.silu_mul_capsule)
         _kernel = kernel
     for kind in set(products) - _bound:
         if kind in _unbindable or not _bind_products(_kernel, kind):

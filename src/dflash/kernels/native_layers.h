@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "packed_segments.h"
+
 namespace native_layers {
 
 namespace py = pybind11;
@@ -19,8 +21,8 @@ using RmsNorm = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, do
 using Rotary = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&);
 using Attention = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                                     const c10::optional<torch::Tensor>&, double);
-using AttentionSlots = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                                         const torch::Tensor&, const c10::optional<torch::Tensor>&, double);
+using AttentionSegments = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                            const std::vector<packed::Segment>&, double);
 using SiluMul = torch::Tensor (*)(const torch::Tensor&);
 
 // The functions of the other extensions, set once by `bind` (null where that extension is not loaded).
@@ -32,7 +34,7 @@ struct Functions {
   RmsNorm rms_norm = nullptr;
   Rotary rotary = nullptr;
   Attention attention = nullptr;
-  AttentionSlots attention_slots = nullptr;
+  AttentionSegments attention_segments = nullptr;
   SiluMul silu_mul = nullptr;
 };
 
@@ -46,7 +48,7 @@ inline void set_from(Fn& slot, const py::object& capsule) {
 
 inline void bind(const py::object& int8_matmul, const py::object& float_matmul, const py::object& amx_matmul,
           const py::object& rms_norm, const py::object& rotary, const py::object& attention,
-          const py::object& attention_slots, const py::object& silu_mul, const py::object& panel_matmul) {
+          const py::object& attention_segments, const py::object& silu_mul, const py::object& panel_matmul) {
   set_from(functions.int8_matmul, int8_matmul);
   set_from(functions.panel_matmul, panel_matmul);
   set_from(functions.float_matmul, float_matmul);
@@ -54,7 +56,7 @@ inline void bind(const py::object& int8_matmul, const py::object& float_matmul, 
   set_from(functions.rms_norm, rms_norm);
   set_from(functions.rotary, rotary);
   set_from(functions.attention, attention);
-  set_from(functions.attention_slots, attention_slots);
+  set_from(functions.attention_segments, attention_segments);
   set_from(functions.silu_mul, silu_mul);
 }
 
