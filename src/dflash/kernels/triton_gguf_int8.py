@@ -194,10 +194,11 @@ def integer_rows(device: torch.device) -> int:
 
 def _cuda_rows(quantized: QuantizedInput, matrix: NibbleMatrix) -> CudaRowsKernel | None:
     """The CUDA program for these operands (`cuda_nibble_rows.cu`: 1-8 rows on a GPU, 16-byte aligned words and
-    inputs), or None: the Triton program serves them (`DFLASH_GGUF_ROWS=triton`, the interpreter, no nvcc)."""
+    inputs, 4-byte aligned scale pairs), or None: the Triton program serves them (`DFLASH_GGUF_ROWS=triton`, the
+    interpreter, no nvcc)."""
     if not quantized.high.is_cuda or interpreting() or environment.gguf_rows() != "cuda" or quantized.high.shape[0] > MAX_ROWS:
         return None
-    if any(t.data_ptr() % 16 for t in (quantized.high, quantized.low, matrix.words)):
+    if any(t.data_ptr() % 16 for t in (quantized.high, quantized.low, matrix.words)) or matrix.pairs.data_ptr() % 4:
         return None
     return _cuda_rows_kernel()
 
