@@ -13,9 +13,12 @@ from gguf.quants import dequantize
 from dflash import environment
 from dflash.kernels import gguf_nibbles, triton_gguf_int8
 from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, nibble_matrix
+from dflash.kernels.triton_decode import add_rms_norm, silu_and_mul
 from dflash.kernels.triton_gguf_int8 import (
     MAX_ROWS,
     NibbleConfig,
+    QuantizedInput,
+    add_rms_norm_quantized,
     input_parts,
     integer_rows,
     nibble_dequantize,
@@ -23,6 +26,7 @@ from dflash.kernels.triton_gguf_int8 import (
     nibble_matmul,
     nibble_product,
     quantize_input,
+    silu_and_mul_quantized,
 )
 from tests.test_triton_gguf_matmul import DEVICE, format_blocks, needs_triton
 
@@ -241,3 +245,42 @@ def test_product_takes_the_path_for_its_rows() -> None:
         tolerance = 2e-4 if rows <= limit else 1e-5
         assert float((wide[:, 4 : 4 + n] - want).abs().max()) <= tolerance * float((x.abs() @ weights.abs().T).max())
         assert not bool(wide[:, :4].any()) and not bool(wide[:, 4 + n :].any())
+
+
+def assert_same_rounding(got: QuantizedInput, want: QuantizedInput) -> None:
+    assert got.parts == want.parts
+    names = ("high", "low", "scale", "total", "half_total") if want.parts == 2 else ("high", "scale", "total", "half_total")
+    for name in names:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@needs_triton
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("adds_one", [False, True])
+@pytest.mark.parametrize("width", [288, 512])  # 9 groups (a partly filled tile of 16), 16 groups
+def test_norm_rounded_in_its_program_is_the_separate_programs(parts: int, residual: bool, adds_one: bool, width: int) -> None:
+    """The fused add+RMSNorm with rounding: its normed rows and sum are bitwise the plain program's, and its
+    rounding is bitwise `quantize_input` of those rows."""
+    generator = torch.Generator().manual_seed(width + parts)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x = (torch.randn(3, width, generator=generator) * torch.tensor([0.05, 1.0, 20.0])[:, None]).to(DEVICE, dtype)
+    added = torch.randn(3, width, generator=generator).to(DEVICE, dtype) if residual else None
+    weight = torch.randn(width, generator=generator).to(DEVICE, dtype)
+    normed, summed, rounded = add_rms_norm_quantized(x, added, weight, 1e-6, adds_one=adds_one, parts=parts)
+    want_normed, want_summed = add_rms_norm(x, added, weight, 1e-6, adds_one=adds_one)
+    assert torch.equal(normed, want_normed) and torch.equal(summed, want_summed)
+    assert_same_rounding(rounded, quantize_input(want_normed, parts=parts))
+
+
+@needs_triton
+@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("inner", [96, 1056])  # one program a row; two, the second with one group
+def test_silu_rounded_in_its_programs_is_the_separate_programs(parts: int, inner: int) -> None:
+    generator = torch.Generator().manual_seed(inner + parts)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    gate_up = (torch.randn(2, 2 * inner, generator=generator) * 3.0).to(DEVICE, dtype)
+    activated, rounded = silu_and_mul_quantized(gate_up, parts=parts)
+    want = silu_and_mul(gate_up)
+    assert torch.equal(activated, want)
+    assert_same_rounding(rounded, quantize_input(want, parts=parts))

@@ -31,6 +31,7 @@ from dflash.fastpath.fused_layers import (
     MLP_REGION,
     Owed,
     add_norm,
+    add_norm_for,
     apply_linear,
     attention_residual_and_mlp,
     embed_rows,
@@ -69,11 +70,11 @@ def fused_padded_forward(
     layer: Any
     for index, layer in enumerate(model.layers):
         attention = layer.self_attn
-        h, x = add_norm(x, pending, layer.input_layernorm, MLP_REGION)
+        h, x, rounded = add_norm_for(x, pending, layer.input_layernorm, MLP_REGION, attention.qkv_proj)
         if index - 1 in wanted:
             captured[index - 1] = x
         keys, values = pool.keys[index], pool.values[index]  # [kv_heads, slots, head_dim]
-        qkv = project_and_store(layer, h, cos, sin, keys, values, batch.store_slots, config)
+        qkv = project_and_store(layer, h, cos, sin, keys, values, batch.store_slots, config, rounded)
         q = qkv[:, : heads * head_dim].view(requests, rows, heads, head_dim).transpose(1, 2)  # [b, heads, rows, hd]
         if additive is None:
             out = paged_attention(q, keys, values, read, batch.past, batch.counts, batch.visibility, attention.scale)

@@ -28,6 +28,7 @@ from dflash.drafter.model import TargetHeads
 from dflash.fastpath.static_forward import block_visibility
 from dflash.kernels.triton_attention import attention_kernel_usable, few_row_attention
 from dflash.kernels.triton_decode import add_rms_norm, rope_and_store, silu_and_mul, triton_available
+from dflash.kernels.triton_gguf_int8 import QuantizedInput, add_rms_norm_quantized, silu_and_mul_quantized
 from dflash.kernels.triton_skinny import fast_linear
 from dflash.kv.cache import KVCache
 from dflash.models.gpu_quantized_layers import GGUFLinear
@@ -74,11 +75,11 @@ def _fusable_expert_layer(model: CausalLM, layer: nn.Module) -> bool:
     )
 
 
-def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+def apply_linear(x: torch.Tensor, module: nn.Module, rounded: QuantizedInput | None = None) -> torch.Tensor:
     """module(x) for x [rows, in] through `fast_linear`: an `nn.Linear`, an `Int8Linear` (int8 rows), or a
     `RowParallelLinear` (this rank's product, then the sum over the ranks), or a `VocabParallelHead` (this rank's
     logits, then every rank's gathered); a `GGUFLinear` through its own block program, an `InputOrdered` one
-    after reordering x."""
+    after reordering x. `rounded`: x's rows rounded for a `GGUFLinear` that reads them so (`rounds_for`)."""
     if isinstance(module, Int8Linear):
         return fast_linear(x, module.values, module.bias, module.scales)
     if isinstance(module, RowParallelLinear):
@@ -86,7 +87,7 @@ def apply_linear(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     if isinstance(module, VocabParallelHead):
         return module.gather(fast_linear(x, module.weight))
     if isinstance(module, GGUFLinear):
-        return module(x)  # GGUF blocks: the block program (`dflash.kernels.triton_gguf_matmul`)
+        return module(x, rounded)  # GGUF blocks or words: their programs (`dflash.kernels.gpu_quantized_products`)
     if isinstance(module, InputOrdered):  # stored columns out of the input's order (a hybrid's GGUF out_proj)
         return apply_linear(x.index_select(-1, module.order), module.inner)
     assert isinstance(module, nn.Linear)
@@ -107,12 +108,19 @@ class Owed:
 ATTENTION_REGION, MLP_REGION = 0, 1
 
 
-def last_product(x: torch.Tensor, module: nn.Module) -> Owed:
+def last_product(x: torch.Tensor, module: nn.Module, rounded: QuantizedInput | None = None) -> Owed:
     """A sub-layer's last product, module(x) for x [rows, in]; a row-parallel one's sum over the ranks is left to
     the add+RMSNorm that follows (`add_norm`)."""
     if isinstance(module, RowParallelLinear) and module.bias is None:
         return Owed(fast_linear(x, module.weight), module.tensor_parallel.sums)
-    return Owed(apply_linear(x, module))  # a biased row-parallel product: summed (then the bias) right away
+    return Owed(apply_linear(x, module, rounded))  # a biased row-parallel product: summed (then the bias) right away
+
+
+def rounds_for(module: nn.Module, rows: int) -> bool:
+    """Whether `module` multiplies `rows` rows through their 8-bit rounding (a `GGUFLinear` of words), which the
+    program producing them then makes in the same launch (`add_norm_for`, `silu_and_mul_quantized`): bitwise the
+    rounding the product would make, one launch fewer."""
+    return isinstance(module, GGUFLinear) and module.rounds_input(rows)
 
 
 def add_norm(x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +129,19 @@ def add_norm(x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int) -> 
     if owed is None or owed.sums is None:
         return add_rms_norm(x, None if owed is None else owed.rows, norm.weight, norm.eps, adds_one=norm.adds_one)
     return owed.sums.add_rms_norm(owed.rows, x, norm.weight, norm.eps, region)
+
+
+def add_norm_for(
+    x: torch.Tensor, owed: Owed | None, norm: RMSNorm, region: int, consumer: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput | None]:
+    """`add_norm`, with the normed rows also rounded for `consumer` in the same program where it reads them rounded
+    -> (normed, the residual stream, the rounding or None)."""
+    if (owed is None or owed.sums is None) and rounds_for(consumer, x.shape[0]):
+        return add_rms_norm_quantized(
+            x, None if owed is None else owed.rows, norm.weight, norm.eps, adds_one=norm.adds_one
+        )
+    h, x = add_norm(x, owed, norm, region)
+    return h, x, None
 
 
 def fused_logits(model: TargetHeads, hidden: torch.Tensor) -> torch.Tensor:
@@ -167,13 +188,13 @@ def embed_rows(model: TargetHeads, input_ids: torch.Tensor) -> torch.Tensor:
 
 def project_and_store(
     layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    slots: torch.Tensor, config: Any,
+    slots: torch.Tensor, config: Any, rounded: QuantizedInput | None = None,
 ) -> torch.Tensor:
     """The QKV product of normed rows h [rows, hidden]; q and k normalised (Qwen3) and rotated in place, k and v
     stored at `slots` of one layer's keys/values [kv_heads, capacity, head_dim] (a negative slot: not stored)
-    -> qkv [rows, (heads + 2 kv_heads) * head_dim]."""
+    -> qkv [rows, (heads + 2 kv_heads) * head_dim]. `rounded`: h rounded for the product (`add_norm_for`)."""
     attention = layer.self_attn
-    qkv = apply_linear(h, attention.qkv_proj)
+    qkv = apply_linear(h, attention.qkv_proj, rounded)
     q_norm, k_norm = attention.q_norm, attention.k_norm
     rope_and_store(
         qkv, cos, sin, keys, values, slots, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -187,10 +208,16 @@ def project_and_store(
 def attention_residual_and_mlp(layer: Any, x: torch.Tensor, attended: Owed) -> tuple[torch.Tensor, Owed]:
     """The rest of a layer after attention: x + attended, its RMSNorm and the MLP -> (the residual stream, the MLP
     output not yet added: the next add+RMSNorm adds it)."""
-    h, x = add_norm(x, attended, layer.post_attention_layernorm, ATTENTION_REGION)
     if isinstance(layer.mlp, SparseMoeBlock):  # routed experts: the block's own forward (grouped products)
+        h, x = add_norm(x, attended, layer.post_attention_layernorm, ATTENTION_REGION)
         return x, Owed(layer.mlp(h))
-    return x, last_product(silu_and_mul(apply_linear(h, layer.mlp.gate_up_proj)), layer.mlp.down_proj)
+    mlp = layer.mlp
+    h, x, rounded = add_norm_for(x, attended, layer.post_attention_layernorm, ATTENTION_REGION, mlp.gate_up_proj)
+    gate_up = apply_linear(h, mlp.gate_up_proj, rounded)
+    if rounds_for(mlp.down_proj, gate_up.shape[0]):
+        activated, activated_rounded = silu_and_mul_quantized(gate_up)
+        return x, last_product(activated, mlp.down_proj, activated_rounded)
+    return x, last_product(silu_and_mul(gate_up), mlp.down_proj)
 
 
 def fused_layers(
@@ -217,10 +244,12 @@ def fused_layers(
     layer: Any
     for index, layer in enumerate(model.layers):
         attention = layer.self_attn
-        h, x = add_norm(x, pending, layer.input_layernorm, MLP_REGION)
+        h, x, rounded = add_norm_for(x, pending, layer.input_layernorm, MLP_REGION, attention.qkv_proj)
         if index - 1 in wanted:
             captured[index - 1] = x
-        qkv = project_and_store(layer, h, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, config)
+        qkv = project_and_store(
+            layer, h, cos, sin, storage.keys[index, 0], storage.values[index, 0], slots, config, rounded
+        )
         if split_keys:
             out = few_row_attention(
                 qkv[:, : heads * head_dim].view(rows, heads, head_dim), storage.keys[index, 0],

@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from dflash.kernels.gguf_nibbles import NibbleMatrix
-from dflash.kernels.triton_gguf_int8 import integer_rows, nibble_dequantize, nibble_product, quantize_input
+from dflash.kernels.triton_gguf_int8 import (
+    QuantizedInput,
+    integer_rows,
+    nibble_dequantize,
+    nibble_product,
+    quantize_input,
+)
 from dflash.kernels.triton_gguf_matmul import MAX_ROWS, gguf_dequantize, gguf_matmul
 
 __all__ = ["QuantizedPart", "dequantize_part", "part_rows", "quantized_linear"]
@@ -36,8 +42,18 @@ def dequantize_part(
     return gguf_dequantize(part[0], part[1], k, dtype, out=out)
 
 
-def quantized_linear(x: torch.Tensor, parts: Sequence[QuantizedPart], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, W, bias) for x [rows, k], W the rows of `parts` one after another."""
+def rounds_input(parts: Sequence[QuantizedPart], rows: int, device: torch.device) -> bool:
+    """Whether `quantized_linear` multiplies `rows` rows by these parts through their 8-bit rounding
+    (`QuantizedInput`): a fused program that produces the rows can then round them too (`rounded=`)."""
+    return 0 < rows <= integer_rows(device) and any(isinstance(part, NibbleMatrix) for part in parts)
+
+
+def quantized_linear(
+    x: torch.Tensor, parts: Sequence[QuantizedPart], bias: torch.Tensor | None = None,
+    rounded: QuantizedInput | None = None,
+) -> torch.Tensor:
+    """F.linear(x, W, bias) for x [rows, k], W the rows of `parts` one after another. `rounded`: x's
+    `quantize_input`, already made by the program that produced x (where `rounds_input`)."""
     rows, k = x.shape
     n = sum(part_rows(part) for part in parts)
     if rows == 0:
@@ -46,8 +62,8 @@ def quantized_linear(x: torch.Tensor, parts: Sequence[QuantizedPart], bias: torc
         x = x.contiguous()
         out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
         shared = None
-        if rows <= integer_rows(x.device) and any(isinstance(part, NibbleMatrix) for part in parts):
-            shared = quantize_input(x)
+        if rounds_input(parts, rows, x.device):
+            shared = rounded if rounded is not None else quantize_input(x)
         start = 0
         for part in parts:
             columns = out[:, start : start + part_rows(part)]

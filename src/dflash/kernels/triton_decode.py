@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+# high, low, scale, total, half_total: where a fused program writes its rows' 8-bit parts (`QuantizedInput`)
+RoundingOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @cache
 def triton_available() -> bool:
@@ -42,85 +45,9 @@ def next_power_of_two(value: int) -> int:
 
 @cache
 def _kernels() -> Any:
-    import triton
-    import triton.language as tl
+    from dflash.kernels import triton_decode_programs as programs  # Triton is imported only here
 
-    @triton.jit
-    def add_rms_norm_kernel(
-        x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, width, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ADDS_ONE: tl.constexpr = False,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        inside = cols < width
-        x = tl.load(x_ptr + row * width + cols, mask=inside, other=0.0)
-        if HAS_RESIDUAL:
-            added = x.to(tl.float32) + tl.load(residual_ptr + row * width + cols, mask=inside, other=0.0).to(tl.float32)
-            x = added.to(x_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * width + cols, x, mask=inside)
-        x32 = x.to(tl.float32)
-        inverse_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / width + eps)
-        weight = tl.load(weight_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        if ADDS_ONE:  # (1 + weight) applied in float32 before rounding, as `RMSNorm(adds_one=True)` does
-            scaled = x32 * inverse_rms * (1.0 + weight)
-        else:  # normalised, rounded to the input's dtype, then weighted, as `RMSNorm` does
-            scaled = (x32 * inverse_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
-        tl.store(out_ptr + row * width + cols, scaled.to(out_ptr.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def rope_and_store_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, key_cache_ptr, value_cache_ptr, slots_ptr,
-        num_heads, num_kv_heads, capacity, eps,
-        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        width = (num_heads + 2 * num_kv_heads) * HEAD_DIM
-        half = tl.arange(0, HALF)
-        base = row * width + head * HEAD_DIM
-        first = tl.load(qkv_ptr + base + half)
-        second = tl.load(qkv_ptr + base + HALF + half)
-        dtype = first.dtype
-        x1 = first.to(tl.float32)
-        x2 = second.to(tl.float32)
-        if QK_NORM:
-            inverse_rms = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-            is_query = head < num_heads
-            w1 = tl.where(is_query, tl.load(q_weight_ptr + half), tl.load(k_weight_ptr + half)).to(tl.float32)
-            w2 = tl.where(is_query, tl.load(q_weight_ptr + HALF + half), tl.load(k_weight_ptr + HALF + half))
-            x1 = ((x1 * inverse_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-            x2 = ((x2 * inverse_rms).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
-        cos1 = tl.load(cos_ptr + row * HEAD_DIM + half).to(tl.float32)
-        cos2 = tl.load(cos_ptr + row * HEAD_DIM + HALF + half).to(tl.float32)
-        sin1 = tl.load(sin_ptr + row * HEAD_DIM + half).to(tl.float32)
-        sin2 = tl.load(sin_ptr + row * HEAD_DIM + HALF + half).to(tl.float32)
-        out1 = (x1 * cos1 - x2 * sin1).to(dtype)
-        out2 = (x2 * cos2 + x1 * sin2).to(dtype)
-        if head < num_heads:
-            tl.store(qkv_ptr + base + half, out1)
-            tl.store(qkv_ptr + base + HALF + half, out2)
-        else:
-            slot = tl.load(slots_ptr + row)
-            if slot >= 0:  # a negative slot: the row's k and v are not stored
-                kv_head = head - num_heads
-                target = (kv_head * capacity + slot) * HEAD_DIM
-                tl.store(key_cache_ptr + target + half, out1)
-                tl.store(key_cache_ptr + target + HALF + half, out2)
-                value = row * width + (num_heads + num_kv_heads + kv_head) * HEAD_DIM
-                tl.store(value_cache_ptr + target + half, tl.load(qkv_ptr + value + half))
-                tl.store(value_cache_ptr + target + HALF + half, tl.load(qkv_ptr + value + HALF + half))
-
-    @triton.jit
-    def silu_and_mul_kernel(gate_up_ptr, out_ptr, inner, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < inner
-        gate = tl.load(gate_up_ptr + row * 2 * inner + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_ptr + row * 2 * inner + inner + cols, mask=inside, other=0.0)
-        activated = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-        tl.store(out_ptr + row * inner + cols, (activated * up.to(tl.float32)).to(up.dtype), mask=inside)
-
-    return add_rms_norm_kernel, rope_and_store_kernel, silu_and_mul_kernel
+    return programs.add_rms_norm_kernel, programs.rope_and_store_kernel, programs.silu_and_mul_kernel
 
 
 def add_rms_norm(
@@ -138,8 +65,27 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
     summed = torch.empty_like(x) if residual is not None else x
     add_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, summed, width, eps,
+        x, residual if residual is not None else x, weight, out, summed, width, eps, *_no_rounding(x),
         HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_two(width), ADDS_ONE=adds_one,
+    )
+    return out, summed
+
+
+def add_rms_norm_rounded(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, rounded: RoundingOutputs,
+    parts: int, *, adds_one: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm`, and in the same program the normed rows rounded to `parts` 8-bit parts per group of 32 into
+    `rounded` (high, low, scale, total, half_total: `QuantizedInput`'s arrays for these rows), exactly as
+    `quantize_input` rounds them. width: a multiple of 32."""
+    add_kernel = _kernels()[0]
+    rows, width = x.shape
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else x
+    add_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, summed, width, eps, *rounded,
+        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_two(width), ADDS_ONE=adds_one, ROUND=True,
+        PARTS=parts,
     )
     return out, summed
 
@@ -179,5 +125,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inner = double // 2
     out = torch.empty((rows, inner), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_power_of_two(inner))
-    silu_kernel[(rows, -(-inner // block))](gate_up, out, inner, BLOCK=block)
+    silu_kernel[(rows, -(-inner // block))](gate_up, out, inner, *_no_rounding(gate_up), BLOCK=block)
     return out
+
+
+def silu_and_mul_rounded(gate_up: torch.Tensor, rounded: RoundingOutputs, parts: int) -> torch.Tensor:
+    """`silu_and_mul`, and in the same programs its rows rounded to `parts` 8-bit parts per group of 32 into
+    `rounded` (as `add_rms_norm_rounded`). inner: a multiple of 32."""
+    silu_kernel = _kernels()[2]
+    rows, double = gate_up.shape
+    inner = double // 2
+    out = torch.empty((rows, inner), dtype=gate_up.dtype, device=gate_up.device)
+    block = max(32, min(1024, next_power_of_two(inner)))
+    silu_kernel[(rows, -(-inner // block))](gate_up, out, inner, *rounded, BLOCK=block, ROUND=True, PARTS=parts)
+    return out
+
+
+def _no_rounding(like: torch.Tensor) -> RoundingOutputs:
+    """Placeholders for the rounding outputs of a program that does not round (never written)."""
+    return (like, like, like, like, like)

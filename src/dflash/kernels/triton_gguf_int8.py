@@ -32,7 +32,13 @@ from gguf import GGMLQuantizationType
 from dflash import environment
 from dflash.kernels.build import CudaRowsKernel, KernelUnavailable, load_cuda_rows_kernel
 from dflash.kernels.gguf_nibbles import GROUP, NibbleMatrix
-from dflash.kernels.triton_decode import interpreting, next_power_of_two
+from dflash.kernels.triton_decode import (
+    RoundingOutputs,
+    add_rms_norm_rounded,
+    interpreting,
+    next_power_of_two,
+    silu_and_mul_rounded,
+)
 
 __all__ = [
     "CUDA_INTEGER_ROWS",
@@ -41,6 +47,7 @@ __all__ = [
     "MAX_ROWS",
     "NibbleConfig",
     "QuantizedInput",
+    "add_rms_norm_quantized",
     "integer_rows",
     "nibble_config",
     "nibble_dequantize",
@@ -48,6 +55,7 @@ __all__ = [
     "nibble_matmul",
     "nibble_product",
     "quantize_input",
+    "silu_and_mul_quantized",
 ]
 
 log = logging.getLogger(__name__)
@@ -117,7 +125,37 @@ def quantize_input(
 ) -> QuantizedInput:
     """x: [rows, k] contiguous, k a multiple of 32 -> its `parts` (1 or 2; default `input_parts()`) 8-bit parts per
     group of 32 (`QuantizedInput`); `groups_per_program` (a power of two): groups each program rounds."""
-    parts = input_parts() if parts is None else parts
+    rounded = _empty_rounding(x, input_parts() if parts is None else parts)
+    rows, k = x.shape
+    groups = k // GROUP
+    per_program = min(groups_per_program, next_power_of_two(groups))
+    _programs().quantize_kernel[(rows, -(-groups // per_program))](
+        x.contiguous(), rounded.high, rounded.low, rounded.scale, rounded.total, rounded.half_total, k,
+        GROUPS=per_program, PARTS=rounded.parts,
+    )
+    return rounded
+
+
+def add_rms_norm_quantized(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *, adds_one: bool = False,
+    parts: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, QuantizedInput]:
+    """`triton_decode.add_rms_norm` and `quantize_input` of its normed rows in one program -> (normed, the sum,
+    the normed rows' `QuantizedInput`, the same values `quantize_input` would give)."""
+    rounded = _empty_rounding(x, input_parts() if parts is None else parts)
+    normed, summed = add_rms_norm_rounded(x, residual, weight, eps, _arrays(rounded), rounded.parts, adds_one=adds_one)
+    return normed, summed, rounded
+
+
+def silu_and_mul_quantized(gate_up: torch.Tensor, parts: int | None = None) -> tuple[torch.Tensor, QuantizedInput]:
+    """`triton_decode.silu_and_mul` and `quantize_input` of its rows in the same programs."""
+    rows, double = gate_up.shape
+    rounded = _empty_rounding(gate_up.new_empty((rows, double // 2)), input_parts() if parts is None else parts)
+    return silu_and_mul_rounded(gate_up, _arrays(rounded), rounded.parts), rounded
+
+
+def _empty_rounding(x: torch.Tensor, parts: int) -> QuantizedInput:
+    """The arrays of `QuantizedInput` for x [rows, k], to be written."""
     if parts not in (1, 2):
         raise ValueError(f"inputs are rounded to one or two 8-bit parts, not {parts}")
     rows, k = x.shape
@@ -127,13 +165,12 @@ def quantize_input(
     high = torch.empty((rows, k), dtype=torch.int8, device=x.device)
     low = torch.empty_like(high) if parts == 2 else high  # one part: never read
     scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
-    total = torch.empty_like(scale)
     half_total = torch.empty((rows, 2 * groups), dtype=torch.float32, device=x.device)
-    per_program = min(groups_per_program, next_power_of_two(groups))
-    _programs().quantize_kernel[(rows, -(-groups // per_program))](
-        x.contiguous(), high, low, scale, total, half_total, k, GROUPS=per_program, PARTS=parts
-    )
-    return QuantizedInput(high, low, scale, total, half_total, parts)
+    return QuantizedInput(high, low, scale, torch.empty_like(scale), half_total, parts)
+
+
+def _arrays(rounded: QuantizedInput) -> RoundingOutputs:
+    return rounded.high, rounded.low, rounded.scale, rounded.total, rounded.half_total
 
 
 def nibble_matmul(

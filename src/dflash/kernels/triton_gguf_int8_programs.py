@@ -13,11 +13,22 @@ def quantize_kernel(  # type: ignore[no-untyped-def]
     """One program per (row, GROUPS groups): rounds x to PARTS 8-bit parts per group of 32 (one part: high alone,
     x ~ dx high; two: x ~ dx (256 high + low))."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)[:, None]  # [G, 1]
-    t = tl.arange(0, 32)[None, :]  # [1, 32]
-    cols = g * 32 + t  # [G, 32]
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # [G]
+    cols = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
+    x = tl.load(x_ptr + row * k + cols, mask=cols < k, other=0.0).to(tl.float32)
+    round_groups(x, row, g, k, high_ptr, low_ptr, scale_ptr, total_ptr, half_total_ptr, GROUPS, PARTS)
+
+
+@triton.jit
+def round_groups(  # type: ignore[no-untyped-def]
+    x, row, g, k, high_ptr, low_ptr, scale_ptr, total_ptr, half_total_ptr, GROUPS: tl.constexpr, PARTS: tl.constexpr
+):
+    """x: float32 [GROUPS, 32], groups g [GROUPS] of row `row` (of k values; groups past its end are not stored)
+    -> their PARTS 8-bit parts, scales and sums (`QuantizedInput`'s arrays). `quantize_kernel` and the fused
+    add+RMSNorm and SiLU programs (`dflash.kernels.triton_decode`) all round through this one function, so a value
+    rounded in a fused program is rounded exactly as `quantize_input` rounds it."""
+    cols = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [G, 32]
     inside = cols < k
-    x = tl.load(x_ptr + row * k + cols, mask=inside, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [G]
     d = amax / 127.0
     inverse = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
@@ -35,12 +46,11 @@ def quantize_kernel(  # type: ignore[no-untyped-def]
         scale = d
         both = high_i
     groups = tl.cdiv(k, 32)
-    g1 = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    tl.store(scale_ptr + row * groups + g1, scale, mask=g1 < groups)
+    tl.store(scale_ptr + row * groups + g, scale, mask=g < groups)
     total = tl.sum(both, axis=1).to(tl.float32) * scale
-    tl.store(total_ptr + row * groups + g1, total, mask=g1 < groups)
+    tl.store(total_ptr + row * groups + g, total, mask=g < groups)
     halves = tl.sum(tl.reshape(both, (GROUPS, 2, 16)), axis=2).to(tl.float32) * scale[:, None]  # [G, 2]
-    h = g1[:, None] * 2 + tl.arange(0, 2)[None, :]
+    h = g[:, None] * 2 + tl.arange(0, 2)[None, :]
     tl.store(half_total_ptr + row * groups * 2 + h, halves, mask=h < groups * 2)
 
 

@@ -22,8 +22,13 @@ from torch import nn
 
 from dflash.errors import ModelLoadError
 from dflash.kernels.gguf_nibbles import NIBBLE_FORMATS, NibbleMatrix, nibble_matrix, select_rows
-from dflash.kernels.gpu_quantized_products import QuantizedPart, dequantize_part, quantized_linear
-from dflash.kernels.triton_gguf_int8 import nibble_dequantize
+from dflash.kernels.gpu_quantized_products import (
+    QuantizedPart,
+    dequantize_part,
+    quantized_linear,
+    rounds_input,
+)
+from dflash.kernels.triton_gguf_int8 import QuantizedInput, nibble_dequantize
 from dflash.kernels.triton_gguf_matmul import gguf_dequantize
 from dflash.models.quantized_weights import QuantizedMatrix, is_gpu_supported_type, join_formats
 
@@ -121,10 +126,16 @@ class GGUFLinear(nn.Module):
             raise ValueError(f"this matrix has parts in {', '.join(t.name for t in self.formats)}")
         return self.formats[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rounded: QuantizedInput | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; `rounded`: x's rows already rounded where `rounds_input(rows)`."""
         lead = x.shape[:-1]
-        y = quantized_linear(x.reshape(-1, self.in_features), self.parts, self.bias)  # [rows, out]
+        y = quantized_linear(x.reshape(-1, self.in_features), self.parts, self.bias, rounded)  # [rows, out]
         return y.view(*lead, self.out_features)
+
+    def rounds_input(self, rows: int) -> bool:
+        """Whether a product of `rows` rows reads them rounded to 8-bit parts (`QuantizedInput`), which the program
+        producing them can then make (`forward(x, rounded)`)."""
+        return rounds_input(self.parts, rows, self.weight.device)
 
     def dequantized(self) -> torch.Tensor:
         """The weights as a dense [out, in] matrix in the compute dtype."""
