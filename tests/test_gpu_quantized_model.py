@@ -5,6 +5,7 @@ interpreter (float32 there, which makes the comparison tight)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,6 +120,23 @@ def test_engine_decodes_through_graphs_with_gpu_blocks(tmp_path: Path) -> None:
     """`--weights quantized` on CUDA end to end: the engine loads the Q4_K_M file's blocks, decodes greedily through
     the graph runner (fused layers, captured graphs), and every token it picks is the argmax of the same model's
     eager logits up to bf16 rounding (within 2% of the largest logit of the top one)."""
+    runner = check_tokens_against_eager(tmp_path, [5, 77, 300, 12, 901, 64, 8])
+    assert runner.captured > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_prompt_longer_than_the_graphs_runs_through_the_fused_layers(tmp_path: Path) -> None:
+    """A prompt chunk past the graphs' rows (a quantized target prefills in long chunks) runs eagerly through the
+    fused layers into the runner's storage; the tokens that follow are still the eager model's argmax."""
+    prompt = torch.randint(10, 1000, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    runner = check_tokens_against_eager(tmp_path, prompt)
+    assert runner.fused_chunks >= 1 and runner.max_rows < 300
+
+
+def check_tokens_against_eager(tmp_path: Path, prompt: list[int]) -> Any:
+    """Greedy tokens of the quantized engine (graph runner) for `prompt`, each the argmax of the same model's eager
+    logits up to bf16 rounding; -> the runner."""
     from dflash.engine.loading import LoadOptions, load_engine
     from dflash.fastpath.dispatch import graph_runner_of
     from dflash.generation.request import GenerationRequest
@@ -126,10 +144,9 @@ def test_engine_decodes_through_graphs_with_gpu_blocks(tmp_path: Path) -> None:
     path = tiny_file(tmp_path, "q4_k_m")
     engine = load_engine(str(path), "none", loading=LoadOptions(device="cuda", weights="quantized"))
     assert uses_gpu_quantized_weights(engine.target)
-    prompt = [5, 77, 300, 12, 901, 64, 8]
     result = engine.generate(GenerationRequest(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True), spec="none")
     runner = graph_runner_of(engine.target)
-    assert runner is not None and runner.captured > 0
+    assert runner is not None
     tokens = list(result.token_ids)
     assert len(tokens) == 12
     with torch.inference_mode():
@@ -139,3 +156,4 @@ def test_engine_decodes_through_graphs_with_gpu_blocks(tmp_path: Path) -> None:
     picked = chosen.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
     gap = chosen.max(dim=1).values - picked
     assert gap.max().item() <= 0.02 * chosen.abs().max().item()
+    return runner

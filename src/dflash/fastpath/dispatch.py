@@ -37,6 +37,7 @@ class GraphForwards(Forwards):
         # (quantized GPU modules exist only where their module was loaded)
         quantized = sys.modules.get("dflash.models.gpu_quantized_layers")
         self._quantized = quantized is not None and quantized.uses_gpu_quantized_weights(runner.target)
+        runner.fuses_long_chunks = self._quantized and runner.fused and not runner.hybrid
 
     def forward(
         self,

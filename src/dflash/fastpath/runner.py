@@ -142,6 +142,10 @@ class GraphRunner:
         )
         self.captured = 0  # graphs captured so far
         self.served = 0  # forwards served by the static path (graph replays, or eager static calls)
+        # prompt chunks longer than the graphs through the fused layers, eagerly (`_fused_chunk`): set for quantized
+        # targets by `GraphForwards`, whose long chunks those are
+        self.fuses_long_chunks = False
+        self.fused_chunks = 0
         if drafter is not None:
             block = drafter.config.block_size
             device = self.draft_device
@@ -209,6 +213,8 @@ class GraphRunner:
         # (last or no logits) to powers of two, so the prompts' many lengths share a few graphs
         rows = padded_rows(seq) if logits == "all" else round_up_pow2(seq)
         past = cache.length
+        if batch == 1 and rows > self.max_rows and logits != "all" and self.fuses_long_chunks:
+            return self._fused_chunk(input_ids, positions, cache, capture, logits)
         if (
             batch != 1 or rows > self.max_rows
             or not cache.shares_memory_with(self.target_storage) or past + rows > self.capacity
@@ -247,6 +253,33 @@ class GraphRunner:
             return ForwardOutput(None, features)
         first = 0 if logits == "all" else seq - 1
         return ForwardOutput(replay.outputs[0][:, first:seq].clone(), features)
+
+    def _fused_chunk(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None, cache: KVCache, capture: Sequence[int],
+        logits: LogitsMode,
+    ) -> ForwardOutput | None:
+        """A prompt chunk longer than the graphs (a quantized target's, `GraphForwards.prefill_chunk`) through the
+        fused layers, eagerly, into the runner's storage: a few launches a layer where the model's own layers take
+        about twenty (such chunks were bound by the host); None where the storage does not serve the cache."""
+        from dflash.fastpath.fused_layers import fused_layers, fused_logits
+
+        seq, past = input_ids.shape[1], cache.length
+        if not cache.shares_memory_with(self.target_storage) or past + seq > self.capacity:
+            return None
+        cache.reserve(seq)
+        if positions is None:
+            positions = torch.arange(past, past + seq, device=self.device)[None]
+        self.length.fill_(past)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.device).tril()
+        hidden, features = fused_layers(
+            self.target, self.target_storage, input_ids, positions, self.length, causal, self.bucket_for(past + seq),
+            tuple(capture),
+        )  # hidden: [1, seq, hidden]
+        cache.advance(seq)
+        self.fused_chunks += 1
+        if logits == "none":
+            return ForwardOutput(None, features)
+        return ForwardOutput(fused_logits(self.target, hidden[0, -1:])[None], features)
 
     def _target_outputs(
         self, inputs: _RowInputs, bucket: int, layers: tuple[int, ...], tree: bool
