@@ -30,7 +30,7 @@ TRITON_TESTS := tests/test_triton_argmax.py tests/test_triton_attention.py tests
 	tests/test_triton_paged_attention.py tests/test_padded_paged_attention.py \
 	tests/test_triton_rank_sums.py tests/test_triton_gguf_int8.py \
 	tests/test_triton_gguf_matmul.py tests/test_gpu_quantized_model.py \
-	tests/test_kv_move.py tests/test_device_tree.py tests/test_fused_padded_drafter.py tests/test_triton_delta_rule.py \
+	tests/test_kv_move.py tests/test_batched_tree_kernels.py tests/test_device_tree.py tests/test_fused_padded_drafter.py tests/test_triton_delta_rule.py \
 	tests/test_fused_hybrid.py tests/test_triton_experts.py \
 	tests/test_gguf_hybrid_quantized.py::test_quantized_hybrid_on_the_gpu_programs \
 	tests/test_gguf_hybrid_quantized.py::test_fused_runner_serves_a_quantized_hybrid \

@@ -39,7 +39,7 @@ from dflash.batch.pool import BlockPool
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetRows
 from dflash.drafter.model import DFlashDrafter
-from dflash.fastpath.batched_trees import BatchedTreeBuilder, walk_trees, write_tree_inputs
+from dflash.fastpath.batched_trees import BatchedTreeBuilder, write_tree_inputs
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.kernels.triton_argmax import fast_argmax
 from dflash.models.model import CausalLM
@@ -116,6 +116,9 @@ class DeviceTrees:
         self.launched: LaunchedRound | None = None
         self._builders: dict[int, BatchedTreeBuilder] = {}
         self._smaller: dict[int, torch.Tensor] = {}  # budget -> [smaller budgets of `within`] long
+        from dflash.kernels.triton_kv_move import pool_move_usable
+
+        self._move_programs = pool_move_usable(target_pool.keys, target_pool.values)  # `_keep_paths` in one launch
         self._mask_block = torch.full((self.block,), drafter.config.mask_token_id, dtype=torch.long)
         self._visible = torch.ones(self.block, self.block, dtype=torch.bool)  # the block sees itself both ways
 
@@ -250,22 +253,18 @@ class DeviceTrees:
         drafter_batch, target_batch = entry.drafter_batch, entry.target_batch
         depth = self.depth(budget)
         draft_logits = self.draft_pass(drafter_batch, entry.context_rows)  # [requests, block - 1, vocab]
-        trees = self._builder(budget).grow(draft_logits)
+        builder = self._builder(budget)
+        trees = builder.grow(draft_logits)
         write_tree_inputs(trees, drafter_batch.tokens[:, 0], target_batch.past, target_batch.tokens,
                           target_batch.positions, target_batch.visibility)
         logits, features = self.target_forward(target_batch)  # [requests, rows, vocab], [requests, rows, F]
         assert features is not None
         requests, rows = logits.shape[:2]
         choices = fast_argmax(logits.view(requests * rows, -1)).view(requests, rows)  # [requests, rows]
-        walk = walk_trees(trees, choices[:, : budget + 1], depth)
-        paths, lengths, committed = walk.path, walk.length, walk.committed
-        entry.out[:, 0].copy_(lengths - 1)
-        entry.out[:, 1 : depth + 2].copy_(committed)
-        smaller = self._smaller[budget]
-        if smaller.numel():
-            entry.out[:, depth + 2 :].copy_(walk.lengths_within(trees, smaller))
+        # out: [accepted, committed tokens (depth + 1), walk lengths within the smaller budgets]
+        paths, lengths = builder.walk_into(trees, choices, self._smaller[budget], entry.out)
         self._keep_paths(target_batch, paths, lengths, features, depth)
-        self._advance(entry, lengths, committed)
+        self._advance(entry, lengths, entry.out[:, 1 : depth + 2])
 
     def _advance(self, entry: _Entry, lengths: torch.Tensor, committed: torch.Tensor) -> None:
         """Leave the next round's inputs on the device (`launch(follow=True)`): each request's pending token is its
@@ -310,6 +309,12 @@ class DeviceTrees:
         """paths [requests, depth + 1] rows from each root, lengths [requests]: the path's K/V rows move to the
         positions right after the committed prefix, its rows' features become the request's next context."""
         pool = self.target_pool
+        if self._move_programs:  # one launch: every request's K/V rows and features
+            from dflash.kernels.triton_kv_move import move_tree_paths
+
+            move_tree_paths(pool.keys, pool.values, batch.blocks, pool.block_size, batch.past, batch.counts, paths,
+                            lengths, features, self.context)
+            return
         steps = torch.arange(depth + 1, device=paths.device)  # [depth + 1]
         keep = (steps[None] < lengths[:, None]) & (batch.counts[:, None] > 0)  # [requests, depth + 1]
         source = torch.where(keep, _slots(batch, batch.past[:, None] + paths), pool.trash_slot).reshape(-1)
@@ -326,7 +331,7 @@ class DeviceTrees:
         builder = self._builders.get(budget)
         if builder is None:
             device = self.target_pool.device
-            builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, device)
+            builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, device, self.max_requests)
             self._builders[budget] = builder
             # the budgets below this one whose walk lengths its rounds report, made before any capture
             self._smaller[budget] = torch.tensor([b for b in self.within if b < budget], dtype=torch.long,

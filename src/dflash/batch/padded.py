@@ -121,14 +121,14 @@ class PaddedBatch:
         self.visibility.copy_(host_visibility, non_blocking=True)
 
     def derive(self) -> None:
-        """Slots and masks from the loaded buffers, on the device:
+        """Slots from the loaded buffers, on the device:
 
         * `read_slots` [b, k]: the slot of each request's key positions 0 .. past + rows - 1, the trash slot after;
         * `write_slots` [b * r]: the slot of each real row (position past + row), the trash slot for padding rows;
-          `store_slots` the same with -1 for padding rows (the fused kernels store nothing there);
-        * `full_mask` [b, 1, r, k]: a real row sees the committed keys and its new rows by `visibility`; every row
-          sees key 0 (padding rows read one finite slot, so that nothing turns NaN);
-        * `sliding_mask`: the same within the window (by position), where the model has sliding layers."""
+          `store_slots` the same with -1 for padding rows (the fused kernels store nothing there).
+
+        The masks (`full_mask`, `sliding_mask`) are derived when a pass first reads them after this: the paged
+        attention program reads the slots and visibility instead, and its passes never build them."""
         b, r, k = self.shape.requests, self.shape.rows, self.shape.keys
         size, trash = self.pool.block_size, self.pool.trash_slot
         keys = self._key_index  # [k]
@@ -143,20 +143,40 @@ class PaddedBatch:
         write = torch.where(real, row_blocks * size + row_keys % size, trash)  # [b, r]
         self.write_slots = write.reshape(-1)  # [b * r]
         self.store_slots = torch.where(real, write, -1).reshape(-1)  # [b * r]
+        self._masks: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def full_mask(self) -> torch.Tensor:
+        """[b, 1, r, k] bool: a real row sees the committed keys and its new rows by `visibility`; every row sees key
+        0 (padding rows read one finite slot, so that nothing turns NaN)."""
+        return self._derived_masks()[0]
+
+    @property
+    def sliding_mask(self) -> torch.Tensor | None:
+        """The same within the window (by position), where the model has sliding layers."""
+        return self._derived_masks()[1]
+
+    def _derived_masks(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._masks is not None:
+            return self._masks
+        b, r, k = self.shape.requests, self.shape.rows, self.shape.keys
+        keys = self._key_index  # [k]
+        past, counts = self.past[:, None], self.counts[:, None]  # [b, 1]
         relative = keys[None] - past  # [b, k]: key position minus the first new row's
         new_row = relative.clamp(0, r - 1)  # [b, k]
         among_new = self.visibility.gather(2, new_row[:, None, :].expand(b, r, k))  # [b, r, k]
         full = (relative < 0)[:, None, :] | (among_new & ((relative >= 0) & (relative < counts))[:, None, :])
         full[..., 0] = True
-        self.full_mask = full[:, None]  # [b, 1, r, k]
-        self.sliding_mask = None
+        sliding_mask = None
         if self.window is not None:
             new_positions = self.positions.gather(1, new_row)  # [b, k]
             key_positions = torch.where(relative < 0, keys[None], new_positions)  # [b, k]
             distance = self.positions[:, :, None] - key_positions[:, None, :]  # [b, r, k]
             sliding = full & (distance < self.window)
             sliding[..., 0] |= ~sliding.any(-1)  # a padded row keeps its finite slot
-            self.sliding_mask = sliding[:, None]
+            sliding_mask = sliding[:, None]
+        self._masks = (full[:, None], sliding_mask)
+        return self._masks
 
     def last_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [requests, rows, H] -> each request's last real row [requests, 1, H] (row 0 for padding requests)."""

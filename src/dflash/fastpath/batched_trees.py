@@ -11,11 +11,14 @@ another.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from dflash.speculative.tree import topk_log_probs
+
+log = logging.getLogger("dflash.fastpath")
 
 
 @dataclass
@@ -32,9 +35,18 @@ class TreeBatch:
 
 
 class BatchedTreeBuilder:
-    """Grows trees of `budget` nodes over `depth` drafted positions, for any number of trees at once."""
+    """Grows trees of `budget` nodes over `depth` drafted positions, for up to `max_trees` trees at once, and walks
+    them: with the Triton programs of `dflash.kernels.triton_tree_batch` (one launch for every tree's growth, one
+    for every walk) where they run, else with torch ops."""
 
-    def __init__(self, budget: int, depth: int, vocab: int, device: torch.device | str) -> None:
+    def __init__(
+        self, budget: int, depth: int, vocab: int, device: torch.device | str, max_trees: int = 1,
+        *, kernel: bool | None = None,
+    ) -> None:
+        """`kernel`: None to use the Triton programs where they are usable and agree with the torch ops."""
+        from dflash.kernels.triton_tree import tree_kernel_usable
+
+        device = torch.device(device)
         self.budget, self.depth, self.k = budget, depth, min(budget, vocab)
         # the extension of depth d's i-th best kept prefix by its r-th best token has (i+1)(r+1) - 1 extensions at
         # least as good: only pairs with (i+1)(r+1) <= budget can rank among the best `budget`
@@ -42,12 +54,66 @@ class BatchedTreeBuilder:
         self.pair_parent = torch.tensor([i for i, _ in pairs], dtype=torch.long, device=device)  # [pairs]
         self.pair_rank = torch.tensor([r for _, r in pairs], dtype=torch.long, device=device)  # [pairs]
         self.first_rank = torch.arange(budget, device=device).clamp(max=self.k - 1)  # [n]
+        self.pairs = len(pairs)
+        self.kernel = tree_kernel_usable(device) if kernel is None else kernel
+        if self.kernel:
+            from dflash.kernels.triton_topk import TopKScratch
+            from dflash.kernels.triton_tree_batch import BatchGrowScratch
+
+            padded = 1 << max(0, self.pairs - 1).bit_length()  # the programs take a power of two of pairs
+            self.pair_parent32 = torch.zeros(padded, dtype=torch.int32, device=device)  # [padded]
+            self.pair_rank32 = torch.zeros(padded, dtype=torch.int32, device=device)
+            self.pair_parent32[: self.pairs] = self.pair_parent.to(torch.int32)
+            self.pair_rank32[: self.pairs] = self.pair_rank.to(torch.int32)
+            self.top_lp = torch.zeros((max_trees, depth, self.k), dtype=torch.float32, device=device)
+            self.top_ids = torch.zeros((max_trees, depth, self.k), dtype=torch.long, device=device)
+            self.topk_scratch = TopKScratch(max_trees * depth, vocab, self.k, device)
+            self.grow_scratch = BatchGrowScratch(max_trees, depth, budget, padded, device)
+            if kernel is None and not self._kernel_agrees(vocab, device, max_trees):
+                self.kernel = False
+
+    def _kernel_agrees(self, vocab: int, device: torch.device, trees: int) -> bool:
+        """Grow and walk trees once with the Triton programs and once with torch ops (random logits: no ties, so
+        identical rows); a compile failure or a mismatch keeps the torch ops, with a warning."""
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.randn((trees, self.depth, vocab), generator=generator).to(device)
+        follow = torch.rand((trees, self.budget + 1), generator=generator) < 0.8
+        smaller = torch.arange(1, self.budget, device=device)
+        results = []
+        for kernel in (True, False):
+            self.kernel = kernel
+            try:
+                tree = self.grow(logits)  # target choices that follow the tree for a while, then leave it
+                choices = torch.where(follow.to(device), tree.tokens.roll(-1, dims=1), 0)
+                out = torch.zeros((trees, self.depth + 2 + smaller.shape[0]), dtype=torch.long, device=device)
+                path, length = self.walk_into(tree, choices, smaller, out)
+            except Exception as exc:  # a Triton build these programs do not compile on
+                if not kernel:
+                    raise
+                log.warning("batched tree kernels unavailable (%s); building trees with torch ops", exc)
+                return False
+            results.append((*_tree_fields(tree), path, length, out))
+        self.kernel = True
+        same = all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+        if not same:
+            log.warning("batched tree kernels disagree with the torch ops; building trees with torch ops")
+        return same
 
     def grow(self, draft_logits: torch.Tensor) -> TreeBatch:
-        """draft_logits: [trees, >= depth, vocab] (row d-1 = block position d) -> each tree's best `budget`
-        prefixes."""
+        """draft_logits: [trees, >= depth, vocab] (row d-1 = block position d; unit stride along the vocabulary)
+        -> each tree's best `budget` prefixes."""
         trees, depth, n, k = draft_logits.shape[0], self.depth, self.budget, self.k
         device = draft_logits.device
+        if self.kernel:
+            from dflash.kernels.triton_topk import draft_topk
+            from dflash.kernels.triton_tree_batch import tree_grow_batch
+
+            top_lp, top_ids = self.top_lp[:trees], self.top_ids[:trees]  # [trees, depth, k]
+            draft_topk(draft_logits[:, :depth], self.topk_scratch, top_lp.view(trees * depth, k),
+                       top_ids.view(trees * depth, k))
+            return TreeBatch(*tree_grow_batch(
+                top_lp, top_ids, self.pair_parent32, self.pair_rank32, self.pairs, self.grow_scratch
+            ))
         top_lp, top_ids = topk_log_probs(draft_logits[:, :depth].reshape(trees * depth, -1), k)
         top_lp, top_ids = top_lp.view(trees, depth, k), top_ids.view(trees, depth, k)  # descending
         levels_scores = [torch.full((trees, n), float("-inf"), device=device)]
@@ -61,6 +127,26 @@ class BatchedTreeBuilder:
             parent_index.append(self.pair_parent[order[:, :n]])
             rank.append(self.pair_rank[order[:, :n]])
         return _assemble(torch.stack(levels_scores, 1), torch.stack(parent_index, 1), torch.stack(rank, 1), top_ids)
+
+    def walk_into(
+        self, trees: TreeBatch, choices: torch.Tensor, smaller: torch.Tensor, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Walk every tree (choices: [trees, >= n+1] long, the target's choice after each row) and write the
+        round's outputs, out [trees, depth + 2 + len(smaller)] long: [accepted nodes, the committed tokens (depth +
+        1 columns, the accepted nodes' then the bonus), then each budget of `smaller`'s walk length
+        (`Walk.lengths_within`)]. Returns (path [trees, depth + 1], length [trees])."""
+        depth, n = self.depth, self.budget
+        if self.kernel and choices.stride(1) == 1:
+            from dflash.kernels.triton_tree_batch import tree_walk_batch
+
+            return tree_walk_batch(trees.tokens, trees.parents, trees.valid, trees.depths, trees.ancestors,
+                                   trees.ranks, choices, depth, smaller, out)
+        walk = walk_trees(trees, choices[:, : n + 1], depth)
+        out[:, 0].copy_(walk.length - 1)
+        out[:, 1 : depth + 2].copy_(walk.committed)
+        if smaller.numel():
+            out[:, depth + 2 :].copy_(walk.lengths_within(trees, smaller))
+        return walk.path, walk.length
 
 
 def _assemble(scores: torch.Tensor, parent_index: torch.Tensor, rank: torch.Tensor, top_ids: torch.Tensor) -> TreeBatch:
@@ -92,6 +178,10 @@ def _assemble(scores: torch.Tensor, parent_index: torch.Tensor, rank: torch.Tens
         hops *= 2
     ranks = torch.cat((zero - 1, ranks), 1)  # [trees, n+1]
     return TreeBatch(tokens, depths, parents, valid, reach > 0, ranks)
+
+
+def _tree_fields(trees: TreeBatch) -> tuple[torch.Tensor, ...]:
+    return trees.tokens, trees.depths, trees.parents, trees.valid, trees.ancestors, trees.ranks
 
 
 def write_tree_inputs(

@@ -31,14 +31,16 @@ def _kernels() -> tuple[Any, Any]:
 
     @triton.jit
     def segment_topk_kernel(  # type: ignore[no-untyped-def]
-        logits_ptr, keys_ptr, max_ptr, sum_ptr, vocab, stride, segments,
+        logits_ptr, keys_ptr, max_ptr, sum_ptr, vocab, stride, group, group_stride, segments,
         SEG: tl.constexpr, K: tl.constexpr,
     ):
         row = tl.program_id(0)
         segment = tl.program_id(1)
         cols = segment * SEG + tl.arange(0, SEG)
         inside = cols < vocab
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride + cols, mask=inside, other=-float("inf")).to(tl.float32)
+        # rows come in groups (a batch's trees): row r is row r % group of group r // group
+        start = (row // group).to(tl.int64) * group_stride + (row % group).to(tl.int64) * stride
+        x = tl.load(logits_ptr + start + cols, mask=inside, other=-float("inf")).to(tl.float32)
         top = tl.max(x, axis=0)  # finite: every segment holds real entries
         tl.store(max_ptr + row * segments + segment, top)
         tl.store(sum_ptr + row * segments + segment, tl.sum(tl.exp(x - top), axis=0))
@@ -105,14 +107,18 @@ class TopKScratch:
 def draft_topk(
     logits: torch.Tensor, scratch: TopKScratch, log_probs: torch.Tensor, ids: torch.Tensor
 ) -> None:
-    """logits: [rows, vocab] (any float dtype, unit stride along the vocabulary) -> fills log_probs [rows, k]
-    float32 (``logit - logsumexp(row)``, descending) and ids [rows, k] long; k <= vocab."""
-    rows, vocab = logits.shape
+    """logits: [rows, vocab], or [groups, rows per group, vocab] for the rows of several trees (any float dtype,
+    unit stride along the vocabulary) -> fills log_probs [rows, k] float32 (``logit - logsumexp(row)``,
+    descending) and ids [rows, k] long (rows: every group's in turn); k <= vocab."""
+    grouped = logits if logits.dim() == 3 else logits[None]
+    groups, group, vocab = grouped.shape
+    rows = groups * group
     segment_kernel, merge_kernel = _kernels()
     k, segments = scratch.k, scratch.segments
-    assert logits.stride(1) == 1 and k <= vocab
+    assert grouped.stride(2) == 1 and k <= vocab and rows <= scratch.keys.shape[0]
     segment_kernel[(rows, segments)](
-        logits, scratch.keys, scratch.maxima, scratch.sums, vocab, logits.stride(0), segments,
+        grouped, scratch.keys, scratch.maxima, scratch.sums, vocab, grouped.stride(1), group, grouped.stride(0),
+        segments,
         SEG=scratch.segment, K=k, num_warps=scratch.warps,
     )
     merge_kernel[(rows,)](
