@@ -2,8 +2,7 @@
 
 * the drafter's top-k log-probabilities: torch ops (`topk_log_probs`) against the two Triton programs
   (`dflash.kernels.triton_topk`) at several vocabulary segment sizes;
-* the fused grow program (`dflash.kernels.triton_tree.tree_grow`) by stage (1: the levels, 2: + selection and
-  rows, 3: + ancestor matrix) and warp count, against the torch ops;
+* the fused grow program (`dflash.kernels.triton_tree.tree_grow`) by warp count, against the torch ops;
 * the walk program and the K/V path move.
 
 Every Triton variant is checked against torch ops on the same inputs before it is timed.
@@ -62,17 +61,15 @@ def main() -> None:
         reference = TreeBuilder(budget, depth, vocab, device, kernel=False)
         record(f"b{budget}/grow_torch", lambda r=reference: r.grow(logits))
         builder.grow(logits)  # fills builder.top_lp / top_ids
-        for stages in (1, 2, 3):
-            for warps in (1, 2, 4, 8) if budget <= 32 else (4, 8):  # few warps spill at larger budgets
-                def grow(b: TreeBuilder = builder, s: int = stages, w: int = warps) -> object:
-                    return tree_grow(b.top_lp, b.top_ids, b.pair_parent32, b.pair_rank32, b.pairs, b.grow_scratch,
-                                     stages=s, num_warps=w)
-                if stages == 3:
-                    fast, slow = grow(), reference.grow(logits)
-                    same = all(torch.equal(a, getattr(slow, f)) for a, f in zip(
-                        fast, ("tokens", "depths", "parents", "valid", "ancestors"), strict=True))
-                    timings[f"b{budget}/grow_w{warps}_matches_torch"] = same
-                record(f"b{budget}/grow_stages{stages}_w{warps}", grow)
+        for warps in (1, 2, 4, 8) if budget <= 32 else (4, 8):  # few warps spill at larger budgets
+            def grow(b: TreeBuilder = builder, w: int = warps) -> object:
+                return tree_grow(b.top_lp, b.top_ids, b.pair_parent32, b.pair_rank32, b.pairs, b.grow_scratch,
+                                 num_warps=w)
+            fast, slow = grow(), reference.grow(logits)
+            same = all(torch.equal(a, getattr(slow, f)) for a, f in zip(
+                fast, ("tokens", "depths", "parents", "valid", "ancestors"), strict=True))
+            timings[f"b{budget}/grow_w{warps}_matches_torch"] = same
+            record(f"b{budget}/grow_w{warps}", grow)
         tree = builder.grow(logits)
         choices = torch.randint(0, vocab, (budget + 1,), device=device)
         record(f"b{budget}/walk", lambda b=builder, t=tree, c=choices: b.walk(t, c))

@@ -170,8 +170,8 @@ def _kernels() -> tuple[Any, Any]:
     @triton.jit
     def walk_kernel(  # type: ignore[no-untyped-def]
         tokens_ptr, parents_ptr, valid_ptr, depths_ptr, ancestors_ptr, ranks_ptr, choices_ptr, choices_stride,
-        smaller_ptr, path_ptr, length_ptr, out_ptr, out_stride, rows, depth, count,
-        R: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+        smaller_ptr, path_ptr, length_ptr, out_ptr, out_stride, bonus_ptr, pending_ptr, new_rows_ptr, rows, depth,
+        count, R: tl.constexpr, S: tl.constexpr, C: tl.constexpr, BONUS: tl.constexpr,
     ):
         tree = tl.program_id(0).to(tl.int64)
         tokens_ptr += tree * rows
@@ -213,10 +213,14 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(out_ptr + 1 + step, tl.where(step < length - 1, next_token, bonus).to(tl.int64), mask=steps)
         budget_index = tl.arange(0, C)
         budgets = tl.load(smaller_ptr + budget_index, mask=budget_index < count, other=0)  # [C]
-        rank = tl.load(ranks_ptr + row, mask=live, other=0)
+        rank = tl.load(ranks_ptr + row, mask=live & (row * 0 + count > 0), other=0)  # no rank read without budgets
         inside = accepted[None, :] & (rank[None, :] < budgets[:, None])  # [C, R]
         within = tl.sum(inside.to(tl.int32), axis=1)
         tl.store(out_ptr + depth + 2 + budget_index, within.to(tl.int64), mask=budget_index < count)
+        if BONUS:  # a resident single-request round's: the bonus token, the next pending token, new context rows
+            tl.store(bonus_ptr + tree, bonus)
+            tl.store(pending_ptr + tree, bonus)
+            tl.store(new_rows_ptr + tree, length.to(tl.int64))
 
     return grow_kernel, walk_kernel
 
@@ -237,7 +241,7 @@ class BatchGrowScratch:
 
 def tree_grow_batch(
     top_lp: torch.Tensor, top_ids: torch.Tensor, pair_parent: torch.Tensor, pair_rank: torch.Tensor, pairs: int,
-    scratch: BatchGrowScratch,
+    scratch: BatchGrowScratch, *, num_warps: int = 8,
 ) -> tuple[torch.Tensor, ...]:
     """top_lp, top_ids: [trees, depth, k] contiguous (descending log-probabilities, float32; token ids, long);
     pair_parent, pair_rank: [P] int32 (P = the scratch's pairs, a power of two), the first `pairs` real. Returns
@@ -257,30 +261,36 @@ def tree_grow_batch(
         top_lp, top_ids, pair_parent, pair_rank, scratch.scores, scratch.kept_pairs, scratch.candidates,
         scratch.best, scratch.node_scores, tokens, depths, parents, valid, ancestors, ranks, depth, pairs, k,
         N=n, NP=next_power_of_two(n), P=scratch.pairs, D=next_power_of_two(depth), R=scratch.rows,
-        CHUNK=min(32, scratch.pairs), MERGE_CHUNK=min(32, 2 * next_power_of_two(n)), num_warps=8,
+        CHUNK=min(32, scratch.pairs), MERGE_CHUNK=min(32, 2 * next_power_of_two(n)), num_warps=num_warps,
     )
     return tokens, depths, parents, valid.view(torch.bool), ancestors.view(torch.bool), ranks
 
 
 def tree_walk_batch(
     tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-    ranks: torch.Tensor, choices: torch.Tensor, depth: int, smaller: torch.Tensor, out: torch.Tensor,
+    ranks: torch.Tensor | None, choices: torch.Tensor, depth: int, smaller: torch.Tensor, out: torch.Tensor,
+    single: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every tree's walk over the target's choices (choices: [trees, >= n+1] long, unit stride along the rows), one
     program per tree. Writes out [trees, depth + 2 + len(smaller)] long: [accepted nodes, the committed tokens
     (depth + 1 columns: the accepted nodes' tokens, then the bonus token), then for each budget of `smaller` (a
     long tensor) the tokens its tree (the best nodes by rank) would have committed]. Returns (path [trees, depth+1]
-    rows from the root (row 0 past the path), length [trees] = accepted nodes + 1)."""
+    rows from the root (row 0 past the path), length [trees] = accepted nodes + 1). `ranks` may be None where
+    `smaller` is empty; `single` (bonus, pending, new_rows: [trees] long each) also receives each tree's bonus token
+    (twice) and its length (a resident single-request round's outputs)."""
     trees, rows = tokens.shape
     assert choices.stride(1) == 1 and out.stride(1) == 1 and out.shape[1] == depth + 2 + smaller.shape[0]
     device = tokens.device
     path = torch.empty((trees, depth + 1), dtype=torch.long, device=device)
     length = torch.empty(trees, dtype=torch.long, device=device)
-    budgets = smaller if smaller.numel() else length  # no budget read when there is none
+    budgets = smaller if smaller.numel() else length  # no budget (nor rank) is read when there is none
+    assert ranks is not None or not smaller.numel()
+    bonus, pending, new_rows = single if single is not None else (length, length, length)
     _kernels()[1][(trees,)](
-        tokens, parents, valid.view(torch.uint8), depths, ancestors.view(torch.uint8), ranks, choices,
-        choices.stride(0), budgets, path, length, out, out.stride(0), rows, depth, smaller.shape[0],
+        tokens, parents, valid.view(torch.uint8), depths, ancestors.view(torch.uint8),
+        ranks if ranks is not None else tokens, choices, choices.stride(0), budgets, path, length, out, out.stride(0),
+        bonus, pending, new_rows, rows, depth, smaller.shape[0],
         R=next_power_of_two(rows), S=next_power_of_two(depth + 1), C=max(2, next_power_of_two(smaller.shape[0])),
-        num_warps=4,
+        BONUS=single is not None, num_warps=4,
     )
     return path, length
