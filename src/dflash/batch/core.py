@@ -42,6 +42,7 @@ from dflash.environment import batch_overlap_enabled, device_trees_enabled
 from dflash.errors import GenerationError
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
+from dflash.host_copies import to_device
 from dflash.kv.prefix_cache import PrefixCache, restorable
 from dflash.models.gated_deltanet import new_recurrent_states
 from dflash.models.model import CausalLM
@@ -343,7 +344,8 @@ class BatchCore:
                 prefilled = self.graphs.prefill(chunks)
             else:
                 device = self.target_pool.device
-                moved = [replace(c, tokens=c.tokens.to(device), positions=c.positions.to(device)) for c in chunks]
+                moved = [replace(c, tokens=to_device(c.tokens, device), positions=to_device(c.positions, device))
+                         for c in chunks]
                 prefilled = run_target(self.target, self.target_pool, moved, self.capture)
         if len(items) == prefills:
             assert prefilled is not None
@@ -986,7 +988,7 @@ def _long_tensor(values: Iterable[int], device: torch.device) -> torch.Tensor:
     """int64 [len(values)] on `device`, built through numpy (torch.tensor of a Python list costs several times
     more)."""
     host = torch.from_numpy(np.fromiter(values, dtype=np.int64))
-    return host if device.type == "cpu" else host.to(device)
+    return host if device.type == "cpu" else to_device(host, device)
 
 
 def _greedy_drafts(chains: list[tuple[_Round, DraftScores]]) -> dict[int, list[int]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -165,9 +164,11 @@ def absorb_context_rows(drafter: DFlashDrafter, pool: BlockPool, items: Sequence
         return
     device = pool.device
     features = torch.cat([item.new_features for item in live])[None]  # [1, new, n*target_hidden]
-    # each request's new positions length .. length + count - 1, end to end: [new]
-    spans = (range(i.table.length, i.table.length + i.new_features.shape[0]) for i in live)
-    positions = torch.from_numpy(np.fromiter(chain.from_iterable(spans), dtype=np.int64)).to(device)[None]
+    # each request's new positions length .. length + count - 1, end to end: [new] (made on the device: a copy from
+    # the host would wait for the round the GPU may be running)
+    positions = torch.cat([
+        torch.arange(i.table.length, i.table.length + i.new_features.shape[0], device=device) for i in live
+    ])[None]
     slots = torch.cat([i.table.slots(i.table.length, i.table.length + i.new_features.shape[0]) for i in live])
     store_context(drafter, pool, features, positions, slots)
     for item in live:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dflash.errors import GenerationError
+from dflash.host_copies import to_device
 
 if TYPE_CHECKING:
     from dflash.kv.recurrent import RecurrentStates
@@ -122,7 +123,8 @@ class SlotTable:
         size = self.pool.block_size
         starts = torch.tensor(new, dtype=torch.long) * size  # [missing]
         added = (starts[:, None] + torch.arange(size)[None]).reshape(-1)  # [missing * size]
-        self._slots = torch.cat((self._slots, added.to(self.pool.device)))
+        # queued, not waited for: the GPU may be running a launched-ahead round (`dflash.host_copies`)
+        self._slots = torch.cat((self._slots, to_device(added, self.pool.device)))
 
     def block_array(self, limit: int) -> np.ndarray:
         """The first `limit` (at most) blocks as int64 [<= limit] (a view: do not modify)."""

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash.host_copies import to_device
+
 
 @dataclass
 class BlockBatch:
@@ -25,14 +27,6 @@ class BlockBatch:
     labels: torch.Tensor  # [batch, blocks*B] target token per slot, -100 where untrained (slot 0, padding)
     weights: torch.Tensor  # [batch, blocks*B] loss weight per slot (0 where untrained)
     mask: torch.Tensor  # [batch, 1, blocks*B, seq + blocks*B] bool, True = visible
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to a GPU through pinned memory without waiting, so the host can prepare the next
-    training step while the device still runs this one."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
 from dflash.drafter.selector import CandidateSelector
 from dflash.errors import DFlashError
+from dflash.host_copies import to_device
 from dflash.models.model import CausalLM
 from dflash.progress import progress_bar
 from dflash.training.objective import (
@@ -30,7 +31,6 @@ from dflash.training.objective import (
     build_blocks,
     sample_anchors,
     teacher_logits_for_blocks,
-    to_device,
     weighted_block_loss,
 )
 from dflash.training.selector_objective import selector_acceptance_estimate, selector_loss, selector_terms
