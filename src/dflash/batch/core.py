@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dflash.batch.device_trees import DeviceTrees, LaunchedRound, RoundResult, TreeShape
-from dflash.batch.draft_pass import DraftRows, run_drafter, run_selector
+from dflash.batch.draft_pass import DraftRows, absorb_context_rows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
 from dflash.batch.padded import PaddedShape
 from dflash.batch.policy import RoundPlan, SpeculationPolicy
@@ -445,16 +445,30 @@ class BatchCore:
         if seq.target.recurrent is not None:  # decoding rows may be rolled back: no snapshots of them
             seq.target.recurrent.checkpoint_every = 0
             seq.target.recurrent.checkpoints = {}
+        seq.new_features = torch.cat(seq.prompt_features) if seq.speculative and seq.prompt_features else None
+        seq.prompt_features = []
+        self._absorb_prompt(seq)  # queued before the first token's read below waits for the GPU
         seq.stats.prefill_s = time.perf_counter() - seq.prefill_started
         seq.decode_started = time.perf_counter()
         first = int(seq.chooser.choose(logits, 0)[0])
         seq.chooser.observe([first])
         seq.start, seq.pending = seq.prompt_length, first
-        seq.new_features = torch.cat(seq.prompt_features) if seq.speculative and seq.prompt_features else None
-        seq.prompt_features = []
         seq.phase = "decode"
         if seq.sink.push(first):
             self._end(seq)
+
+    def _absorb_prompt(self, seq: Sequence) -> None:
+        """The prompt's drafter context but its last block into the drafter pool, as its prefill ends: launched
+        while the GPU still runs the step's passes, not when the request's first round loads (which waits for the
+        GPU to finish the round before it first). The last block stays: a round's drafter block reads it fresh."""
+        features = seq.new_features
+        if features is None or seq.drafter is None or self.drafter is None or self.drafter_pool is None:
+            return
+        excess = features.shape[0] - self.drafter.config.block_size
+        if excess <= 0:
+            return
+        absorb_context_rows(self.drafter, self.drafter_pool, [DraftRows(seq.drafter, features[:excess], 0, 0, 0)])
+        seq.new_features = features[excess:]
 
     def _store_prefix(self, seq: Sequence) -> None:
         """Keep the full blocks of the prompt positions prefilled so far (whole prompt, or a cancelled part)."""
