@@ -10,7 +10,7 @@ import torch
 
 import dflash.batch.core as core_module
 from dflash.batch.core import BatchCore
-from dflash.batch.draft_pass import DraftRows, run_drafter
+from dflash.batch.draft_pass import DraftRows, absorb_context_rows, run_drafter
 from dflash.batch.padded import PaddedBatch
 from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
@@ -283,3 +283,37 @@ def test_device_rounds_after_prefix_cache_hits_give_each_request_its_tokens() ->
     for seq in [first, *later]:
         assert seq.error is None
         assert seq.sink.token_ids == run(target, None, seq.request.prompt_ids, 40)[0]
+
+
+def test_a_prompt_s_drafter_context_is_absorbed_as_its_prefill_ends() -> None:
+    """When a speculative request's last prompt chunk is prefilled, its drafter context but the last block is already
+    in the drafter pool (committed in its table), so its first device round only stores that block; the keys and
+    values written equal absorbing the whole prompt's context at the first round, and the request decodes its
+    greedy tokens."""
+    target, drafter = golden_pair()
+    block = drafter.config.block_size
+    prompt = random_prompts(1, target.config.vocab_size, seed=21, lengths=(3 * block + 5,))[0]
+    core = make_core(target, drafter, max_batch=2, prefill_chunk=64, eager_padded=True)
+    seq = make_sequence(target, prompt, 12, "ddtree")
+    core.add(seq)
+    while seq.phase != "decode":
+        core.step()
+    assert seq.drafter is not None and seq.new_features is not None and core.drafter_pool is not None
+    absorbed = len(prompt) - block
+    assert seq.drafter.length == absorbed and seq.new_features.shape[0] == block
+    slots = seq.drafter.slots(0, absorbed)
+    early_keys = core.drafter_pool.keys[:, :, slots].clone()
+    reference = make_core(target, drafter, max_batch=2, prefill_chunk=64, eager_padded=True)
+    other = make_sequence(target, prompt, 12, "ddtree")
+    reference.add(other)
+    reference._absorb_prompt = lambda seq: None  # type: ignore[method-assign]  # the whole context at the first round
+    while other.phase != "decode":
+        reference.step()
+    assert other.drafter is not None and other.drafter.length == 0 and other.new_features is not None
+    assert reference.drafter_pool is not None
+    # what a first round's load does with the whole context
+    absorb_context_rows(drafter, reference.drafter_pool,
+                        [DraftRows(other.drafter, other.new_features[:absorbed], 0, 0, 0)])
+    torch.testing.assert_close(reference.drafter_pool.keys[:, :, other.drafter.slots(0, absorbed)], early_keys)
+    drain(core)
+    assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 12)[0]
