@@ -153,6 +153,22 @@ def test_measure_levels_maps_modes_warms_up_and_orders_levels() -> None:
         measure_levels(engine, PROMPTS, modes=["ar"], levels=[1, 4], max_tokens=2, requests=2)
 
 
+def test_warm_up_can_run_as_many_requests_as_the_timed_level() -> None:
+    """`warmup_requests`: that many untimed requests per level and mode (never fewer than the level's clients), on
+    the same prompts the timed level then sends."""
+    engine = StandInEngine(first_s=0.0, rest_s=0.001)
+    told: list[int] = []
+    measure_levels(engine, PROMPTS, modes=["ar"], levels=[1, 3], max_tokens=2, requests=5, warmup=True,
+                   warmup_requests=5, advance=told.append)
+    assert told == [5, 5, 5, 5]  # warm-up of each level, then each timed level
+    assert len(engine.requests) == 20
+    assert engine.requests[:5] == engine.requests[10:15]  # the first level's warm-up sends its timed prompts
+    told.clear()
+    measure_levels(engine, PROMPTS, modes=["ar"], levels=[4], max_tokens=2, requests=4, warmup=True,
+                   warmup_requests=2, advance=told.append)
+    assert told == [4, 4]  # at least one request per client
+
+
 def test_a_failed_request_fails_the_level() -> None:
     with pytest.raises(RuntimeError, match="stand-in failure"):
         closed_loop(StandInEngine(first_s=0.0, rest_s=0.0, fail_on=3), PROMPTS, spec="none", clients=2,

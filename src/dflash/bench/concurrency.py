@@ -181,10 +181,13 @@ def measure_levels(
     sequential: bool = False,
     warmup: bool = True,
     advance: Callable[[int], None] = lambda n: None,
+    warmup_requests: int | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one summary per level. Levels run in the outer loop, so the modes of one level are measured close
     together in time. Warm-up (untimed): one request per client at every level, per mode, so that the batch shapes
-    of each level are seen (captured graphs, allocator) before any is timed. `advance` is told of every request."""
+    of each level are seen (captured graphs, allocator) before any is timed; `warmup_requests` (at least the level's
+    clients): that many instead, e.g. the timed level's count, so that every prompt's chunk shapes and the key
+    lengths the timed requests reach are captured before it. `advance` is told of every request."""
     unknown = [m for m in modes if m not in MODE_SPECS]
     if unknown:
         raise DFlashError(f"unknown concurrency mode(s) {', '.join(unknown)}; choose from {', '.join(MODE_SPECS)}")
@@ -194,8 +197,9 @@ def measure_levels(
         raise DFlashError(f"--requests {requests} leaves concurrency {max(levels)} without enough requests")
     if warmup:
         for mode, level in itertools.product(modes, levels):
-            closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=level, max_tokens=max_tokens)
-            advance(level)
+            count = max(level, warmup_requests or 0)
+            closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens)
+            advance(count)
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     core = getattr(getattr(generator, "loop", None), "core", None)  # the batched core, where the engine has one
     for level, mode in itertools.product(levels, modes):
@@ -232,6 +236,7 @@ def measure_concurrency(
     requests: int | None = None,
     sequential: bool = False,
     warmup: bool = True,
+    warmup_requests: int | None = None,
 ) -> dict[str, Any]:
     """The levels on `engine` (serialised with `OneAtATime` where it cannot batch), with provenance."""
     if engine.drafter is None and any(MODE_SPECS.get(m, "none") != "none" for m in modes):
@@ -242,11 +247,12 @@ def measure_concurrency(
     generator: Generator = engine if engine_takes_threads() else OneAtATime(engine)
     max_batch = getattr(engine.options, "max_batch", None)
     timed = sum(requests_per_level(level, requests) for level in levels) * (2 if sequential else 1)
-    total = len(modes) * (timed + (sum(levels) if warmup else 0))
+    warming = sum(max(level, warmup_requests or 0) for level in levels) if warmup else 0
+    total = len(modes) * (timed + warming)
     with progress_bar("concurrency", total) as bar:
         results = measure_levels(
             generator, prompts, modes=modes, levels=levels, max_tokens=max_tokens, requests=requests,
-            sequential=sequential, warmup=warmup, advance=bar.advance,
+            sequential=sequential, warmup=warmup, advance=bar.advance, warmup_requests=warmup_requests,
         )
     return {
         **provenance(engine.device),
@@ -264,6 +270,7 @@ def measure_concurrency(
         "prompt_files": [str(p) for p in prompt_files],
         "levels": list(levels),
         "warmup": warmup,
+        "warmup_requests": warmup_requests if warmup else 0,  # None: one request per client
         "modes": results,
         **_tree_budgets(engine),
     }

@@ -64,6 +64,9 @@ def register(commands: Any) -> None:
     concurrency.add_argument("--max-concurrency", "--max-batch", dest="max_concurrency", type=int, default=None,
                              metavar="N", help="requests decoded together (default: the highest --concurrency)")
     concurrency.add_argument("--no-warmup", dest="warmup", action="store_false")
+    concurrency.add_argument("--warmup-requests", type=int, default=None,
+                             help="untimed requests per level and mode before it is timed (default: one per client; "
+                                  "the level's --requests also captures every prompt's shapes first)")
     concurrency.add_argument("--json", action="store_true")
     concurrency.add_argument("--out", type=Path, default=None)
     concurrency.set_defaults(run=run_concurrency)
@@ -143,7 +146,7 @@ def run_concurrency(args: argparse.Namespace) -> int:
         engine,
         args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], levels=levels, max_tokens=args.max_tokens,
-        requests=args.requests, sequential=args.sequential, warmup=args.warmup,
+        requests=args.requests, sequential=args.sequential, warmup=args.warmup, warmup_requests=args.warmup_requests,
     )
     _emit(result, args, format_concurrency_table(result))
     return 0
