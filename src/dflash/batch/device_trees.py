@@ -313,7 +313,7 @@ class DeviceTrees:
             from dflash.kernels.triton_kv_move import move_tree_paths
 
             move_tree_paths(pool.keys, pool.values, batch.blocks, pool.block_size, batch.past, batch.counts, paths,
-                            lengths, features, self.context)
+                            lengths, features.contiguous(), self.context)
             return
         steps = torch.arange(depth + 1, device=paths.device)  # [depth + 1]
         keep = (steps[None] < lengths[:, None]) & (batch.counts[:, None] > 0)  # [requests, depth + 1]
