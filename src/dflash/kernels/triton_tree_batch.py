@@ -147,6 +147,7 @@ def _kernels() -> tuple[Any, Any]:
         node = live & (rows > 0)
         # a node's rank: the nodes scoring higher, or as high in an earlier row (rows are depth-major and, within a
         # depth, by rank: the order of a stable descending sort over depth-major candidates); the root: -1
+        # the scores loaded twice, once per operand, so that each keeps its own register layout (no shuffle)
         mine = tl.load(node_scores_ptr + rows, mask=node, other=-float("inf"))
         theirs = tl.load(node_scores_ptr + rows, mask=node, other=-float("inf"))
         ahead = node[None, :] & node[:, None] & (
