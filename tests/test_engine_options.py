@@ -90,3 +90,48 @@ def test_new_options_reach_the_batched_core() -> None:
         assert engine.loop.core.settings.ddtree_budget == 7
     finally:
         engine.close()
+
+
+def test_the_pool_floor_is_held_against_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched core needs at least one full context in its pools: `pool_floor_fits` compares exactly those bytes
+    (target and drafter K/V per position) with the device's budget."""
+    from dflash.batch import memory
+    from tests.parallel_helpers import ENGINE_VOCAB
+    from tests.spec_helpers import tiny_random_pair
+
+    target, drafter = tiny_random_pair(ENGINE_VOCAB, 0.3, block=5)
+    floor = memory.pool_floor_tokens(max_ctx=1000, round_rows=9) * memory.bytes_per_position(target, drafter)
+    assert floor == 1018 * memory.bytes_per_position(target, drafter) > 0
+    for budget, fits in ((floor, True), (floor - 1, False)):
+        monkeypatch.setattr(memory, "memory_budget", lambda device, budget=budget: budget)
+        assert memory.pool_floor_fits(target, drafter, max_ctx=1000, round_rows=9) is fits
+
+
+@pytest.mark.parametrize(("fits", "given", "expected"), [(True, None, 8), (False, None, 1), (False, 3, 3)])
+def test_the_gpu_batches_by_default_where_the_pool_fits(
+    monkeypatch: pytest.MonkeyPatch, fits: bool, given: int | None, expected: int
+) -> None:
+    """On a GPU the default is 8 requests at a time, dropped to 1 where the batched pool's floor would not fit beside
+    the single-request path; a batch the caller chose is kept whatever the memory."""
+    from dflash.engine import engine as engine_module
+    from dflash.engine.engine import Engine
+    from tests.parallel_helpers import ENGINE_VOCAB, word_tokenizer
+    from tests.spec_helpers import tiny_random_pair
+
+    assert DEFAULT_MAX_BATCH["cuda"] == 8
+    seen: list[int] = []
+
+    def floor_fits(target: object, drafter: object, *, max_ctx: int, round_rows: int) -> bool:
+        seen.append(round_rows)
+        return fits
+
+    monkeypatch.setattr(engine_module, "pool_floor_fits", floor_fits)
+    target, drafter = tiny_random_pair(ENGINE_VOCAB, 0.3, block=5)
+    options = EngineOptions(max_batch=given, ddtree_budget=4, cuda_graphs=False)
+    engine = Engine(target, word_tokenizer(ENGINE_VOCAB), drafter, options)
+    assert seen == [] and engine.options.max_batch == (given or DEFAULT_MAX_BATCH["cpu"])  # a CPU keeps its batch
+    # the same engine deciding as on a GPU (the device class is all the decision reads of the device)
+    monkeypatch.setattr(Engine, "device", property(lambda self: torch.device("cuda")))
+    engine._fit_default_batch()
+    assert seen == ([5 + 4] if given is None else [])  # the round's rows: a block and a tree
+    assert engine.options.max_batch == expected

@@ -15,6 +15,7 @@ import pytest
 from dflash.cli import build_parser
 from dflash.cli import serve as serve_cli
 from dflash.cli.api_key import APIKey, load_api_key
+from dflash.engine.engine import EngineOptions
 from dflash.errors import DFlashError
 from dflash.server import create_app
 from tests.server_helpers import FakeEngine, serving
@@ -148,6 +149,13 @@ def test_the_banner_curl_line_works(tmp_path: Path, source: str) -> None:
 def test_banner_without_a_key_keeps_placeholder_keys() -> None:
     text = serve_cli.banner(serve_cli.settings_from_args(parse("--port", "8123")), "m", "ddtree")
     assert 'api_key="dummy"' in text and "Authorization" not in text and "API key required" not in text
+
+
+def test_the_banner_says_how_many_requests_decode_at_once() -> None:
+    settings = serve_cli.settings_from_args(parse("--port", "8123", "--max-queue", "5"))
+    assert "decoding at once" not in serve_cli.banner(settings, "m", "ddtree")
+    text = serve_cli.banner(settings, "m", "ddtree", concurrency=settings.concurrency_for(EngineOptions(max_batch=8)))
+    assert "8 requests decoding at once (--max-concurrency), up to 5 waiting (--max-queue)" in text
 
 
 # ------------------------------------------------------------------------------------------ other flags

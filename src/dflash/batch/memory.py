@@ -39,11 +39,25 @@ def memory_budget(device: torch.device) -> int:
         return 1 << 62
 
 
+def pool_floor_tokens(*, max_ctx: int, round_rows: int) -> int:
+    """The fewest positions the pools take: one full context and a round's rows past it, so that every request the
+    context check accepts can run (`round_rows`: the most rows a round writes past a request's committed
+    positions)."""
+    return max_ctx + 2 * round_rows
+
+
+def pool_floor_fits(target: CausalLM, drafter: DFlashDrafter | None, *, max_ctx: int, round_rows: int) -> bool:
+    """Whether the pools' floor fits the memory budget now (on a GPU: half the free memory, the single-request
+    path's cache and graphs being already allocated), i.e. whether a batched core can be made beside them."""
+    floor = pool_floor_tokens(max_ctx=max_ctx, round_rows=round_rows) * bytes_per_position(target, drafter)
+    return floor <= memory_budget(target.embed_tokens.weight.device)
+
+
 def default_pool_tokens(
     target: CausalLM, drafter: DFlashDrafter | None, *, max_batch: int, max_ctx: int, round_rows: int
 ) -> int:
-    """Positions for the pools (`round_rows`: the most rows a round writes past a request's committed positions)."""
-    floor = max_ctx + 2 * round_rows
+    """Positions for the pools (`round_rows`: as for `pool_floor_tokens`)."""
+    floor = pool_floor_tokens(max_ctx=max_ctx, round_rows=round_rows)
     wanted = min(max_batch, 4) * max_ctx + max_batch * 2 * round_rows
     fits = memory_budget(target.embed_tokens.weight.device) // max(1, bytes_per_position(target, drafter))
     return max(floor, min(wanted, fits))

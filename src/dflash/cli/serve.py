@@ -145,7 +145,7 @@ def _origin_list(text: str | None) -> tuple[str, ...]:
     return origins
 
 
-def banner(settings: Any, model: str, spec: str, key: APIKey | None = None) -> str:
+def banner(settings: Any, model: str, spec: str, key: APIKey | None = None, concurrency: int | None = None) -> str:
     """How to connect, for the log; the API key is named by where it comes from (`key`), never printed."""
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
     netloc = f"[{host}]:{settings.port}" if ":" in host else f"{host}:{settings.port}"
@@ -168,6 +168,10 @@ def banner(settings: Any, model: str, spec: str, key: APIKey | None = None) -> s
         "-d '{\"model\":\"any\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}]}'",
         f"  health {url}/health   metrics {url}/metrics",
     ]
+    if concurrency is not None:
+        waiting = "unbounded" if settings.max_queue is None else f"up to {settings.max_queue}"
+        lines.append(f"  {concurrency} request{'s' if concurrency != 1 else ''} decoding at once "
+                     f"(--max-concurrency), {waiting} waiting (--max-queue)")
     if key is not None:
         exposed = " (other users can read it in `ps`: prefer $DFLASH_API_KEY or --api-key-file)" \
             if key.source == "--api-key" else ""
@@ -214,7 +218,8 @@ def _serve(engine: Any, args: argparse.Namespace, settings: Any, key: APIKey | N
     run_server, create_app, header_deadline_protocol = _http_stack()
     engine.warm_up()  # CUDA graphs of the first shapes captured, CPU kernels built, before the first request
     app = create_app(engine, settings)
-    print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key),
+    print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key,
+                 concurrency=settings.concurrency_for(engine.options)),
           file=sys.stderr, flush=True)
     run_server(app, host=settings.host, port=settings.port, log_level="info" if args.verbose else "warning",
                timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keep_alive_s,

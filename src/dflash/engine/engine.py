@@ -21,7 +21,7 @@ import torch
 
 from dflash.batch.core import BatchCore, CoreSettings
 from dflash.batch.loop import BatchLoop, Yielded
-from dflash.batch.memory import default_pool_tokens
+from dflash.batch.memory import default_pool_tokens, pool_floor_fits
 from dflash.batch.policy import DEFAULT_MAX_STEP_ROWS
 from dflash.batch.sequence import Sequence
 from dflash.drafter.borrowed_heads import BorrowedHeads
@@ -51,9 +51,10 @@ DEFAULT_DDTREE_BUDGET = {"cpu": 4, "cuda": 32}
 AMX_DDTREE_BUDGET = 8
 # Drafts verified per linear round, absent: the whole block (results/README.md, "Files": CPU defaults).
 DEFAULT_NUM_DRAFTS = {"cpu": 4}
-# Requests decoding together per device class. The GPU keeps one at a time until the batched step is captured in
-# CUDA graphs: its single-request path replays graphs, which the eager batched step cannot match for one stream.
-DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 1}
+# Requests decoding together per device class. A request alone still takes the single-request loops (on a GPU their
+# graphed rounds, the fastest stream); on a GPU the default drops to 1 where the batched pool's floor does not fit
+# beside them (`Engine._fit_default_batch`).
+DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 8}
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ class Engine:
             attach_graph_runner(
                 target, drafter, capacity=self.max_ctx + 2 * MAX_GRAPH_ROWS + block, draft_heads=self.draft_heads
             )
+        # a batch or a pool the caller chose is kept whatever the memory
+        self._batch_chosen = options is not None and (options.max_batch, options.kv_pool_tokens) != (None, None)
+        self._fit_default_batch()
         if self.draft_heads is not None:
             from dflash.generation.draft_device import DraftDeviceForwards
 
@@ -201,6 +205,25 @@ class Engine:
                 block_tokens=max(1, self.options.prefill_chunk),  # blocks end on the cold prefill's chunk grid
                 feature_layers=drafter.config.target_layer_ids if drafter is not None else (),
             )
+
+    def _fit_default_batch(self) -> None:
+        """On a GPU, the default batch only where the batched pool's floor (one full context) fits the memory left
+        beside the weights and the single-request path's cache: a model that only just fits keeps one request at a
+        time rather than running out of memory at the first concurrent request."""
+        if self.device.type != "cuda" or not self.batched or self._batch_chosen:
+            return
+        if pool_floor_fits(self.target, self.drafter, max_ctx=self.max_ctx, round_rows=self._round_rows):
+            return
+        log.info("one request at a time: a batched K/V pool of one full context (%d positions) does not fit in half "
+                 "the free GPU memory; give --max-ctx to shrink it, or --max-concurrency and --kv-pool-tokens",
+                 self.max_ctx)
+        self.options = replace(self.options, max_batch=1)
+
+    @property
+    def _round_rows(self) -> int:
+        """The most rows a round writes past a request's committed positions."""
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        return block + (self.options.ddtree_budget or 0)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -371,8 +394,7 @@ class Engine:
         max_batch = self.options.max_batch or 1
         block = self.drafter.config.block_size if self.drafter is not None else 1
         pool_tokens = self.options.kv_pool_tokens or default_pool_tokens(
-            self.target, self.drafter, max_batch=max_batch, max_ctx=self.max_ctx,
-            round_rows=block + (self.options.ddtree_budget or 0),
+            self.target, self.drafter, max_batch=max_batch, max_ctx=self.max_ctx, round_rows=self._round_rows
         )
         settings = CoreSettings(
             max_batch=max_batch,
