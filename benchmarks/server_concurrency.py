@@ -108,6 +108,15 @@ def gpu_memory_mib(pid: int) -> int | None:
     return 0
 
 
+def gpu_names() -> list[str]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def metric_lines(url: str, prefix: str) -> list[str]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
@@ -152,7 +161,7 @@ def run_configuration(serve_flags: list[str], args: argparse.Namespace, prompts:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
-    log_tail = log_path.read_text(errors="replace").splitlines()[-40:]
+    log_lines = log_path.read_text(errors="replace").splitlines()
     log_path.unlink()
     same = [sum(a.text == b.text for a, b in zip(alone, answers, strict=True)) for answers, _ in waves]
     return {
@@ -163,9 +172,19 @@ def run_configuration(serve_flags: list[str], args: argparse.Namespace, prompts:
         "same_answer_as_alone": same,
         "gpu_memory_mib": {"after_alone": memory_alone, "after_together": memory_together},
         "batch_size_metrics": batch_metrics,
-        "server_log_tail": [line for line in log_tail if "max-concurrency" in line or "one request" in line],
+        "server_log": [line for line in log_lines if "decoding at once" in line or "one request at a time" in line],
+        "graphs_captured_logged": sum("captured" in line for line in log_lines),
+        "alone_latency_s": [round(a.latency_s, 3) for a in alone],
         "answers_alone": [asdict(a) | {"text": a.text[:80]} for a in alone[:2]],
     }
+
+
+def torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
 
 
 def main() -> int:
@@ -193,7 +212,8 @@ def main() -> int:
     result = {
         "what": "dflash serve under concurrent streaming chat clients (official OpenAI SDK), start to answers",
         "command": "python benchmarks/server_concurrency.py " + " ".join(shlex.quote(a) for a in argv),
-        "date": time.strftime("%Y-%m-%d"), "machine": platform.node(), "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"), "gpus": gpu_names(), "python": platform.python_version(),
+        "torch": torch_version(),
         "clients": args.clients, "max_tokens": args.max_tokens, "prompts": str(args.prompts.name),
         "requests_per_wave": len(prompts), "cpu_count": os.cpu_count(), "runs": runs,
     }

@@ -121,8 +121,7 @@ def _serve(
     rounds launched, those launched after an unread one, those with an ended request's slot), the drafter's logits
     of every round)."""
     monkeypatch.setenv(DEVICE_TREES, "1" if device_trees else "0")
-    target, drafter = golden_pair()
-    target, drafter = target.to(device), drafter.to(device)
+    target, drafter = golden_pair(str(device))
     prompts = random_prompts(5, target.config.vocab_size, seed=21, lengths=PROMPT_LENGTHS)
     references = _references(target, prompts)
     cuda = device.type == "cuda"

@@ -18,20 +18,17 @@ def test_graphed_batched_decoding_gives_each_request_its_tokens_alone() -> None:
     target, drafter = golden_pair()
     prompts = random_prompts(9, target.config.vocab_size, seed=21, lengths=(7, 90, 40))
     references = [run(target, None, p, 32)[0] for p in prompts]
-    target, drafter = target.to("cuda"), drafter.to("cuda")
-    try:
-        core = make_core(target, drafter, max_batch=6, prefill_chunk=32, cuda_graphs=True)
-        assert core.graphs is not None
-        seqs = [make_sequence(target, p, 32, ("none", "linear", "ddtree")[i % 3]) for i, p in enumerate(prompts)]
-        for seq in seqs:
-            core.add(seq)
-        drain(core)
-        assert core.graphs.captured > 0
-        for seq, reference in zip(seqs, references, strict=True):
-            assert seq.error is None
-            assert seq.sink.token_ids == reference, seq.mode
-    finally:
-        target.to("cpu"), drafter.to("cpu")
+    target, drafter = golden_pair("cuda")
+    core = make_core(target, drafter, max_batch=6, prefill_chunk=32, cuda_graphs=True)
+    assert core.graphs is not None
+    seqs = [make_sequence(target, p, 32, ("none", "linear", "ddtree")[i % 3]) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    assert core.graphs.captured > 0
+    for seq, reference in zip(seqs, references, strict=True):
+        assert seq.error is None
+        assert seq.sink.token_ids == reference, seq.mode
 
 
 @pytest.mark.gpu
@@ -46,26 +43,23 @@ def test_graphed_plain_steps_launched_ahead_give_each_request_its_tokens_alone()
     references = [run(target, None, p, n)[0] for p, n in zip(prompts, lengths, strict=True)]
     eos = {2: references[2][9], 6: references[6][20]}
     expected = [r[: r.index(eos[i]) + 1] if i in eos else r for i, r in enumerate(references)]
-    target = target.to("cuda")
-    try:
-        core = make_core(target, None, max_batch=8, prefill_chunk=32, cuda_graphs=True)
-        assert core.overlap is not None
-        launches = count_launches(core)
-        seqs = [make_sequence(target, p, n, "none", eos=(eos[i],) if i in eos else ())
-                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
-        for seq in seqs[:-1]:
-            core.add(seq)
-        for _ in range(10):
-            core.step()
-        core.add(seqs[-1])
-        drain(core)
-        assert len(launches) > 20 and max(launches) >= 6
-        for seq, tokens in zip(seqs, expected, strict=True):
-            assert seq.error is None
-            assert seq.sink.token_ids == tokens
-        assert core.target_pool.free_blocks == core.target_pool.num_blocks
-    finally:
-        target.to("cpu")
+    target = golden_pair("cuda")[0]
+    core = make_core(target, None, max_batch=8, prefill_chunk=32, cuda_graphs=True)
+    assert core.overlap is not None
+    launches = count_launches(core)
+    seqs = [make_sequence(target, p, n, "none", eos=(eos[i],) if i in eos else ())
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    for seq in seqs[:-1]:
+        core.add(seq)
+    for _ in range(10):
+        core.step()
+    core.add(seqs[-1])
+    drain(core)
+    assert len(launches) > 20 and max(launches) >= 6
+    for seq, tokens in zip(seqs, expected, strict=True):
+        assert seq.error is None
+        assert seq.sink.token_ids == tokens
+    assert core.target_pool.free_blocks == core.target_pool.num_blocks
 
 
 @pytest.mark.gpu
@@ -77,15 +71,11 @@ def test_graphed_sampled_steps_launched_ahead_draw_what_the_synchronous_steps_dr
     drawing on the device from its own stream) they give the tokens the synchronous steps give."""
     from dflash.generation.sampling import SamplingParams
 
-    target, _ = golden_pair()
-    target = target.to("cuda")
+    target, _ = golden_pair("cuda")
     prompts = random_prompts(4, target.config.vocab_size, seed=31, lengths=(6, 25))
     sampling = [SamplingParams(temperature=0.8, top_p=0.95, seed=5), SamplingParams(),
                 SamplingParams(temperature=1.1, top_k=30, seed=6), SamplingParams(temperature=0.6, seed=7)]
-    try:
-        outputs, launched = overlap_on_and_off(monkeypatch, target, prompts, sampling, 30, prefill_chunk=32,
-                                               cuda_graphs=True)
-        assert outputs[0] == outputs[1]
-        assert launched[0] > 10 and launched[1] == 0
-    finally:
-        target.to("cpu")
+    outputs, launched = overlap_on_and_off(monkeypatch, target, prompts, sampling, 30, prefill_chunk=32,
+                                           cuda_graphs=True)
+    assert outputs[0] == outputs[1]
+    assert launched[0] > 10 and launched[1] == 0

@@ -151,40 +151,37 @@ def test_the_fused_padded_pass_equals_the_module_pass() -> None:
     from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target, _, core, seqs = decoding_core()
-    target = target.to(device)
-    try:
-        assert supports_fused_layers(target)
-        core = make_core(target, None, max_batch=4)
-        fresh = [make_sequence(target, seq.request.prompt_ids, 10, "none") for seq in seqs]  # on `device`
-        for seq in fresh:
-            core.add(seq)
-        while any(seq.phase != "decode" for seq in fresh):
-            core.step()
-        tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(2)), 7)
-        tokens, positions, visibility = tree_verify_inputs(tree, fresh[0].pending, fresh[0].start, 0)
-        items = [
-            TargetRows(fresh[0].target, tokens, positions, visibility),
-            TargetRows(fresh[1].target, torch.tensor([fresh[1].pending]), torch.tensor([fresh[1].start])),
-            TargetRows(fresh[2].target, torch.tensor([fresh[2].pending, 3, 4]),
-                       torch.arange(fresh[2].start, fresh[2].start + 3)),
-        ]
-        pool = core.target_pool
-        with torch.inference_mode():
-            batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)
-            batch.load(items)
-            logits, features = padded_forward(target, pool, batch, core.capture)
-            written = pool.keys.clone()
-            fused_logits, fused_features = fused_padded_forward(target, pool, batch, core.capture)
-        for index, item in enumerate(items):
-            n = int(item.tokens.numel())
-            torch.testing.assert_close(fused_logits[index, :n], logits[index, :n], atol=1e-4, rtol=1e-4)
-            if features is not None and fused_features is not None:
-                torch.testing.assert_close(fused_features[index, :n], features[index, :n], atol=1e-4, rtol=1e-4)
-            slots = item.table.slots(item.table.length, item.table.length + n)
-            torch.testing.assert_close(pool.keys[:, :, slots], written[:, :, slots], atol=1e-4, rtol=1e-4)
-    finally:
-        target.to("cpu")
+    _, _, core, seqs = decoding_core()
+    target = golden_pair(str(device))[0]
+    assert supports_fused_layers(target)
+    core = make_core(target, None, max_batch=4)
+    fresh = [make_sequence(target, seq.request.prompt_ids, 10, "none") for seq in seqs]  # on `device`
+    for seq in fresh:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in fresh):
+        core.step()
+    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(2)), 7)
+    tokens, positions, visibility = tree_verify_inputs(tree, fresh[0].pending, fresh[0].start, 0)
+    items = [
+        TargetRows(fresh[0].target, tokens, positions, visibility),
+        TargetRows(fresh[1].target, torch.tensor([fresh[1].pending]), torch.tensor([fresh[1].start])),
+        TargetRows(fresh[2].target, torch.tensor([fresh[2].pending, 3, 4]),
+                   torch.arange(fresh[2].start, fresh[2].start + 3)),
+    ]
+    pool = core.target_pool
+    with torch.inference_mode():
+        batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)
+        batch.load(items)
+        logits, features = padded_forward(target, pool, batch, core.capture)
+        written = pool.keys.clone()
+        fused_logits, fused_features = fused_padded_forward(target, pool, batch, core.capture)
+    for index, item in enumerate(items):
+        n = int(item.tokens.numel())
+        torch.testing.assert_close(fused_logits[index, :n], logits[index, :n], atol=1e-4, rtol=1e-4)
+        if features is not None and fused_features is not None:
+            torch.testing.assert_close(fused_features[index, :n], features[index, :n], atol=1e-4, rtol=1e-4)
+        slots = item.table.slots(item.table.length, item.table.length + n)
+        torch.testing.assert_close(pool.keys[:, :, slots], written[:, :, slots], atol=1e-4, rtol=1e-4)
 
 
 def test_graphs_captured_ahead_cover_every_shape_the_steps_meet() -> None:

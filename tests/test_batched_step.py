@@ -103,19 +103,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 def test_captured_steps_equal_the_eager_step() -> None:
     """fp32 on the GPU: replayed graphs (several buckets, a reused decoder) give the eager step's logits."""
-    target, _ = golden_pair()
-    target = target.to("cuda")
-    try:
-        prompts = random_prompts(4, target.config.vocab_size, seed=10, lengths=(9, 200, 40, 120))
-        new = torch.randint(0, target.config.vocab_size, (4, 150), generator=torch.Generator().manual_seed(11))
-        graphed = BatchedDecoder(target, 4, 200 + 150)
-        eager = BatchedDecoder(target, 4, 200 + 150, capture=False)
-        for _ in range(2):
-            replayed, _ = step_logits(target, graphed, prompts, new.cuda())
-            stepped, plain = step_logits(target, eager, prompts, new.cuda())
-            assert sorted(graphed.graphs) == [256, 350]  # the last bucket is cut to the capacity
-            for a, b, c in zip(replayed, stepped, plain, strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
-                torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
-    finally:
-        target.to("cpu")
+    target, _ = golden_pair("cuda")
+    prompts = random_prompts(4, target.config.vocab_size, seed=10, lengths=(9, 200, 40, 120))
+    new = torch.randint(0, target.config.vocab_size, (4, 150), generator=torch.Generator().manual_seed(11))
+    graphed = BatchedDecoder(target, 4, 200 + 150)
+    eager = BatchedDecoder(target, 4, 200 + 150, capture=False)
+    for _ in range(2):
+        replayed, _ = step_logits(target, graphed, prompts, new.cuda())
+        stepped, plain = step_logits(target, eager, prompts, new.cuda())
+        assert sorted(graphed.graphs) == [256, 350]  # the last bucket is cut to the capacity
+        for a, b, c in zip(replayed, stepped, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+            torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)

@@ -7,6 +7,8 @@ GPU test puts the drafter on a second GPU."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -141,16 +143,16 @@ two_gpus = pytest.mark.skipif(
 def test_drafter_on_the_second_gpu_gives_the_one_gpu_tokens(mode: str) -> None:
     """float32 with CUDA graphs: the drafter's graphs captured and replayed on cuda:1, the target's on cuda:0;
     greedy tokens and acceptance equal those of the drafter beside the target."""
-    target, drafter = golden_pair()
+    target, drafter = golden_pair("cuda:0")
     first, second = torch.device("cuda", 0), torch.device("cuda", 1)
-    target = target.to(first)
     prompts = random_prompts(3, target.config.vocab_size, seed=8, lengths=(9, 200, 400))
     try:
         attach_graph_runner(target, drafter.to(first), capacity=2048)
         beside = [speculate(target, drafter, mode, prompt, 200) for prompt in prompts]
         register_forwards(target, None)
         heads = BorrowedHeads(target, second)
-        runner = attach_graph_runner(target, drafter.to(second), capacity=2048, draft_heads=heads)
+        drafter = copy.deepcopy(drafter).to(second)  # the cached pair's drafter stays on the first device
+        runner = attach_graph_runner(target, drafter, capacity=2048, draft_heads=heads)
         register_forwards(target, DraftDeviceForwards(forwards_for(target), heads, first))
         split = [speculate(target, drafter, mode, prompt, 200) for prompt in prompts]
         assert runner.drafter_storage is not None and runner.drafter_storage.keys.device == second

@@ -169,8 +169,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_cuda_graph_replay_equals_eager(mode: str) -> None:
     """fp32 on the GPU: replayed graphs give the eager tokens, across bucket sizes (prompts up to 400 tokens,
     300 new tokens cross the 256 and 512 buckets)."""
-    target, drafter = golden_pair()
-    target, drafter = target.to("cuda"), drafter.to("cuda")
+    target, drafter = golden_pair("cuda")
     try:
         prompts = random_prompts(3, target.config.vocab_size, seed=8, lengths=(9, 200, 400))
         eager = [generate(target, drafter, mode, p, 300) for p in prompts]
@@ -180,18 +179,17 @@ def test_cuda_graph_replay_equals_eager(mode: str) -> None:
         assert runner.captured > 0 and runner.served > 100
     finally:
         register_forwards(target, None)
-        target.to("cpu"), drafter.to("cpu")
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("draft_weights", ["dense", "int8"])
 def test_cuda_graph_speculation_equals_plain_greedy(draft_weights: str) -> None:
-    target, drafter = golden_pair()
-    if draft_weights == "int8":
-        drafter = copy.deepcopy(drafter)
+    target, drafter = golden_pair("cuda")
+    if draft_weights == "int8":  # quantized on the CPU, a copy of its own
+        drafter = copy.deepcopy(golden_pair()[1])
         quantize_drafter_int8(drafter)
-    target, drafter = target.to("cuda"), drafter.to("cuda")
+        drafter = drafter.to("cuda")
     try:
         runner = attach_graph_runner(target, drafter, capacity=2048)
         prompts = random_prompts(4, target.config.vocab_size, seed=9, lengths=(12, 300))
@@ -203,7 +201,6 @@ def test_cuda_graph_speculation_equals_plain_greedy(draft_weights: str) -> None:
         assert len(runner.residents) == 3 and all(decoder.launched > 0 for decoder in runner.residents.values())
     finally:
         register_forwards(target, None)
-        target.to("cpu"), drafter.to("cpu")
 
 
 def fused_kernels_runnable() -> bool:
@@ -301,8 +298,7 @@ def test_skinny_products_in_bf16_forwards(monkeypatch: pytest.MonkeyPatch) -> No
 def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_ATTENTION", attention)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, drafter = golden_pair()
-    target, drafter = target.to(device), drafter.to(device)
+    target, drafter = golden_pair(device)
     try:
         prompts = random_prompts(2, target.config.vocab_size, seed=22, lengths=(9, 60))
         eager = [generate(target, drafter, mode, p, 40) for p in prompts]
@@ -312,7 +308,6 @@ def test_generation_with_fused_layers_equals_eager(mode: str, attention: str, mo
         assert runner.fused and runner.served > 10
     finally:
         register_forwards(target, None)
-        target.to("cpu"), drafter.to("cpu")
 
 
 @fused
@@ -325,34 +320,31 @@ def test_fused_drafter_round_matches_the_static_round(
     joined) gives the static round's logits and cache rows (fp32)."""
     monkeypatch.setenv("DFLASH_ATTENTION", attention)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, drafter = golden_pair()
-    if draft_weights == "int8":
-        drafter = copy.deepcopy(drafter)
+    target, drafter = golden_pair(device)
+    if draft_weights == "int8":  # quantized on the CPU, a copy of its own
+        drafter = copy.deepcopy(golden_pair()[1])
         quantize_drafter_int8(drafter)
-    target, drafter = target.to(device), drafter.to(device)
-    try:
-        runners = [GraphRunner(target, drafter, capacity=512, capture=False, fused=f) for f in (False, True)]
-        assert runners[0].drafter_weights is None and runners[1].drafter_weights is not None
-        caches = [r.lease_drafter_cache(300) for r in runners]
-        features = torch.randn(1, 120, drafter.config.feature_size, device=device)
-        with torch.inference_mode():
-            for cache in caches:
+        drafter = drafter.to(device)
+    runners = [GraphRunner(target, drafter, capacity=512, capture=False, fused=f) for f in (False, True)]
+    assert runners[0].drafter_weights is None and runners[1].drafter_weights is not None
+    caches = [r.lease_drafter_cache(300) for r in runners]
+    features = torch.randn(1, 120, drafter.config.feature_size, device=device)
+    with torch.inference_mode():
+        for cache in caches:
+            assert cache is not None
+            drafter.draft_scores(target, 3, 70, features[:, :70], cache).full()  # eager first round
+        for new_rows in (1, 5, drafter.config.block_size):
+            outs = []
+            for runner, cache in zip(runners, caches, strict=True):
                 assert cache is not None
-                drafter.draft_scores(target, 3, 70, features[:, :70], cache).full()  # eager first round
-            for new_rows in (1, 5, drafter.config.block_size):
-                outs = []
-                for runner, cache in zip(runners, caches, strict=True):
-                    assert cache is not None
-                    start = cache.length + new_rows
-                    outs.append(runner.draft_logits(9, start, features[:, cache.length : start], cache, 7))
-                assert outs[0] is not None and outs[1] is not None
-                torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
-            length = caches[0].length  # type: ignore[union-attr]
-            for name in ("keys", "values"):
-                torch.testing.assert_close(getattr(caches[1], name)[:, :, :, :length],
-                                           getattr(caches[0], name)[:, :, :, :length], rtol=1e-4, atol=1e-4)
-    finally:
-        target.to("cpu"), drafter.to("cpu")
+                start = cache.length + new_rows
+                outs.append(runner.draft_logits(9, start, features[:, cache.length : start], cache, 7))
+            assert outs[0] is not None and outs[1] is not None
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+        length = caches[0].length  # type: ignore[union-attr]
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(caches[1], name)[:, :, :, :length],
+                                       getattr(caches[0], name)[:, :, :, :length], rtol=1e-4, atol=1e-4)
 
 
 

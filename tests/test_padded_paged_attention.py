@@ -61,8 +61,7 @@ def _counting(module: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _decoding_items(device: torch.device) -> tuple[Any, Any, list[TargetRows]]:
     """The tiny target on `device` with three decoding requests (one past 256 keys: two key slices) and their
     step's rows: a 7-node tree, a plain step and a 3-row chain."""
-    target, _ = golden_pair()
-    target = target.to(device)
+    target, _ = golden_pair(str(device))
     core = make_core(target, None, max_batch=4)
     prompts = random_prompts(3, target.config.vocab_size, seed=41, lengths=(9, 300, 20))
     seqs = [make_sequence(target, prompt, 10, "none") for prompt in prompts]
@@ -95,25 +94,22 @@ def test_the_padded_pass_in_place_equals_the_gather(fused: bool, monkeypatch: py
     )
     pool = core.target_pool
     capture = (1, len(target.layers) - 1)
-    try:
-        with torch.inference_mode():
-            batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)
-            assert batch.shape.requests == 4 and batch.shape.keys == 512
-            batch.load(items)
-            monkeypatch.setenv(environment.PADDED_ATTENTION, "gather")
-            gathered_logits, gathered_features = forward(target, pool, batch, capture)
-            assert not calls
-            monkeypatch.setenv(environment.PADDED_ATTENTION, "paged")
-            logits, features = forward(target, pool, batch, capture)
-        assert len(calls) == len(target.layers)
-        assert torch.isfinite(logits).all()
-        for index, item in enumerate(items):
-            n = int(item.tokens.numel())
-            torch.testing.assert_close(logits[index, :n], gathered_logits[index, :n], atol=1e-4, rtol=1e-4)
-            assert features is not None and gathered_features is not None
-            torch.testing.assert_close(features[index, :n], gathered_features[index, :n], atol=1e-4, rtol=1e-4)
-    finally:
-        target.to("cpu")
+    with torch.inference_mode():
+        batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)
+        assert batch.shape.requests == 4 and batch.shape.keys == 512
+        batch.load(items)
+        monkeypatch.setenv(environment.PADDED_ATTENTION, "gather")
+        gathered_logits, gathered_features = forward(target, pool, batch, capture)
+        assert not calls
+        monkeypatch.setenv(environment.PADDED_ATTENTION, "paged")
+        logits, features = forward(target, pool, batch, capture)
+    assert len(calls) == len(target.layers)
+    assert torch.isfinite(logits).all()
+    for index, item in enumerate(items):
+        n = int(item.tokens.numel())
+        torch.testing.assert_close(logits[index, :n], gathered_logits[index, :n], atol=1e-4, rtol=1e-4)
+        assert features is not None and gathered_features is not None
+        torch.testing.assert_close(features[index, :n], gathered_features[index, :n], atol=1e-4, rtol=1e-4)
 
 
 @runnable

@@ -40,6 +40,7 @@ from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetRows
 from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.batched_trees import BatchedTreeBuilder, write_tree_inputs
+from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.kernels.triton_argmax import fast_argmax
 from dflash.models.model import CausalLM
@@ -358,16 +359,7 @@ class DeviceTrees:
         if not self.graphed:
             return entry
         # the buffers hold no request: every row is padding, nothing real is written (the context stays)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (kernel selection, lazy initialisation)
-                self._round(entry, shape.budget)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            self._round(entry, shape.budget)
-        entry.graph = graph
+        entry.graph, _ = capture_graph(lambda: self._round(entry, shape.budget), self._memory, warmups=2)
         return entry
 
 

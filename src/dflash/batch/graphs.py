@@ -26,6 +26,7 @@ from dflash.batch.padded import (
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
+from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.fused_drafter import fuse_drafter_weights, supports_fused_drafter
 from dflash.kernels.triton_paged_attention import paged_attention_usable
 from dflash.models.model import CausalLM
@@ -85,15 +86,7 @@ class PaddedGraphs:
             entry = _Captured(None, batch, torch.empty(0), None)
             self._graphs[shape] = entry
             return entry
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (kernel selection, lazy initialisation)
-                self.forward(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            logits, features = self.forward(batch)
+        graph, (logits, features) = capture_graph(lambda: self.forward(batch), self._memory, warmups=2)
         entry = _Captured(graph, batch, logits, features)
         self._graphs[shape] = entry
         log.info("captured the batched %s pass for %s", self.name, shape)

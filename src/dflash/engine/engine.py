@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -258,7 +259,10 @@ class Engine:
         from dflash.fastpath.dispatch import graph_runner_of
 
         if self.batched and self.device.type == "cuda" and self.options.cuda_graphs:
+            started = time.perf_counter()
             captured = self.loop.core.capture_graphs()
+            log.info("warm-up: %d CUDA graphs of the batched step captured in %.1f s", captured,
+                     time.perf_counter() - started)
             if self.options.single_request_path and graph_runner_of(self.target) is not None:
                 self.generate(self.warm_up_request())  # alone: the single-request path's first graphs too
             return captured

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.static_forward import SlotWriter
 from dflash.kv.cache import KVCache
 from dflash.models.model import CausalLM, causal_by_position
@@ -87,14 +88,7 @@ class BatchedDecoder:
         def forward() -> torch.Tensor:
             return batched_step_forward(self.model, self.cache, self.tokens, self.positions, self.slot, bucket)
 
-        device = self.tokens.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            forward()  # warm-up outside the capture (library handles, workspaces); rewrites this step's slot only
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = forward()
+        # the warm-up call rewrites this step's slot only
+        graph, logits = capture_graph(forward, self.pool, device=self.tokens.device)
         self.graphs[bucket] = (graph, logits)
         return graph, logits

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.errors import GenerationError
+from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.dispatch import GraphForwards
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.generation.forwards import register_forwards
@@ -386,17 +387,11 @@ class GraphRunner:
             return eager  # not kept: each call recomputes, there is nothing to capture
         device = device or self.device
         with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                build()  # warm-up: library handles and workspaces are created outside the capture
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
             # torch's default capture stream belongs to the device current when it was first made (the target's):
             # another device's graph is captured on a stream of its own
             stream = None if device == self.device else self._capture_stream(device)
-            with torch.cuda.graph(graph, pool=self.pool if device == self.device else self.draft_pool, stream=stream):
-                outputs = build()
+            pool = self.pool if device == self.device else self.draft_pool
+            graph, outputs = capture_graph(build, pool, device=device, stream=stream)
         replay = _Replay(run=graph.replay if device == self.device else _on_device(graph, device), outputs=outputs)
         self._replays[key] = replay
         self.captured += 1
