@@ -18,7 +18,8 @@ Every request is greedy with EOS ignored (the engine's EOS set is emptied), so e
 `--max-tokens` tokens and every level does the same work per request. The target is a random float32 Qwen3-shaped
 model (`--layers`, `--hidden`, the first `--vocab` ids of SmolLM2's vocabulary) and, for the speculative modes, a
 one-layer random DFlash drafter; the speculation policy is told to speculate every step (a random drafter would
-otherwise switch it off). On a GPU (`--device cuda`) the engine runs as `dflash serve` does there: bf16, CUDA
+otherwise switch it off). `--shape qwen3-8b`: Qwen3-8B's shape and its published drafter's, random bf16 weights
+built on the device (plain decoding's scaling with the batch at that size). On a GPU (`--device cuda`) the engine runs as `dflash serve` does there: bf16, CUDA
 graphs captured by `Engine.warm_up` before the timed levels.
 
 Usage: python benchmarks/batch_loop_overhead.py [--concurrency 1,4,8,16] [--modes plain,ddtree]
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from batch_host_overhead import build_pair  # benchmarks/ is the script's folder
+from batch_host_overhead import build_large_pair, build_pair  # benchmarks/ is the script's folder
 from streaming_clients import StreamingClients
 
 from dflash.batch.core import BatchCore
@@ -73,9 +74,12 @@ def smollm2_tokenizer(tokenizer_json: Path | None) -> Tokenizer:
 
 
 def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
-    target, drafter = build_pair(args.vocab, args.layers, args.hidden, shape=args.shape)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target, drafter = target.to(device, dtype), drafter.to(device, dtype)
+    if args.shape == "qwen3-8b":  # built on the device in bf16 (ids past SmolLM2's vocabulary decode to no text)
+        target, drafter = build_large_pair(device)
+    else:
+        target, drafter = build_pair(args.vocab, args.layers, args.hidden, shape=args.shape)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        target, drafter = target.to(device, dtype), drafter.to(device, dtype)
     max_ctx = args.prompt_tokens + args.max_tokens + 256
     # a pool that holds every request of the largest level at once (its default holds four full contexts)
     pool_tokens = args.max_batch * (args.prompt_tokens + args.max_tokens + max(args.budget, 16) + 32)
@@ -338,8 +342,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--shape", choices=("tiny", "smollm2"), default="tiny",
-                        help="smollm2: the default target's and drafter's shapes (--layers, --hidden ignored)")
+    parser.add_argument("--shape", choices=("tiny", "smollm2", "qwen3-8b"), default="tiny",
+                        help="smollm2: the default target's and drafter's shapes; qwen3-8b: Qwen3-8B's and its "
+                        "published drafter's, bf16 on the device (--layers, --hidden, --vocab ignored)")
     parser.add_argument("--budget", type=int, default=32, help="DDTree budget (the CUDA default)")
     parser.add_argument("--max-step-rows", type=int, default=256, help="verified rows per step (the CUDA default)")
     parser.add_argument("--tokenizer-json", type=Path, default=None,
