@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -47,17 +46,21 @@ def patch_draft_logits(
 
 
 def golden_pair(device: str = "cpu") -> tuple[CausalLM, DFlashDrafter]:
-    """The golden tiny target and drafter: on the CPU one shared pair; on another device a fresh copy of it per call
-    (moving a module moves it in place: a GPU test must neither leave the CPU tests' pair on the GPU nor see what an
-    earlier GPU test attached to its pair)."""
-    target, drafter = _golden_pair_on_cpu()
+    """The golden tiny target and drafter: on the CPU one shared pair; on another device a pair loaded afresh per
+    call (moving a module moves it in place: a GPU test must neither leave the CPU tests' pair on the GPU nor see what
+    an earlier test attached to a pair)."""
     if torch.device(device).type == "cpu":
-        return target, drafter
-    return copy.deepcopy(target).to(device), copy.deepcopy(drafter).to(device)
+        return _shared_golden_pair()
+    target, drafter = _load_golden_pair()
+    return target.to(device), drafter.to(device)
 
 
 @cache
-def _golden_pair_on_cpu() -> tuple[CausalLM, DFlashDrafter]:
+def _shared_golden_pair() -> tuple[CausalLM, DFlashDrafter]:
+    return _load_golden_pair()
+
+
+def _load_golden_pair() -> tuple[CausalLM, DFlashDrafter]:
     path = golden_dir("dflash-tiny")
     config = ModelConfig.from_hf(json.loads((path / "target" / "config.json").read_text()))
     target = build_model(config, load_file(str(path / "target" / "model.safetensors")))
