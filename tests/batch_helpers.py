@@ -150,6 +150,28 @@ def decoding_core() -> tuple[CausalLM, DFlashDrafter, BatchCore, list[Sequence]]
     return target, drafter, core, seqs
 
 
+def plain_core_with_tree_plain_chain(
+    target: CausalLM, prompts: list[list[int]], tree_seed: int
+) -> tuple[BatchCore, list[TargetRows]]:
+    """A plain core on `target`'s device with one decoding request per prompt (three), and one step's rows for them:
+    a 7-node tree (a random drafter's, drawn with `tree_seed`), a plain step and a 3-row chain."""
+    core = make_core(target, None, max_batch=4)
+    seqs = [make_sequence(target, prompt, 10, "none") for prompt in prompts]
+    for seq in seqs:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in seqs):
+        core.step()
+    scores = torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(tree_seed))
+    tokens, positions, visibility = tree_verify_inputs(build_tree(scores, 7), seqs[0].pending, seqs[0].start, 0)
+    items = [
+        TargetRows(seqs[0].target, tokens, positions, visibility),
+        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending]), torch.tensor([seqs[1].start])),
+        TargetRows(seqs[2].target, torch.tensor([seqs[2].pending, 3, 4]),
+                   torch.arange(seqs[2].start, seqs[2].start + 3)),
+    ]
+    return core, items
+
+
 def mixed_target_rows(target: CausalLM, seqs: list[Sequence]) -> list[TargetRows]:
     """One target pass's rows for three decoding requests: a plain step, a 7-node tree (a random drafter's), a
     4-row chain."""

@@ -13,7 +13,14 @@ from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
 from dflash.batch.pool import SlotTable
 from dflash.batch.target_pass import TargetRows, run_target
 from dflash.speculative.tree import build_tree, tree_verify_inputs
-from tests.batch_helpers import decoding_core, drain, make_core, make_sequence, mixed_target_rows
+from tests.batch_helpers import (
+    decoding_core,
+    drain,
+    make_core,
+    make_sequence,
+    mixed_target_rows,
+    plain_core_with_tree_plain_chain,
+)
 from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
 from tests.tiny_models import hf_tiny, ours_from_hf
 
@@ -151,23 +158,10 @@ def test_the_fused_padded_pass_equals_the_module_pass() -> None:
     from dflash.batch.fused_padded import fused_padded_forward, supports_fused_layers
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _, _, core, seqs = decoding_core()
+    _, _, _, seqs = decoding_core()
     target = golden_pair(str(device))[0]
     assert supports_fused_layers(target)
-    core = make_core(target, None, max_batch=4)
-    fresh = [make_sequence(target, seq.request.prompt_ids, 10, "none") for seq in seqs]  # on `device`
-    for seq in fresh:
-        core.add(seq)
-    while any(seq.phase != "decode" for seq in fresh):
-        core.step()
-    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(2)), 7)
-    tokens, positions, visibility = tree_verify_inputs(tree, fresh[0].pending, fresh[0].start, 0)
-    items = [
-        TargetRows(fresh[0].target, tokens, positions, visibility),
-        TargetRows(fresh[1].target, torch.tensor([fresh[1].pending]), torch.tensor([fresh[1].start])),
-        TargetRows(fresh[2].target, torch.tensor([fresh[2].pending, 3, 4]),
-                   torch.arange(fresh[2].start, fresh[2].start + 3)),
-    ]
+    core, items = plain_core_with_tree_plain_chain(target, [seq.request.prompt_ids for seq in seqs], tree_seed=2)
     pool = core.target_pool
     with torch.inference_mode():
         batch = PaddedBatch(PaddedShape.of(items, 4), pool, None)

@@ -16,8 +16,7 @@ from dflash.batch.padded import PaddedBatch, PaddedShape
 from dflash.batch.target_pass import TargetRows
 from dflash.kernels.triton_decode import interpreting, triton_available
 from dflash.kernels.triton_paged_attention import paged_attention_usable
-from dflash.speculative.tree import build_tree, tree_verify_inputs
-from tests.batch_helpers import drain, make_core, make_sequence
+from tests.batch_helpers import drain, make_core, make_sequence, plain_core_with_tree_plain_chain
 from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts, run
 
 _one_thread = one_torch_thread  # autouse, module scope
@@ -62,21 +61,8 @@ def _decoding_items(device: torch.device) -> tuple[Any, Any, list[TargetRows]]:
     """The tiny target on `device` with three decoding requests (one past 256 keys: two key slices) and their
     step's rows: a 7-node tree, a plain step and a 3-row chain."""
     target, _ = golden_pair(str(device))
-    core = make_core(target, None, max_batch=4)
     prompts = random_prompts(3, target.config.vocab_size, seed=41, lengths=(9, 300, 20))
-    seqs = [make_sequence(target, prompt, 10, "none") for prompt in prompts]
-    for seq in seqs:
-        core.add(seq)
-    while any(seq.phase != "decode" for seq in seqs):
-        core.step()
-    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(3)), 7)
-    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
-    items = [
-        TargetRows(seqs[0].target, tokens, positions, visibility),
-        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending]), torch.tensor([seqs[1].start])),
-        TargetRows(seqs[2].target, torch.tensor([seqs[2].pending, 3, 4]),
-                   torch.arange(seqs[2].start, seqs[2].start + 3)),
-    ]
+    core, items = plain_core_with_tree_plain_chain(target, prompts, tree_seed=3)
     return target, core, items
 
 
