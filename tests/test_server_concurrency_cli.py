@@ -96,3 +96,38 @@ def test_the_engine_options_get_the_batch_size(monkeypatch: pytest.MonkeyPatch) 
     common_cli.engine_from_args(build_parser().parse_args(["generate", "--prompt", "hi"]))
     # without the flag the engine keeps its own default batch
     assert getattr(seen[0], "max_batch", None) == getattr(EngineOptions(), "max_batch", None)
+
+
+def test_one_shot_commands_make_no_batched_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dflash generate` and `dflash chat` never run two requests at once: their engines decode one at a time (no
+    batched K/V pool), unless --max-concurrency says otherwise; `serve` keeps the engine's default."""
+    import dflash.engine.loading as loading
+    from dflash.cli import chat as chat_cli
+    from dflash.cli import generate as generate_cli
+
+    seen: list[EngineOptions] = []
+
+    def load(*_args: Any, options: EngineOptions, **_kwargs: Any) -> str:
+        seen.append(options)
+        return "engine"
+
+    monkeypatch.setattr(loading, "load_engine", load)
+    generate = build_parser().parse_args(["generate", "--prompt", "hi"])
+    common_cli.engine_from_args(generate, one_at_a_time=True)
+    common_cli.engine_from_args(build_parser().parse_args(["generate", "--prompt", "hi", "--max-concurrency", "3"]),
+                                one_at_a_time=True)
+    assert [options.max_batch for options in seen] == [1, 3]
+    asked: list[dict[str, Any]] = []
+
+    class Stop(Exception):
+        pass
+
+    def engine_from_args(args: Any, *rest: Any, **kwargs: Any) -> None:
+        asked.append(kwargs)
+        raise Stop
+
+    for module, argv in ((generate_cli, ["generate", "--prompt", "hi"]), (chat_cli, ["chat"])):
+        monkeypatch.setattr(module, "engine_from_args", engine_from_args)
+        with pytest.raises(Stop):
+            module.run(build_parser().parse_args(argv))
+    assert asked == [{"one_at_a_time": True}, {"one_at_a_time": True}]

@@ -27,7 +27,7 @@ def register(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     print("loading model...", file=sys.stderr, flush=True)
-    engine = engine_from_args(args)
+    engine = engine_from_args(args, one_at_a_time=True)
     spec = engine.options.spec
     print(f"{engine.model_name} ({spec} decoding). Empty line or /exit quits, /reset clears the conversation.",
           file=sys.stderr)

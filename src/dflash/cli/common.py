@@ -128,12 +128,18 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def engine_from_args(args: argparse.Namespace, tensor_parallel: TensorParallel | None = None) -> Engine:
-    """The engine the flags describe; with `tensor_parallel`, this rank's share of it (`dflash.cli.ranks`)."""
+def engine_from_args(
+    args: argparse.Namespace, tensor_parallel: TensorParallel | None = None, *, one_at_a_time: bool = False
+) -> Engine:
+    """The engine the flags describe; with `tensor_parallel`, this rank's share of it (`dflash.cli.ranks`).
+    `one_at_a_time`: a command that never runs two requests at once (generate, chat) makes no batched core, whose
+    K/V pool would take memory (on a GPU up to half of what is free) for nothing."""
     from dflash.engine.loading import LoadOptions, load_engine
 
     batching: dict[str, Any] = {}
     max_batch = max_batch_from_args(args)
+    if max_batch is None and one_at_a_time:
+        max_batch = 1
     if max_batch is not None:
         if "max_batch" not in {f.name for f in fields(EngineOptions)}:
             raise DFlashError("--max-concurrency: this engine decodes one request at a time")

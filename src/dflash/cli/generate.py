@@ -44,7 +44,7 @@ def prompt_ids_from_args(engine: Any, args: argparse.Namespace) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if tensor_parallel_size(args) > 1:
         return run_ranks(args, generate_with)
-    return generate_with(engine_from_args(args), args)
+    return generate_with(engine_from_args(args, one_at_a_time=True), args)
 
 
 def generate_with(engine: Any, args: argparse.Namespace) -> int:
