@@ -307,6 +307,37 @@ def test_pairwise_term_changes_the_pick() -> None:
     assert lattice.walk(anchor=1).tokens.tolist() == [2]  # predecessor code 0: the unary order
 
 
+def test_the_walk_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy and sampled walks keep every pick on the device (a GPU round waits for no row): no tensor is turned
+    into a Python number or list inside them, and they pick what the per-row reference (`scores` with the previous
+    pick, argmax or an inverse-CDF draw with the same generator) picks."""
+    lattice, _, _ = random_lattice(rows=5, seed=4)
+    references = []
+    for temperature in (0.0, 1.5):
+        g = torch.Generator().manual_seed(9)
+        picks, predecessor = [], 11
+        for row in range(lattice.rows):
+            scores = lattice.scores(row, predecessor)
+            if temperature == 0.0:
+                index = int(scores.argmax())
+            else:
+                index = inverse_cdf(torch.softmax(scores / temperature, -1), torch.rand((), generator=g))
+            predecessor = int(lattice.candidates[row, index])
+            picks.append(predecessor)
+        references.append(picks)
+
+    def refused(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a tensor was read back inside the walk")
+
+    chains = []
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+            patch.setattr(torch.Tensor, name, refused)
+        for temperature in (0.0, 1.5):
+            chains.append(lattice.walk(11, temperature, torch.Generator().manual_seed(9)))
+    assert [chain.tokens.tolist() for chain in chains] == references
+
+
 def test_inverse_cdf_pick_by_hand() -> None:
     q = torch.tensor([0.25, 0.0, 0.5, 0.25])  # cdf 0.25, 0.25, 0.75, 1 (exact in float32)
     for u, expected in ((0.0, 0), (0.2499, 0), (0.25, 2), (0.7499, 2), (0.75, 3), (0.99999, 3), (1.0, 3)):

@@ -55,34 +55,43 @@ class CandidateLattice:
         return self.unary[row] + b @ (a * self.projected[row])
 
     def walk(self, anchor: int, temperature: float = 0.0, generator: torch.Generator | None = None) -> SelectedChain:
-        """The chain from `anchor`: argmax per row at temperature 0, else an inverse-CDF draw from softmax(S / T)."""
-        picks: list[int] = []
+        """The chain from `anchor`: argmax per row at temperature 0, else an inverse-CDF draw from softmax(S / T).
+        Every pick stays on the candidates' device: a GPU round reads nothing back per row."""
+        device = self.candidates.device
+        top_k = self.candidates.shape[1]
+        successors = self.selector.successor_codebook[self.candidates].float()  # [rows, K, rank]
+        predecessor = torch.tensor([anchor], dtype=torch.int64, device=device)  # [1]
+        picks: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
-        predecessor = anchor
         for row in range(self.rows):
-            scores = self.scores(row, predecessor)  # [K]
+            a = self.selector.predecessor_codebook.index_select(0, predecessor)[0].float()  # [rank]
+            scores = self.unary[row] + successors[row] @ (a * self.projected[row])  # [K]: `scores(row, .)`
             if temperature <= 0.0:
-                index = int(scores.argmax())  # the first maximum: ties go to the lowest candidate index
-                q = torch.zeros_like(scores)
-                q[index] = 1.0
+                index = scores.argmax().reshape(1)  # the first maximum: ties go to the lowest candidate index
+                q = torch.nn.functional.one_hot(index[0], top_k).to(scores.dtype)
             else:
                 q = torch.softmax(scores / temperature, dim=-1)
-                index = inverse_cdf(q, torch.rand((), generator=generator, device=q.device))
-            predecessor = int(self.candidates[row, index])
+                index = inverse_cdf_index(q, torch.rand((), generator=generator, device=q.device))
+            predecessor = self.candidates[row].index_select(0, index)  # [1]
             picks.append(predecessor)
             q_rows.append(q)
-        device = self.candidates.device
-        q_all = torch.stack(q_rows) if q_rows else self.unary.new_zeros(0, self.candidates.shape[1])
-        return SelectedChain(torch.tensor(picks, dtype=torch.int64, device=device), self.candidates, q_all)
+        if not picks:
+            return SelectedChain(self.candidates.new_zeros(0), self.candidates, self.unary.new_zeros(0, top_k))
+        return SelectedChain(torch.cat(picks), self.candidates, torch.stack(q_rows))
+
+
+def inverse_cdf_index(q: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The index i of q [K] with cdf(i - 1) <= u < cdf(i), as a [1] tensor on q's device (nothing read back); a u past
+    the last (rounded) cdf takes the last non-zero."""
+    cdf = q.cumsum(0)
+    index = torch.searchsorted(cdf, uniform.reshape(1).to(cdf.dtype), right=True)  # [1]
+    last = (torch.arange(q.shape[0], device=q.device) * (q > 0)).max().reshape(1)  # [1]
+    return torch.where(index >= q.shape[0], last, index)
 
 
 def inverse_cdf(q: torch.Tensor, uniform: torch.Tensor) -> int:
-    """The index i of q [K] with cdf(i - 1) <= u < cdf(i); a u past the last (rounded) cdf takes the last non-zero."""
-    cdf = q.cumsum(0)
-    index = int(torch.searchsorted(cdf, uniform.reshape(1).to(cdf.dtype), right=True))
-    if index >= q.shape[0]:
-        index = int(q.nonzero()[-1])
-    return index
+    """`inverse_cdf_index` as an int."""
+    return int(inverse_cdf_index(q, uniform))
 
 
 class CandidateSelector(nn.Module):
