@@ -550,3 +550,69 @@ def test_batched_core_is_lossless_and_drafts_like_the_single_request_loop(
         assert torch.equal(single.candidates, packed.candidates)
         torch.testing.assert_close(packed.unary, single.unary, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(packed.projected, single.projected, rtol=1e-4, atol=1e-4)
+
+
+# --- the static round (what the GPU's graphs capture), run eagerly on the CPU ----------------------------------
+
+
+@pytest.mark.parametrize("top", [None, SLIDING, {**SLIDING, "input_embedding_scale": 2.5}],
+                         ids=["full", "sliding-non-causal", "embedding-scale"])
+def test_static_round_and_walk_equal_the_eager_chain(tmp_path: Path, top: dict[str, Any] | None) -> None:
+    """The graph runner's DFlash2 round (static buffers, key bucket, the block rule of `is_causal: false` sliding
+    layers, the walk from the pending token held on the device) gives the eager `draft_chain`'s drafts, candidates
+    and q, round after round, with new context rows of 1, 3 and a whole block."""
+    from dflash.fastpath.runner import GraphRunner
+
+    target, drafter = tiny_pair(tmp_path, top=top)
+    runner = GraphRunner(target, drafter, capacity=256, capture=False)
+    assert runner.drafter_weights is None  # the fused round has no block convolutions
+    leased = runner.lease_drafter_cache(200)
+    assert leased is not None
+    own = drafter.new_cache(200)
+    block = drafter.config.block_size
+    features = torch.randn(1, 60, drafter.config.feature_size, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        drafter.draft_chain(target, 3, 20, features[:, :20], own)  # a first eager round on both caches
+        drafter.draft_chain(target, 3, 20, features[:, :20], leased)
+        for pending, new_rows in ((7, 1), (9, 3), (11, block), (2, 2)):
+            start = own.length + new_rows
+            rows = features[:, own.length : start]
+            eager = drafter.draft_chain(target, pending, start, rows, own, num_drafts=block - 1)
+            static = runner.draft_chain(pending, start, rows, leased, block - 1)
+            assert static is not None
+            assert torch.equal(static.tokens, eager.tokens) and torch.equal(static.candidates, eager.candidates)
+            torch.testing.assert_close(static.q, eager.q)
+            assert leased.length == own.length == start
+    assert runner.served == 4
+
+
+def test_greedy_linear_through_the_runner_equals_plain_greedy(tmp_path: Path) -> None:
+    """With a graph runner attached (its static forwards run eagerly on the CPU), DFlash2's greedy rounds are
+    served by the runner's chain and the tokens stay plain greedy's."""
+    from dflash.fastpath.runner import attach_graph_runner
+    from dflash.generation.forwards import register_forwards
+
+    target, drafter = tiny_pair(tmp_path, top=SLIDING)
+    prompts = random_prompts(3, VOCAB - 1, seed=6, lengths=(5, 20))
+    plain = [run(target, None, prompt, 24)[0] for prompt in prompts]
+    runner = attach_graph_runner(target, drafter, capacity=256, capture=False)
+    chains = 0
+    own = runner.draft_chain
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal chains
+        chain = own(*args, **kwargs)
+        chains += chain is not None
+        return chain
+
+    runner.draft_chain = counted  # type: ignore[method-assign]
+    rounds = 0
+    try:
+        for prompt, expected in zip(prompts, plain, strict=True):
+            tokens, stats = run(target, drafter, prompt, 24)
+            assert tokens == expected
+            rounds += stats.rounds
+    finally:
+        register_forwards(target, None)
+    # each generation's first round absorbs its whole prompt (more context rows than a block): eager
+    assert rounds > len(prompts) and chains == rounds - len(prompts)

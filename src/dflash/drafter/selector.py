@@ -54,13 +54,19 @@ class CandidateLattice:
         b = self.selector.successor_codebook[self.candidates[row]].float()  # [K, rank]
         return self.unary[row] + b @ (a * self.projected[row])
 
-    def walk(self, anchor: int, temperature: float = 0.0, generator: torch.Generator | None = None) -> SelectedChain:
-        """The chain from `anchor`: argmax per row at temperature 0, else an inverse-CDF draw from softmax(S / T).
-        Every pick stays on the candidates' device: a GPU round reads nothing back per row."""
+    def walk(
+        self, anchor: int | torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None
+    ) -> SelectedChain:
+        """The chain from `anchor` (a token id, or [1] on the candidates' device): argmax per row at temperature 0,
+        else an inverse-CDF draw from softmax(S / T). Every pick stays on the device: a GPU round reads nothing back
+        per row (and a graph can capture the greedy walk)."""
         device = self.candidates.device
         top_k = self.candidates.shape[1]
         successors = self.selector.successor_codebook[self.candidates].float()  # [rows, K, rank]
-        predecessor = torch.tensor([anchor], dtype=torch.int64, device=device)  # [1]
+        if isinstance(anchor, torch.Tensor):
+            predecessor = anchor.reshape(1).to(torch.int64)  # [1]
+        else:
+            predecessor = torch.tensor([anchor], dtype=torch.int64, device=device)
         picks: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
         for row in range(self.rows):
@@ -68,7 +74,7 @@ class CandidateLattice:
             scores = self.unary[row] + successors[row] @ (a * self.projected[row])  # [K]: `scores(row, .)`
             if temperature <= 0.0:
                 index = scores.argmax().reshape(1)  # the first maximum: ties go to the lowest candidate index
-                q = torch.nn.functional.one_hot(index[0], top_k).to(scores.dtype)
+                q = (torch.arange(top_k, device=device) == index).to(scores.dtype)  # one-hot, no range check read back
             else:
                 q = torch.softmax(scores / temperature, dim=-1)
                 index = inverse_cdf_index(q, torch.rand((), generator=generator, device=q.device))

@@ -16,7 +16,9 @@ from dflash.generation.forwards import Forwards, forwards_for
 if TYPE_CHECKING:
     import torch
 
+    from dflash.drafter.dflash2 import DFlash2Drafter
     from dflash.drafter.model import DFlashDrafter, TargetModel
+    from dflash.drafter.selector import SelectedChain
     from dflash.drafter.vocab import DraftScores
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.fastpath.runner import GraphRunner
@@ -87,6 +89,30 @@ class GraphForwards(Forwards):
                 return DraftScores(graphed, None, graphed.shape[-1])
         return super().draft_scores(
             drafter, target, pending_token, start, new_features, cache, window=window, num_drafts=num_drafts
+        )
+
+    def draft_chain(
+        self,
+        drafter: DFlash2Drafter,
+        target: TargetModel,
+        pending_token: int,
+        start: int,
+        new_features: torch.Tensor,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+        num_drafts: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> SelectedChain:
+        if drafter is self.runner.drafter and window is None and temperature <= 0.0:  # greedy: no draws
+            last = drafter.config.block_size if num_drafts is None else 1 + num_drafts
+            graphed = self.runner.draft_chain(pending_token, start, new_features, cache, last - 1)
+            if graphed is not None:
+                return graphed
+        return super().draft_chain(
+            drafter, target, pending_token, start, new_features, cache, window=window, num_drafts=num_drafts,
+            temperature=temperature, generator=generator,
         )
 
     def new_drafter_cache(self, drafter: DFlashDrafter, capacity: int) -> KVCache:

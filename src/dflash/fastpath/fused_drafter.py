@@ -27,9 +27,13 @@ from dflash.models.int8_linear import Int8Linear
 
 
 def supports_fused_drafter(drafter: DFlashDrafter) -> bool:
+    """Whether the fused round serves `drafter` (not a DFlash2 drafter: its block convolutions are not fused)."""
+    from dflash.drafter.dflash2 import DFlash2Drafter
+
     head_dim = drafter.config.head_dim
     return (
-        triton_available()
+        not isinstance(drafter, DFlash2Drafter)
+        and triton_available()
         and not any(drafter.sliding)
         and drafter.config.hidden_act == "silu"
         and head_dim & (head_dim - 1) == 0

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter, TargetHeads
+from dflash.drafter.selector import SelectedChain
 from dflash.errors import GenerationError
 from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.dispatch import GraphForwards
@@ -318,29 +320,63 @@ class GraphRunner:
         self, pending_token: int, start: int, new_features: torch.Tensor, cache: KVCache, drafts: int
     ) -> torch.Tensor | None:
         """The graphed equivalent of `DFlashDrafter.draft_scores(...).full()` (no window), or None for other shapes."""
-        drafter = self.drafter
-        if drafter is None or self.drafter_storage is None:
+        if self.drafter is None or not self._drafter_round_fits(start, new_features, cache):
             return None
-        block = drafter.config.block_size
-        new_rows = new_features.shape[1]
-        if (
-            not 1 <= new_rows <= block or not cache.shares_memory_with(self.drafter_storage)
-            or cache.length + new_rows != start or start + block > self.capacity
-        ):
-            return None
-        cache.reserve(new_rows)
-        self.draft_features[:, :new_rows].copy_(new_features)
-        self.block_ids[0, 0] = pending_token
-        self.draft_start.fill_(start)
-        self.draft_new_rows.fill_(new_rows)
-        bucket = self.bucket_for(start + block)
+        bucket = self._load_drafter_round(pending_token, start, new_features, cache)
         replay = self.replay(
             ("drafter", bucket, drafts), lambda: [self.drafter_block_logits(bucket, drafts)], self.draft_device
         )
         replay.run()
         self.served += 1
-        cache.advance(new_rows)
+        cache.advance(new_features.shape[1])
         return replay.outputs[0].clone()
+
+    def draft_chain(
+        self, pending_token: int, start: int, new_features: torch.Tensor, cache: KVCache, drafts: int
+    ) -> SelectedChain | None:
+        """The graphed equivalent of a DFlash2 drafter's greedy `draft_chain` (no window): the round and its
+        selector's walk in one graph; None for other shapes or drafters."""
+        drafter = self.drafter
+        if not isinstance(drafter, DFlash2Drafter) or not self._drafter_round_fits(start, new_features, cache):
+            return None
+        bucket = self._load_drafter_round(pending_token, start, new_features, cache)
+        replay = self.replay(("dflash2 chain", bucket, drafts), lambda: self.dflash2_chain(bucket, drafts),
+                             self.draft_device)
+        replay.run()
+        self.served += 1
+        cache.advance(new_features.shape[1])
+        tokens, candidates, q = (output.clone() for output in replay.outputs)
+        return SelectedChain(tokens, candidates, q)
+
+    def _drafter_round_fits(self, start: int, new_features: torch.Tensor, cache: KVCache) -> bool:
+        assert self.drafter is not None
+        block = self.drafter.config.block_size
+        return (
+            self.drafter_storage is not None and 1 <= new_features.shape[1] <= block
+            and cache.shares_memory_with(self.drafter_storage) and cache.length + new_features.shape[1] == start
+            and start + block <= self.capacity
+        )
+
+    def _load_drafter_round(self, pending_token: int, start: int, new_features: torch.Tensor, cache: KVCache) -> int:
+        """A round's inputs into the static buffers (its new context rows reserved in `cache`) -> its key bucket."""
+        assert self.drafter is not None
+        new_rows = new_features.shape[1]
+        cache.reserve(new_rows)
+        self.draft_features[:, :new_rows].copy_(new_features)
+        self.block_ids[0, 0] = pending_token
+        self.draft_start.fill_(start)
+        self.draft_new_rows.fill_(new_rows)
+        return self.bucket_for(start + self.drafter.config.block_size)
+
+    def dflash2_chain(self, bucket: int, drafts: int) -> list[torch.Tensor]:
+        from dflash.fastpath.static_forward import static_dflash2_chain
+
+        assert isinstance(self.drafter, DFlash2Drafter) and self.drafter_storage is not None
+        heads = self.draft_heads if self.draft_heads is not None else self.target
+        return static_dflash2_chain(
+            self.drafter, heads, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
+            self.draft_features, bucket=bucket, drafts=drafts,
+        )
 
     def drafter_block_logits(self, bucket: int, drafts: int) -> torch.Tensor:
         from dflash.fastpath.static_forward import static_drafter_round

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.kv.cache import KVCache
 from dflash.kv.recurrent import RecurrentStates
@@ -114,6 +115,48 @@ def static_drafter_round(
     [1] long, how many of the B rows of new_features [1, B, n*target_hidden] are real (positions start-new_rows ..
     start-1; the others are scratch written past the live slots) -> logits [drafts, vocab] for positions
     start+1 .. start+drafts. The drafter cache holds one slot per position."""
+    hidden = static_drafter_hidden(
+        drafter, target, storage, block_ids, start, new_rows, new_features, bucket=bucket, drafts=drafts
+    )
+    return drafter.project(target, hidden)
+
+
+def static_dflash2_chain(
+    drafter: DFlash2Drafter,
+    target: TargetHeads,
+    storage: KVCache,
+    block_ids: torch.Tensor,
+    start: torch.Tensor,
+    new_rows: torch.Tensor,
+    new_features: torch.Tensor,
+    *,
+    bucket: int,
+    drafts: int,
+) -> list[torch.Tensor]:
+    """A DFlash2 round as `static_drafter_round`, then its selector's greedy walk from the pending token (nothing
+    read back): [tokens [drafts], candidates [drafts, K], q [drafts, K]] (`SelectedChain`'s fields)."""
+    hidden = static_drafter_hidden(
+        drafter, target, storage, block_ids, start, new_rows, new_features, bucket=bucket, drafts=drafts
+    )
+    lattice = drafter.candidate_selector.lattice(hidden, drafter.project_scores(target, hidden))
+    chain = lattice.walk(block_ids[0, :1])
+    return [chain.tokens, chain.candidates, chain.q]
+
+
+def static_drafter_hidden(
+    drafter: DFlashDrafter,
+    target: TargetHeads,
+    storage: KVCache,
+    block_ids: torch.Tensor,
+    start: torch.Tensor,
+    new_rows: torch.Tensor,
+    new_features: torch.Tensor,
+    *,
+    bucket: int,
+    drafts: int,
+) -> torch.Tensor:
+    """The round of `static_drafter_round` up to the final norm: -> hidden [drafts, hidden] of positions
+    start+1 .. start+drafts (a DFlash2 drafter's embedding scale and block rule included)."""
     block = block_ids.shape[1]
     device = block_ids.device
     dtype = drafter.fc.weight.dtype
@@ -131,8 +174,13 @@ def static_drafter_round(
         key_positions = torch.cat((storage.positions[0, :bucket], block_positions[0]))  # [bucket + B]
         query = block_positions[0][:, None]
         window = drafter.config.sliding_window or 1 << 30
-        sliding = full & ((key_positions[None] <= query) & (query - key_positions[None] < window))[None, None]
-    x = target.embed(block_ids).to(dtype)
+        visible = query - key_positions[None] < window
+        if drafter.sliding_block_causal:  # else (DFlash2 `is_causal: false`) the whole block sees itself
+            visible = visible & (key_positions[None] <= query)
+        sliding = full & visible[None, None]
+    embeds = target.embed(block_ids)
+    scale = getattr(drafter.config, "input_embedding_scale", 1.0)  # DFlash2's, as in its `draft_hidden`
+    x = (embeds if scale == 1.0 else embeds * scale).to(dtype)
     layer: Any
     for index, layer in enumerate(drafter.layers):
         k, v = layer.self_attn.keys_values(context, context_cos, context_sin)  # [1, kv_heads, B, head_dim]
@@ -141,5 +189,4 @@ def static_drafter_round(
         context_k = storage.keys[index, :, :, :bucket]
         context_v = storage.values[index, :, :, :bucket]
         x = layer(x, cos, sin, context_k, context_v, sliding if drafter.sliding[index] else full)
-    hidden = drafter.norm(x)
-    return drafter.project(target, hidden[0, 1 : 1 + drafts])
+    return drafter.norm(x)[0, 1 : 1 + drafts]

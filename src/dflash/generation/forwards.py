@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from dflash.drafter.dflash2 import DFlash2Drafter
     from dflash.drafter.model import DFlashDrafter, TargetModel
+    from dflash.drafter.selector import SelectedChain
     from dflash.drafter.vocab import DraftScores
     from dflash.fastpath.resident import ResidentDecoder
     from dflash.generation.selection import TokenChooser
@@ -61,6 +63,26 @@ class Forwards:
         """One drafter round (`DFlashDrafter.draft_scores`)."""
         return drafter.draft_scores(
             target, pending_token, start, new_features, cache, window=window, num_drafts=num_drafts
+        )
+
+    def draft_chain(
+        self,
+        drafter: DFlash2Drafter,
+        target: TargetModel,
+        pending_token: int,
+        start: int,
+        new_features: torch.Tensor,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+        num_drafts: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> SelectedChain:
+        """One DFlash2 round and its selector's walk (`DFlash2Drafter.draft_chain`)."""
+        return drafter.draft_chain(
+            target, pending_token, start, new_features, cache, window=window, num_drafts=num_drafts,
+            temperature=temperature, generator=generator,
         )
 
     def new_drafter_cache(self, drafter: DFlashDrafter, capacity: int) -> KVCache:

@@ -9,7 +9,8 @@ Per round (batch of one):
 
 A DFlash2 drafter's chain comes from its candidate selector (`DFlash2Drafter.draft_chain`): greedy at temperature
 0 (verified by the equality rule above), sampled otherwise, and then verified by speculative sampling with the q
-the selector returns (`dflash.speculative.sampled_acceptance`). It runs eagerly (no device-resident rounds).
+the selector returns (`dflash.speculative.sampled_acceptance`). Greedy rounds go through `Forwards.draft_chain` (on
+a GPU, the graph runner's graph of the drafter pass and the walk); there are no device-resident DFlash2 rounds.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ def decode_linear(
         started = time.perf_counter()
         chain = None
         if selector is not None:
-            chain = selector.draft_chain(
-                target, state.pending, state.start, state.new_features, drafter_cache, window=draft_window,
-                num_drafts=drafts_per_round, temperature=chooser.params.temperature, generator=chooser.generator,
+            chain = forwards.draft_chain(
+                selector, target, state.pending, state.start, state.new_features, drafter_cache,
+                window=draft_window, num_drafts=drafts_per_round, temperature=chooser.params.temperature,
+                generator=chooser.generator,
             )
             draft_tokens = chain.tokens  # [k]
         else:
