@@ -616,3 +616,31 @@ def test_greedy_linear_through_the_runner_equals_plain_greedy(tmp_path: Path) ->
         register_forwards(target, None)
     # each generation's first round absorbs its whole prompt (more context rows than a block): eager
     assert rounds > len(prompts) and chains == rounds - len(prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_chain_equals_the_eager_chain_on_the_gpu(tmp_path: Path) -> None:
+    """float32 on a GPU: the DFlash2 round and walk captured as one CUDA graph and replayed give the eager chain."""
+    from dflash.fastpath.runner import GraphRunner
+
+    target, drafter = tiny_pair(tmp_path, top=SLIDING)
+    target, drafter = target.to("cuda"), drafter.to("cuda")
+    runner = GraphRunner(target, drafter, capacity=256)
+    leased = runner.lease_drafter_cache(200)
+    assert leased is not None
+    own = drafter.new_cache(200)
+    block = drafter.config.block_size
+    features = torch.randn(1, 60, drafter.config.feature_size, generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.inference_mode():
+        drafter.draft_chain(target, 3, 20, features[:, :20], own)
+        drafter.draft_chain(target, 3, 20, features[:, :20], leased)
+        for pending, new_rows in ((7, 1), (9, 3), (11, block), (2, 2), (5, 1)):
+            start = own.length + new_rows
+            rows = features[:, own.length : start]
+            eager = drafter.draft_chain(target, pending, start, rows, own, num_drafts=block - 1)
+            graphed = runner.draft_chain(pending, start, rows, leased, block - 1)
+            assert graphed is not None
+            assert torch.equal(graphed.tokens, eager.tokens)
+            torch.testing.assert_close(graphed.q, eager.q)
+    assert runner.captured >= 1 and runner.served == 5
