@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -216,7 +217,11 @@ def _http_stack() -> tuple[Any, Any, Any]:
 
 def _serve(engine: Any, args: argparse.Namespace, settings: Any, key: APIKey | None) -> int:
     run_server, create_app, header_deadline_protocol = _http_stack()
+    print("warming up (first start on a machine: kernels are compiled, a minute or more)...", file=sys.stderr,
+          flush=True)
+    started = time.monotonic()
     engine.warm_up()  # CUDA graphs of the first shapes captured, CPU kernels built, before the first request
+    print(f"warm in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     app = create_app(engine, settings)
     print(banner(settings, settings.served_model_name or engine.model_name, engine.options.spec, key,
                  concurrency=settings.concurrency_for(engine.options)),
