@@ -1,7 +1,7 @@
 """The drafter round with fused element-wise kernels (`dflash.kernels.triton_decode`).
 
-Same inputs, outputs and cache writes as `static_drafter_round` for drafters whose layers all attend fully (no
-sliding window) with SiLU MLPs. The new context rows and the block rows go through each layer's q/k/v product
+Same inputs, outputs and cache writes as `static_drafter_hidden` then `project`, for drafters whose layers all
+attend fully (no sliding window) with SiLU MLPs. The new context rows and the block rows go through each layer's q/k/v product
 together ([2B, hidden]); the kernel stores the context rows' K/V at their positions (scratch rows past the real
 ones store nothing) and the block's K/V in the slots right after the context, which attention then reads as one
 range: every committed position and the whole block, as in the eager round. The block's rows attend through the
@@ -124,7 +124,7 @@ def fused_drafter_round(
     bucket: int,
     drafts: int,
 ) -> torch.Tensor:
-    """Arguments as `static_drafter_round`; `bucket` must cover start + B. -> logits [drafts, vocab]."""
+    """Arguments as `static_drafter_hidden`; `bucket` must cover start + B. -> logits [drafts, vocab]."""
     config = drafter.config
     block = block_ids.shape[1]
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim

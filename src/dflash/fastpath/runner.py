@@ -369,18 +369,16 @@ class GraphRunner:
         return self.bucket_for(start + self.drafter.config.block_size)
 
     def dflash2_chain(self, bucket: int, drafts: int) -> list[torch.Tensor]:
-        from dflash.fastpath.static_forward import static_dflash2_chain
-
-        assert isinstance(self.drafter, DFlash2Drafter) and self.drafter_storage is not None
+        """A DFlash2 round and its selector's greedy walk from the pending token (nothing read back): [tokens
+        [drafts], candidates [drafts, K], q [drafts, K]] (`SelectedChain`'s fields)."""
+        assert isinstance(self.drafter, DFlash2Drafter)
         heads = self.draft_heads if self.draft_heads is not None else self.target
-        return static_dflash2_chain(
-            self.drafter, heads, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
-            self.draft_features, bucket=bucket, drafts=drafts,
-        )
+        hidden = self._drafter_hidden(bucket, drafts)
+        lattice = self.drafter.candidate_selector.lattice(hidden, self.drafter.project_scores(heads, hidden))
+        chain = lattice.walk(self.block_ids[0, :1])
+        return [chain.tokens, chain.candidates, chain.q]
 
     def drafter_block_logits(self, bucket: int, drafts: int) -> torch.Tensor:
-        from dflash.fastpath.static_forward import static_drafter_round
-
         assert self.drafter is not None and self.drafter_storage is not None
         heads = self.draft_heads if self.draft_heads is not None else self.target
         if self.drafter_weights is not None:
@@ -390,7 +388,14 @@ class GraphRunner:
                 self.drafter, heads, self.drafter_storage, self.drafter_weights, self.block_ids,
                 self.draft_start, self.draft_new_rows, self.draft_features, bucket=bucket, drafts=drafts,
             )
-        return static_drafter_round(
+        return self.drafter.project(heads, self._drafter_hidden(bucket, drafts))
+
+    def _drafter_hidden(self, bucket: int, drafts: int) -> torch.Tensor:
+        from dflash.fastpath.static_forward import static_drafter_hidden
+
+        assert self.drafter is not None and self.drafter_storage is not None
+        heads = self.draft_heads if self.draft_heads is not None else self.target
+        return static_drafter_hidden(
             self.drafter, heads, self.drafter_storage, self.block_ids, self.draft_start, self.draft_new_rows,
             self.draft_features, bucket=bucket, drafts=drafts,
         )

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter, TargetHeads
 from dflash.kv.cache import KVCache
 from dflash.kv.recurrent import RecurrentStates
@@ -97,52 +96,6 @@ def static_target_forward(
     return out.logits, out.features
 
 
-def static_drafter_round(
-    drafter: DFlashDrafter,
-    target: TargetHeads,
-    storage: KVCache,
-    block_ids: torch.Tensor,
-    start: torch.Tensor,
-    new_rows: torch.Tensor,
-    new_features: torch.Tensor,
-    *,
-    bucket: int,
-    drafts: int,
-) -> torch.Tensor:
-    """One drafter round: append the context rows of the newly committed positions, then fill the block.
-
-    block_ids: [1, B] (the pending token, then MASK); start: [1] long, the pending token's position; new_rows:
-    [1] long, how many of the B rows of new_features [1, B, n*target_hidden] are real (positions start-new_rows ..
-    start-1; the others are scratch written past the live slots) -> logits [drafts, vocab] for positions
-    start+1 .. start+drafts. The drafter cache holds one slot per position."""
-    hidden = static_drafter_hidden(
-        drafter, target, storage, block_ids, start, new_rows, new_features, bucket=bucket, drafts=drafts
-    )
-    return drafter.project(target, hidden)
-
-
-def static_dflash2_chain(
-    drafter: DFlash2Drafter,
-    target: TargetHeads,
-    storage: KVCache,
-    block_ids: torch.Tensor,
-    start: torch.Tensor,
-    new_rows: torch.Tensor,
-    new_features: torch.Tensor,
-    *,
-    bucket: int,
-    drafts: int,
-) -> list[torch.Tensor]:
-    """A DFlash2 round as `static_drafter_round`, then its selector's greedy walk from the pending token (nothing
-    read back): [tokens [drafts], candidates [drafts, K], q [drafts, K]] (`SelectedChain`'s fields)."""
-    hidden = static_drafter_hidden(
-        drafter, target, storage, block_ids, start, new_rows, new_features, bucket=bucket, drafts=drafts
-    )
-    lattice = drafter.candidate_selector.lattice(hidden, drafter.project_scores(target, hidden))
-    chain = lattice.walk(block_ids[0, :1])
-    return [chain.tokens, chain.candidates, chain.q]
-
-
 def static_drafter_hidden(
     drafter: DFlashDrafter,
     target: TargetHeads,
@@ -155,8 +108,14 @@ def static_drafter_hidden(
     bucket: int,
     drafts: int,
 ) -> torch.Tensor:
-    """The round of `static_drafter_round` up to the final norm: -> hidden [drafts, hidden] of positions
-    start+1 .. start+drafts (a DFlash2 drafter's embedding scale and block rule included)."""
+    """One drafter round up to the final norm: append the context rows of the newly committed positions, then fill
+    the block.
+
+    block_ids: [1, B] (the pending token, then MASK); start: [1] long, the pending token's position; new_rows:
+    [1] long, how many of the B rows of new_features [1, B, n*target_hidden] are real (positions start-new_rows ..
+    start-1; the others are scratch written past the live slots) -> hidden [drafts, hidden] of positions start+1 ..
+    start+drafts (`drafter.project` makes them logits; a DFlash2 drafter's embedding scale and block rule included).
+    The drafter cache holds one slot per position."""
     block = block_ids.shape[1]
     device = block_ids.device
     dtype = drafter.fc.weight.dtype
