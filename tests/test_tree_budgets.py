@@ -87,6 +87,11 @@ def test_the_first_steps_after_a_change_of_option_are_not_its_cost() -> None:
         assert chooser.choose(8, 8, BUDGETS, lambda b: 16.0) == 31
         chooser.observe(8, 31, 0.1 if step < tree_budgets.SETTLE_STEPS else 0.0034)
     assert chooser.step_time(8, 31) == pytest.approx(0.0034)
+    # what the change cost is kept apart, for the run's summary
+    summary = chooser.summary()
+    assert summary["settling_ms"] == {"8": {"31": pytest.approx(100.0)}}
+    assert summary["settling_steps"] == {"8": {"31": tree_budgets.SETTLE_STEPS}}
+    assert summary["step_ms"] == {"8": {"31": pytest.approx(3.4)}}
 
 
 def test_a_measured_again_option_takes_its_new_time() -> None:

@@ -65,12 +65,18 @@ class TreeBudgetChooser:
         self._steps: dict[int, int] = {}  # bucket -> steps chosen so far
         self._measured: dict[tuple[int, int], int] = {}  # (bucket, option) -> the bucket's step count then
         self.chosen: dict[tuple[int, int], int] = {}  # (bucket, option) -> steps that took it
+        # (bucket, option) -> [seconds, steps] of the steps right after a change to it, which its time leaves out:
+        # what a change costs (a round loaded from the host rather than launched ahead, a chain's first launch)
+        self._settling: dict[tuple[int, int], list[float]] = {}
 
     # ---- measurements ------------------------------------------------------------------------------------
     def observe(self, bucket: int, option: int, seconds: float) -> None:
         """A step of `option` (0: plain, else the tree budget) at request bucket `bucket` took `seconds` (the first
         `SETTLE_STEPS` steps after the bucket changed option are not counted)."""
         if self._current.get(bucket) == option and self._run.get(bucket, 0) <= SETTLE_STEPS:
+            settling = self._settling.setdefault((bucket, option), [0.0, 0.0])
+            settling[0] += seconds
+            settling[1] += 1
             return
         entry = self._times.setdefault((bucket, option), [seconds, 0.0])
         entry[0] = TIME_DECAY * entry[0] + (1 - TIME_DECAY) * seconds if entry[1] else seconds
@@ -135,13 +141,20 @@ class TreeBudgetChooser:
         return option
 
     def summary(self) -> dict[str, dict[str, dict[str, float]]]:
-        """By request bucket: the steps each option took and its measured step time (ms); by budget: the
-        engine-wide tokens per round (0 stands for plain steps)."""
+        """By request bucket: the steps each option took, its measured step time (ms), and the mean time (ms) and
+        count of the steps right after a change to it (left out of its time); by budget: the engine-wide tokens per
+        round (0 stands for plain steps)."""
         steps: dict[str, dict[str, float]] = {}
         for (bucket, option), count in sorted(self.chosen.items()):
             steps.setdefault(str(bucket), {})[str(option)] = count
         times: dict[str, dict[str, float]] = {}
         for (bucket, option), (seconds, _) in sorted(self._times.items()):
             times.setdefault(str(bucket), {})[str(option)] = round(seconds * 1e3, 3)
+        settling_ms: dict[str, dict[str, float]] = {}
+        settling_steps: dict[str, dict[str, float]] = {}
+        for (bucket, option), (seconds, settled) in sorted(self._settling.items()):
+            settling_ms.setdefault(str(bucket), {})[str(option)] = round(seconds / settled * 1e3, 3)
+            settling_steps.setdefault(str(bucket), {})[str(option)] = settled
         tokens = {str(b): round(t[1] / t[0], 3) for b, t in sorted(self._rounds.items()) if t[0]}
-        return {"steps": steps, "step_ms": times, "tokens_per_round": {"all": tokens}}
+        return {"steps": steps, "step_ms": times, "settling_ms": settling_ms, "settling_steps": settling_steps,
+                "tokens_per_round": {"all": tokens}}
