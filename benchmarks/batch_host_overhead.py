@@ -34,6 +34,7 @@ import json
 import platform
 import pstats
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,14 +126,20 @@ def smollm2_decode(tokenizer_json: Path | None = None) -> Callable[[list[int]], 
 
 
 class Timers:
-    """Exclusive wall time per label: time inside a nested label is counted there, not in its caller."""
+    """Exclusive wall time per label: time inside a nested label is counted there, not in its caller. With `thread`
+    set, only that thread's calls are timed (others run untimed)."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.thread: int | None = None
         self._stack: list[list[float]] = []  # [start, time spent in nested labels]
 
     @contextmanager
     def measure(self, label: str) -> Iterator[None]:
+        if self.thread is not None and threading.get_ident() != self.thread:
+            yield
+            return
         frame = [time.perf_counter(), 0.0]
         self._stack.append(frame)
         try:
@@ -141,6 +148,7 @@ class Timers:
             self._stack.pop()
             spent = time.perf_counter() - frame[0]
             self.totals[label] = self.totals.get(label, 0.0) + spent - frame[1]
+            self.calls[label] = self.calls.get(label, 0) + 1
             if self._stack:
                 self._stack[-1][1] += spent
 
@@ -153,6 +161,7 @@ class Timers:
 
     def reset(self) -> None:
         self.totals = {}
+        self.calls = {}
 
 
 DEVICE_LABELS = ("device: target forward", "device: drafter forward")

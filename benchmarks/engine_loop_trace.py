@@ -18,11 +18,11 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from batch_host_overhead import Timers  # benchmarks/ is the script's folder
 
 from dflash.batch import core as core_module
 from dflash.batch import device_trees as trees_module
@@ -35,34 +35,7 @@ from dflash.bench import concurrency as concurrency_module
 CUDA = torch.cuda.is_available()
 
 
-class LoopTimers:
-    """Exclusive time per label, counted on the engine loop's thread only."""
-
-    def __init__(self) -> None:
-        self.totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # label -> [calls, seconds]
-        self._stack: list[list[float]] = []  # [start, time spent in nested labels]
-        self.thread: int | None = None
-
-    @contextmanager
-    def measure(self, label: str) -> Iterator[None]:
-        if threading.get_ident() != self.thread:
-            yield
-            return
-        frame = [time.perf_counter(), 0.0]
-        self._stack.append(frame)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-            spent = time.perf_counter() - frame[0]
-            total = self.totals[label]
-            total[0] += 1
-            total[1] += spent - frame[1]
-            if self._stack:
-                self._stack[-1][1] += spent
-
-
-TIMERS = LoopTimers()
+TIMERS = Timers()  # timing the engine loop's thread only (set as it starts)
 LAUNCHES: list[tuple[str, Any, Any]] = []  # (round shape, start event, end event)
 LEVELS: list[dict[str, Any]] = []
 
@@ -97,14 +70,6 @@ PHASES: list[tuple[Any, str, str]] = [
 ]
 
 
-def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with TIMERS.measure(label):
-            return fn(*args, **kwargs)
-
-    return run
-
-
 def with_events(label: Callable[[Any, Any], str], fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a launch) between two CUDA events, kept under `label(self, result)`."""
 
@@ -124,7 +89,7 @@ def with_events(label: Callable[[Any, Any], str], fn: Callable[..., Any]) -> Cal
 
 def instrument() -> None:
     for owner, name, label in PHASES:
-        setattr(owner, name, timed(label, getattr(owner, name)))
+        setattr(owner, name, TIMERS.wrap(label, getattr(owner, name)))
     trees = trees_module.DeviceTrees
     trees.launch = with_events(  # type: ignore[method-assign]
         lambda self, args: f"tree r{self.launched.shape.requests} b{args[1]} k{self.launched.shape.keys}", trees.launch
@@ -143,7 +108,7 @@ def instrument() -> None:
     def traced_closed_loop(generator: Any, prompts: Any, **kwargs: Any) -> Any:
         if CUDA:
             torch.cuda.synchronize()
-        TIMERS.totals.clear()
+        TIMERS.reset()
         LAUNCHES.clear()
         started = time.perf_counter()
         run = closed_loop(generator, prompts, **kwargs)
@@ -157,8 +122,8 @@ def instrument() -> None:
         LEVELS.append({
             "spec": kwargs["spec"], "clients": kwargs["clients"], "requests": kwargs["requests"],
             "wall_ms": round(wall * 1e3, 1), "tokens": sum(t.tokens for t in run.requests),
-            "host_ms": {k: [int(v[0]), round(v[1] * 1e3, 1)]
-                        for k, v in sorted(TIMERS.totals.items(), key=lambda item: -item[1][1])},
+            "host_ms": {k: [TIMERS.calls[k], round(v * 1e3, 1)]
+                        for k, v in sorted(TIMERS.totals.items(), key=lambda item: -item[1])},
             "gpu_ms": {k: [int(v[0]), round(v[1], 1)] for k, v in sorted(gpu.items(), key=lambda item: -item[1][1])},
             "gpu_total_ms": round(sum(v[1] for v in gpu.values()), 1),
         })

@@ -83,7 +83,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                        "per second; the output is the same either way)")
     group.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                        help="requests decoded together in one batched step (`dflash serve` runs this many at once "
-                       "and queues the rest); default: 8 on the CPU, 1 on a GPU (the single-request graphed path)")
+                       "and queues the rest); default: 8 (1 for generate and chat; on a GPU 1 where one more full "
+                       "context of K/V does not fit in half the memory left after loading). A request alone takes "
+                       "the single-request path either way")
     group.add_argument("--max-step-rows", type=int, default=None, metavar="N",
                        help="verified rows per batched step, shared by the speculating requests (default: 32 on the "
                        "CPU, 256 on a GPU)")

@@ -322,31 +322,33 @@ class GraphRunner:
         """The graphed equivalent of `DFlashDrafter.draft_scores(...).full()` (no window), or None for other shapes."""
         if self.drafter is None or not self._drafter_round_fits(start, new_features, cache):
             return None
-        bucket = self._load_drafter_round(pending_token, start, new_features, cache)
-        replay = self.replay(
-            ("drafter", bucket, drafts), lambda: [self.drafter_block_logits(bucket, drafts)], self.draft_device
-        )
-        replay.run()
-        self.served += 1
-        cache.advance(new_features.shape[1])
-        return replay.outputs[0].clone()
+        (logits,) = self._drafter_round("drafter", lambda b, d: [self.drafter_block_logits(b, d)], pending_token,
+                                        start, new_features, cache, drafts)
+        return logits
 
     def draft_chain(
         self, pending_token: int, start: int, new_features: torch.Tensor, cache: KVCache, drafts: int
     ) -> SelectedChain | None:
         """The graphed equivalent of a DFlash2 drafter's greedy `draft_chain` (no window): the round and its
         selector's walk in one graph; None for other shapes or drafters."""
-        drafter = self.drafter
-        if not isinstance(drafter, DFlash2Drafter) or not self._drafter_round_fits(start, new_features, cache):
+        if not isinstance(self.drafter, DFlash2Drafter) or not self._drafter_round_fits(start, new_features, cache):
             return None
+        tokens, candidates, q = self._drafter_round("dflash2 chain", self.dflash2_chain, pending_token, start,
+                                                    new_features, cache, drafts)
+        return SelectedChain(tokens, candidates, q)
+
+    def _drafter_round(
+        self, kind: str, build: Callable[[int, int], list[torch.Tensor]], pending_token: int, start: int,
+        new_features: torch.Tensor, cache: KVCache, drafts: int,
+    ) -> list[torch.Tensor]:
+        """One drafter round (`_drafter_round_fits`) replayed from the graph of (`kind`, key bucket, drafts), built
+        by `build(bucket, drafts)` -> copies of its outputs; `cache` advanced over the new context rows."""
         bucket = self._load_drafter_round(pending_token, start, new_features, cache)
-        replay = self.replay(("dflash2 chain", bucket, drafts), lambda: self.dflash2_chain(bucket, drafts),
-                             self.draft_device)
+        replay = self.replay((kind, bucket, drafts), lambda: build(bucket, drafts), self.draft_device)
         replay.run()
         self.served += 1
         cache.advance(new_features.shape[1])
-        tokens, candidates, q = (output.clone() for output in replay.outputs)
-        return SelectedChain(tokens, candidates, q)
+        return [output.clone() for output in replay.outputs]
 
     def _drafter_round_fits(self, start: int, new_features: torch.Tensor, cache: KVCache) -> bool:
         assert self.drafter is not None
