@@ -316,3 +316,79 @@ def test_a_prompt_s_drafter_context_is_absorbed_as_its_prefill_ends() -> None:
     torch.testing.assert_close(reference.drafter_pool.keys[:, :, other.drafter.slots(0, absorbed)], early_keys)
     drain(core)
     assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 12)[0]
+
+
+def _alternating_run(split_absorbs: bool) -> tuple[list[list[int]], dict[tuple[int, int], torch.Tensor], int]:
+    """Three greedy DDTree requests whose steps take turns: twenty plain steps, then three device rounds, and so on.
+    `split_absorbs`: the context rows of the plain steps go into the drafter pool one request at a time (instead of
+    in one packed pass) -> (each request's tokens, the drafter's logits of every device round by (request, start),
+    the packed absorbs of more than one request)."""
+    import dflash.batch.device_trees as trees_module
+
+    target, drafter = golden_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=31, lengths=(9, 30, 17))
+    core = make_core(target, drafter, max_batch=4, ddtree_budget=6, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    steps = 0
+
+    def alternate(bucket: int, requests: int, budgets: list[int], expected: Any) -> int:
+        nonlocal steps
+        steps += 1
+        return budgets[-1] if steps % 23 >= 20 else 0  # twenty plain steps: more rows than a block (16)
+
+    core.tree_budgets.choose = alternate  # type: ignore[method-assign]
+    assert core.device_trees is not None
+    trees = core.device_trees
+    seqs = [make_sequence(target, prompt, 72, "ddtree") for prompt in prompts]
+    firsts: dict[int, int] = {}  # drafter table's first block -> request
+    drafts: dict[tuple[int, int], torch.Tensor] = {}
+    real_pass = trees.draft_pass
+
+    def recorded(batch: PaddedBatch, context_rows: torch.Tensor) -> torch.Tensor:
+        logits = real_pass(batch, context_rows)  # [requests, block - 1, vocab]
+        for index in range(int((batch.counts > 0).sum())):
+            request = firsts[int(batch.blocks[index, 0])]
+            drafts[(request, int(batch.past[index]))] = logits[index].clone()
+        return logits
+
+    trees.draft_pass = recorded
+    packed = 0
+    real_absorb = trees_module.absorb_context_rows
+
+    def absorb(drafter_model: Any, pool: Any, items: list[DraftRows]) -> None:
+        nonlocal packed
+        packed += len([item for item in items if item.new_features.shape[0]]) > 1
+        if not split_absorbs:
+            real_absorb(drafter_model, pool, items)
+            return
+        for item in items:
+            real_absorb(drafter_model, pool, [item])
+
+    trees_module.absorb_context_rows = absorb  # type: ignore[assignment]
+    try:
+        for seq in seqs:
+            core.add(seq)
+        while any(seq.phase != "decode" for seq in seqs):
+            core.step()
+        for index, seq in enumerate(seqs):
+            assert seq.drafter is not None
+            firsts[seq.drafter.blocks[0]] = index
+        drain(core)
+    finally:
+        trees_module.absorb_context_rows = real_absorb  # type: ignore[assignment]
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 72)[0]
+    return [seq.sink.token_ids for seq in seqs], drafts, packed
+
+
+def test_device_rounds_after_plain_steps_absorb_every_request_s_rows_in_one_pass() -> None:
+    """Greedy DDTree requests taking turns between plain steps and device rounds give their greedy tokens alone, and
+    the first round after plain steps writes every request's new drafter context (the plain steps' rows) in one
+    packed pass: the drafter then drafts, round for round, what it drafts when each request's rows go in alone."""
+    tokens, drafts, packed = _alternating_run(split_absorbs=False)
+    alone_tokens, alone_drafts, _ = _alternating_run(split_absorbs=True)
+    assert tokens == alone_tokens
+    assert packed >= 2  # packed absorbs at the returns to trees
+    assert drafts.keys() == alone_drafts.keys() and len(drafts) >= 12
+    for key, logits in drafts.items():
+        torch.testing.assert_close(logits, alone_drafts[key], atol=1e-4, rtol=1e-4)

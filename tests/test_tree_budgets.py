@@ -118,3 +118,25 @@ def test_a_tree_must_beat_a_plain_step_by_a_clear_margin() -> None:
         per_request = gain * TIMES[7] / TIMES[0]  # tokens a round at budget 7 must commit for that gain
         tokens = {7: per_request, 15: 1.0, 31: 1.0}
         assert _run(chooser, 4 * EXPLORE_STEPS + 5, tokens)[-5:] == [expected] * 5
+
+
+def test_a_change_is_taken_only_where_its_saving_outweighs_its_measured_cost() -> None:
+    """Budget 7 runs; plain steps become predicted 20% faster. Where a change to plain steps was measured to cost
+    little, the choice moves; where it was measured to cost more than the change would save over the horizon, it
+    stays (a change costs its settling steps' excess over the steady step)."""
+    tokens = {7: 2.7, 15: 3.0, 31: 3.5}  # budget 7 wins at first: 8 x 2.7 / 2.0 against 8 / 1.0 x TREE_GAIN
+    # then plain steps are predicted 20% faster than budget 7
+    slower = {7: TIMES[7] * tree_budgets.TREE_GAIN / (1.2 * TIMES[0]), 15: 1.0, 31: 1.0}
+    plain_rate, tree_rate = 8 * tree_budgets.TREE_GAIN / TIMES[0], 8 * slower[7] / TIMES[7]
+    assert plain_rate == pytest.approx(1.2 * tree_rate)
+    saved = tree_budgets.SWITCH_HORIZON * 8 * (1 / tree_rate - 1 / plain_rate)
+    for settling, expected in ((TIMES[0] + 0.1 * saved / tree_budgets.SETTLE_STEPS, 0),
+                               (TIMES[0] + 2.0 * saved / tree_budgets.SETTLE_STEPS, 7)):
+        chooser = TreeBudgetChooser()
+        for _ in range(4 * EXPLORE_STEPS):  # the exploration: plain steps' settling steps take `settling` seconds
+            option = chooser.choose(8, 8, BUDGETS, lambda b: tokens[b] * 8)
+            first_steps = chooser._run[8] <= tree_budgets.SETTLE_STEPS
+            chooser.observe(8, option, settling if option == 0 and first_steps else TIMES[option])
+        assert chooser.change_cost(8, 0) == pytest.approx((settling - TIMES[0]) * tree_budgets.SETTLE_STEPS)
+        assert _run(chooser, 3, tokens) == [7] * 3
+        assert _run(chooser, 3, slower) == [expected] * 3

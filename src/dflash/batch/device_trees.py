@@ -221,14 +221,17 @@ class DeviceTrees:
                 moved.append((index, seq, features))
         # a request's context may be another index's view: read every source before any is overwritten
         sources = [f.clone() if _shares(f, self.context) else f for _, _, f in moved]
-        for (index, seq, _), features in zip(moved, sources, strict=True):
-            excess = features.shape[0] - self.block
-            table = seq.drafter
-            assert table is not None
-            if excess > 0:  # the prompt's features after prefill: all but the last block's go in eagerly
-                absorb_context_rows(self.drafter, self.drafter_pool, [DraftRows(table, features[:excess], 0, 0, 0)])
-                features = features[excess:]
-            self.context[index, : features.shape[0]].copy_(features)
+        # features beyond the last block's (a prompt's after prefill, the rows of plain steps taken since the last
+        # tree) go in eagerly, every request's in one packed pass (one pass per request cost ~0.5 ms each)
+        excess = [
+            DraftRows(seq.drafter, features[: features.shape[0] - self.block], 0, 0, 0)
+            for (_, seq, _), features in zip(moved, sources, strict=True)
+            if seq.drafter is not None and features.shape[0] > self.block
+        ]
+        absorb_context_rows(self.drafter, self.drafter_pool, excess)
+        for (index, _, _), features in zip(moved, sources, strict=True):
+            kept = features[-self.block :]
+            self.context[index, : kept.shape[0]].copy_(kept)
             self._handed[index] = None
         counts = entry.host_context_rows.numpy()
         counts.fill(0)

@@ -21,8 +21,10 @@ tokens per second:
 
 A tree budget is taken over a plain step only where it is predicted `TREE_GAIN` faster (what trees cost at
 arrivals and ends is not in their step times), and the choice changes only when another option is predicted
-`SWITCH_MARGIN` faster: each change ends a chain of launched-ahead steps. Outputs never depend on the choice
-(greedy verification commits the target's own tokens).
+`SWITCH_MARGIN` faster and the time it would save over the next `SWITCH_HORIZON` steps exceeds what a change to it
+was measured to cost: each change ends a chain of launched-ahead steps (the first round after plain steps is loaded
+from the host and writes their drafter context first; the first plain step waits for the last round). Outputs never
+depend on the choice (greedy verification commits the target's own tokens).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ CANDIDATES = (7, 15, 31)  # tree budgets whose verification rows (budget + 1) fi
 EXPLORE_STEPS = 6  # consecutive steps an option runs when it is measured
 REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
 SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
+SWITCH_HORIZON = 32  # steps a change is assumed to last when its saving is weighed against its measured cost
 # predicted speed-up a tree budget needs over a plain step: the step times leave out what trees add when requests
 # arrive and end (a round loaded from the host instead of launched ahead, a round beside each prompt chunk: the
 # gap between steady-state and measured DDTree speed in results/gpu_concurrency_h200.json, "tree_budgets_under_load");
@@ -121,13 +124,26 @@ class TreeBudgetChooser:
         stale = min(options, key=lambda o: self._measured.get((bucket, o), 0))
         if steps - self._measured.get((bucket, stale), 0) > REFRESH_STEPS:
             return self._pin(bucket, stale)
-        rates = {o: (expected(o) if o else requests) / (self.step_time(bucket, o) or 1e-9) for o in options}
+        tokens = {o: expected(o) if o else float(requests) for o in options}  # committed by one step of each
+        rates = {o: tokens[o] / (self.step_time(bucket, o) or 1e-9) for o in options}
         rates[0] *= TREE_GAIN  # a tree must beat a plain step by this much (the costs it adds at arrivals and ends)
         best = max(options, key=lambda o: rates[o])
         current = self._current.get(bucket)
-        if current in rates and rates[current] * SWITCH_MARGIN >= rates[best]:
-            best = current
+        if current in rates and current != best:
+            # seconds the change would save over the horizon: the tokens of its steps, each made faster
+            saved = SWITCH_HORIZON * tokens[best] * (1 / rates[current] - 1 / rates[best])
+            if rates[current] * SWITCH_MARGIN >= rates[best] or saved <= self.change_cost(bucket, best):
+                best = current
         return self._take(bucket, best)
+
+    def change_cost(self, bucket: int, option: int) -> float:
+        """Seconds a change to `option` costs beyond its steady steps: its settling steps' excess over its measured
+        step time (0 until both are measured)."""
+        settling = self._settling.get((bucket, option))
+        steady = self.step_time(bucket, option)
+        if settling is None or not settling[1] or steady is None:
+            return 0.0
+        return max(0.0, settling[0] / settling[1] - steady) * SETTLE_STEPS
 
     def _pin(self, bucket: int, option: int) -> int:
         self._pinned[bucket] = [option, EXPLORE_STEPS - 1]
