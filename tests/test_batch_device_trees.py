@@ -323,8 +323,6 @@ def _alternating_run(split_absorbs: bool) -> tuple[list[list[int]], dict[tuple[i
     `split_absorbs`: the context rows of the plain steps go into the drafter pool one request at a time (instead of
     in one packed pass) -> (each request's tokens, the drafter's logits of every device round by (request, start),
     the packed absorbs of more than one request)."""
-    import dflash.batch.device_trees as trees_module
-
     target, drafter = golden_pair()
     prompts = random_prompts(3, target.config.vocab_size, seed=31, lengths=(9, 30, 17))
     core = make_core(target, drafter, max_batch=4, ddtree_budget=6, eager_padded=True)
@@ -353,29 +351,28 @@ def _alternating_run(split_absorbs: bool) -> tuple[list[list[int]], dict[tuple[i
 
     trees.draft_pass = recorded
     packed = 0
-    real_absorb = trees_module.absorb_context_rows
+    assert core.drafter_graphs is not None
+    stores = core.drafter_graphs.context
+    real_absorb = stores.absorb
 
-    def absorb(drafter_model: Any, pool: Any, items: list[DraftRows]) -> None:
+    def absorb(items: list[DraftRows]) -> None:
         nonlocal packed
         packed += len([item for item in items if item.new_features.shape[0]]) > 1
         if not split_absorbs:
-            real_absorb(drafter_model, pool, items)
+            real_absorb(items)
             return
         for item in items:
-            real_absorb(drafter_model, pool, [item])
+            real_absorb([item])
 
-    trees_module.absorb_context_rows = absorb  # type: ignore[assignment]
-    try:
-        for seq in seqs:
-            core.add(seq)
-        while any(seq.phase != "decode" for seq in seqs):
-            core.step()
-        for index, seq in enumerate(seqs):
-            assert seq.drafter is not None
-            firsts[seq.drafter.blocks[0]] = index
-        drain(core)
-    finally:
-        trees_module.absorb_context_rows = real_absorb  # type: ignore[assignment]
+    stores.absorb = absorb  # type: ignore[method-assign]
+    for seq in seqs:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in seqs):
+        core.step()
+    for index, seq in enumerate(seqs):
+        assert seq.drafter is not None
+        firsts[seq.drafter.blocks[0]] = index
+    drain(core)
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 72)[0]
     return [seq.sink.token_ids for seq in seqs], drafts, packed

@@ -174,6 +174,7 @@ class BatchCore:
                 self.drafter_pool, drafter.config.feature_size, settings.max_batch, config.vocab_size,
                 memory=memory, graphed=graphed, sliding_window=target.sliding_window,
                 fused_drafter=(target, self.drafter_graphs.fused) if self.drafter_graphs.fused is not None else None,
+                context_stores=self.drafter_graphs.context,
                 within=tuple(sorted({b for d in range(2, settings.max_batch + 1) for b in self._budgets_for(d)})),
             )
         self.overlap: OverlappedSteps | None = None
@@ -467,7 +468,11 @@ class BatchCore:
         excess = features.shape[0] - self.drafter.config.block_size
         if excess <= 0:
             return
-        absorb_context_rows(self.drafter, self.drafter_pool, [DraftRows(seq.drafter, features[:excess], 0, 0, 0)])
+        rows = [DraftRows(seq.drafter, features[:excess], 0, 0, 0)]
+        if self.drafter_graphs is not None:
+            self.drafter_graphs.context.absorb(rows)
+        else:
+            absorb_context_rows(self.drafter, self.drafter_pool, rows)
         seq.new_features = features[excess:]
 
     def _store_prefix(self, seq: Sequence) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from dflash.batch.context_store import ContextStores
 from dflash.batch.draft_pass import DraftRows, absorb_context_rows, store_context
 from dflash.batch.graphs import PaddedForward
 from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedBatch, PaddedShape, bucket_up
@@ -95,13 +96,16 @@ class DeviceTrees:
         target_pool: BlockPool, drafter_pool: BlockPool, feature_width: int, max_requests: int, vocab: int,
         *, memory: Any = None, graphed: bool = True, sliding_window: int | None = None,
         fused_drafter: tuple[CausalLM, FusedDrafterWeights] | None = None, within: tuple[int, ...] = (),
+        context_stores: ContextStores | None = None,
     ) -> None:
         """`fused_drafter`: (the target, the drafter's joined weights) to run each round's context store and drafter
         block as one pass through the fused kernels (`fused_padded_drafter_forward`) instead of `drafter_forward`.
-        `within`: budgets whose walk lengths each round also reports, for those below its own (`RoundResult`)."""
+        `within`: budgets whose walk lengths each round also reports, for those below its own (`RoundResult`).
+        `context_stores`: the graphs that write context rows beyond a round's own (else they are written eagerly)."""
         self.within = tuple(sorted(within))
         self.drafter, self.target_forward, self.drafter_forward = drafter, target_forward, drafter_forward
         self.fused_drafter = fused_drafter
+        self.context_stores = context_stores
         # (drafter batch, context rows [requests]) -> draft logits [requests, block - 1, vocab]: `_draft`
         self.draft_pass: Callable[[PaddedBatch, torch.Tensor], torch.Tensor] = self._draft
         self.target_pool, self.drafter_pool, self.vocab = target_pool, drafter_pool, vocab
@@ -221,14 +225,17 @@ class DeviceTrees:
                 moved.append((index, seq, features))
         # a request's context may be another index's view: read every source before any is overwritten
         sources = [f.clone() if _shares(f, self.context) else f for _, _, f in moved]
-        # features beyond the last block's (a prompt's after prefill, the rows of plain steps taken since the last
-        # tree) go in eagerly, every request's in one packed pass (one pass per request cost ~0.5 ms each)
+        # features beyond the last block's (the rows of plain steps taken since the last tree) go in first, every
+        # request's in one write (one write per request made that round cost several followed rounds)
         excess = [
             DraftRows(seq.drafter, features[: features.shape[0] - self.block], 0, 0, 0)
             for (_, seq, _), features in zip(moved, sources, strict=True)
             if seq.drafter is not None and features.shape[0] > self.block
         ]
-        absorb_context_rows(self.drafter, self.drafter_pool, excess)
+        if self.context_stores is not None:
+            self.context_stores.absorb(excess)
+        else:
+            absorb_context_rows(self.drafter, self.drafter_pool, excess)
         for (index, _, _), features in zip(moved, sources, strict=True):
             kept = features[-self.block :]
             self.context[index, : kept.shape[0]].copy_(kept)

@@ -47,8 +47,8 @@ def run_drafter(
     graphs: GraphedDrafterPasses | None = None,
 ) -> list[DraftScores]:
     """Draft scores per request: [outputs, shortlist or vocab]. Advances each table over its new context rows.
-    With `graphs` (CUDA) the block pass is a graph replay (the context rows are absorbed eagerly first)."""
-    _prepare(drafter, pool, items)
+    With `graphs` (CUDA) the context rows' write and the block pass are graph replays."""
+    _prepare(drafter, pool, items, graphs)
     if graphs is not None and all(item.window is None for item in items) and not isinstance(drafter, DFlash2Drafter):
         return _graphed_blocks(drafter, graphs, items)
     scores = drafter.project_scores(target, _block_hidden(drafter, target, pool, items))  # [sum outputs, columns]
@@ -70,12 +70,17 @@ def run_selector(
     ]
 
 
-def _prepare(drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows]) -> None:
+def _prepare(
+    drafter: DFlashDrafter, pool: BlockPool, items: Sequence[DraftRows], graphs: GraphedDrafterPasses | None = None
+) -> None:
     """Room for every request's new context rows and block, and the new context rows absorbed."""
     block = drafter.config.block_size
     for item in items:
         item.table.reserve(item.table.length + item.new_features.shape[0] + block)
-    absorb_context_rows(drafter, pool, items)
+    if graphs is not None:
+        graphs.context.absorb(items)
+    else:
+        absorb_context_rows(drafter, pool, items)
 
 
 def _block_hidden(

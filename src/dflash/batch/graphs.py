@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash.batch.context_store import ContextStores
 from dflash.batch.padded import (
     ROW_BUCKETS,
     PaddedBatch,
@@ -203,7 +204,7 @@ def padded_drafter_forward(
 
 
 class GraphedDrafterPasses:
-    """The drafter's block pass of every speculating request (its context rows are absorbed eagerly before)."""
+    """The drafter's block pass of every speculating request, and the writes of its context rows before it."""
 
     def __init__(self, drafter: DFlashDrafter, target: CausalLM, pool: BlockPool, max_requests: int,
                  memory: Any, *, graphed: bool = True, fused: bool = True) -> None:
@@ -227,6 +228,7 @@ class GraphedDrafterPasses:
 
         self.graphs = PaddedGraphs("drafter", forward, pool, window, max_requests, memory, graphed=graphed)
         self.block = drafter.config.block_size
+        self.context = ContextStores(drafter, pool, memory, graphed=graphed)  # context rows' keys and values
 
     def run(self, items: Sequence[TargetRows], outputs: Sequence[int]) -> list[torch.Tensor]:
         """items: each request's block rows (visibility all ones) -> draft logits [outputs, vocab] per request."""
