@@ -83,6 +83,15 @@ class _Round:
 
 
 @dataclass(frozen=True)
+class _FirstToken:
+    """A prompt's first token, chosen on the device and copied back without waiting (read later in the step)."""
+
+    seq: Sequence
+    host: torch.Tensor  # [1] (pinned, from a GPU)
+    event: torch.cuda.Event | None  # recorded after the copy from a GPU
+
+
+@dataclass(frozen=True)
 class CoreSettings:
     max_batch: int
     prefill_chunk: int
@@ -182,6 +191,8 @@ class BatchCore:
             self.overlap = OverlappedSteps(self.graphs, settings.max_batch, weight.device)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
+        # while a list: the prompts finished in this step, their first token not read yet (`_read_first`)
+        self._first_tokens: list[_FirstToken] | None = None
         self.last_batch = 0
 
     # ---- admission ---------------------------------------------------------------------------------------
@@ -451,12 +462,33 @@ class BatchCore:
         self._absorb_prompt(seq)  # queued before the first token's read below waits for the GPU
         seq.stats.prefill_s = time.perf_counter() - seq.prefill_started
         seq.decode_started = time.perf_counter()
-        first = int(seq.chooser.choose(logits, 0)[0])
+        chosen = seq.chooser.choose(logits, 0)[:1]  # [1]
+        if self._first_tokens is None:
+            self._start_decoding(seq, int(chosen[0]))
+            return
+        # read after the step's next launch (`_read_first`)
+        host = torch.empty(1, dtype=chosen.dtype, pin_memory=chosen.is_cuda)
+        host.copy_(chosen, non_blocking=True)
+        event = None
+        if chosen.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._first_tokens.append(_FirstToken(seq, host, event))
+
+    def _start_decoding(self, seq: Sequence, first: int) -> None:
         seq.chooser.observe([first])
         seq.start, seq.pending = seq.prompt_length, first
         seq.phase = "decode"
         if seq.sink.push(first):
             self._end(seq)
+
+    def _read_first(self) -> None:
+        """The prompts' first tokens copied back by `_after_prefill` this step: each request starts decoding."""
+        firsts, self._first_tokens = self._first_tokens or [], None
+        for first in firsts:
+            if first.event is not None:
+                first.event.synchronize()
+            self._guarded(first.seq, self._start_decoding, first.seq, int(first.host[0]))
 
     def _absorb_prompt(self, seq: Sequence) -> None:
         """The prompt's drafter context but its last block into the drafter pool, as its prefill ends: launched
@@ -786,10 +818,10 @@ class BatchCore:
 
     def _follow_device_round(self) -> int | None:
         """Where the unread device round's requests (less those that ended) are this step's only decoding ones and
-        go on with the same shape: launch their next round from the state it leaves on the device, then read and
-        commit it (the host's work overlaps the GPU's), then run any prompt chunk due in a pass of its own (a request
-        in its prompt does not break the chain). Otherwise read and commit it, and return None: the step goes on from
-        the committed state."""
+        go on with the same shape: run any prompt chunk due in a pass of its own (a request in its prompt does not
+        break the chain), launch their next round from the state the unread one leaves on the device, then read and
+        commit that one (the host's work overlaps the GPU's), and last read the first token of each prompt that
+        ended. Otherwise read and commit it, and return None: the step goes on from the committed state."""
         trees = self.device_trees
         assert trees is not None and trees.launched is not None
         seqs = trees.launched.seqs  # in the launched round's order, requests that ended since included
@@ -806,22 +838,28 @@ class BatchCore:
             assert unread is not None
             self._commit_device_round(unread)
             return None
-        try:
-            # an ended request's slot rides as padding until the requests change (no chain break at its end)
-            ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
-            previous = trees.launch(seqs, budget, follow=True, ended=ended)
-        except Exception as exc:  # the launch failed: its requests end with the error (the unread round too)
-            log.exception("batched step failed")
-            trees.take()
-            for seq in seqs:
-                self._end(seq, exc)
-            return len(seqs)
-        assert previous is not None
-        self._commit_device_round(previous)
+        # prompt chunks due go first, their first tokens copied back without waiting: the host reads them after
+        # launching the next round and committing the last, so it does not wait for the next round to run
         prefills = self._prefill_work()
-        if prefills:
-            self._step_prefilled = True
-            self._prefill_alone(prefills)
+        self._first_tokens = []
+        try:
+            if prefills:
+                self._step_prefilled = True
+                self._prefill_alone(prefills)
+            try:
+                # an ended request's slot rides as padding until the requests change (no chain break at its end)
+                ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
+                previous = trees.launch(seqs, budget, follow=True, ended=ended)
+            except Exception as exc:  # the launch failed: its requests end with the error (the unread round too)
+                log.exception("batched step failed")
+                trees.take()
+                for seq in seqs:
+                    self._end(seq, exc)
+                return len(seqs) + len(prefills)
+            assert previous is not None
+            self._commit_device_round(previous)
+        finally:
+            self._read_first()
         self.last_batch = len(seqs) + len(prefills)
         return self.last_batch
 

@@ -36,6 +36,7 @@ log = logging.getLogger("dflash.batch")
 
 PaddedForward = Callable[[PaddedBatch], tuple[torch.Tensor, torch.Tensor | None]]
 MAX_PREFILL_KEYS = 8192  # positions a prompt chunk may reach through the padded pass (masks [requests, rows, keys])
+PREFILL_GRAPH_REQUESTS = 4  # prompt steps of more requests run eagerly (each shape met is captured)
 
 
 @dataclass
@@ -114,15 +115,16 @@ class GraphedTargetPasses:
             memory, graphed=graphed,
         )
         # prompt chunks through the same padded pass: every request's chunk in one pass per layer, where the packed
-        # pass attends request by request. A step with one request's chunk (the usual one: requests arrive one by
-        # one) replays a graph captured when its shape is first met (eagerly, launching a few hundred kernels from
-        # Python costs more than a small chunk's work); several requests' chunks run eagerly. Their graphs keep a
-        # memory pool of their own: a step reads a chunk's logits after the decoding rows' graph has run, which
-        # would reuse a shared pool's memory
+        # pass attends request by request. A step with the chunks of up to `PREFILL_GRAPH_REQUESTS` requests (the
+        # usual one: under load requests arrive one or two at a time, as others end) replays a graph captured when
+        # its shape is first met (eagerly, launching a few hundred kernels from Python costs more than a few small
+        # chunks' work: a DDTree prompt step of ~2.4 requests' chunks took 15.6 ms eagerly on an H100); more
+        # requests' chunks run eagerly. Their graphs keep a memory pool of their own: a step reads a chunk's logits
+        # after the decoding rows' graph has run, which would reuse a shared pool's memory
         self.prefills = PaddedGraphs(
             "prefill", lambda batch: forward(model, pool, batch, layers, last_rows=True), pool, model.sliding_window,
             max_requests, torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed,
-            max_graphed_requests=1,
+            max_graphed_requests=PREFILL_GRAPH_REQUESTS,
         )
 
     @property
