@@ -114,9 +114,9 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
 
 
 def _serve(
-    monkeypatch: pytest.MonkeyPatch, device_trees: bool, device: torch.device
+    monkeypatch: pytest.MonkeyPatch, device_trees: bool, device: torch.device, mode: str = "ddtree"
 ) -> tuple[list[Sequence], tuple[int, int, int], Drafts]:
-    """Five greedy DDTree requests, at most four decoding together (an ended request's slot riding as padding while
+    """Five greedy DDTree (or linear: chains on the device) requests, at most four decoding together (an ended request's slot riding as padding while
     the others fill the request bucket), through the padded passes (graphs on CUDA) -> (the sequences, (the device
     rounds launched, those launched after an unread one, those with an ended request's slot), the drafter's logits
     of every round)."""
@@ -128,9 +128,9 @@ def _serve(
     core = make_core(target, drafter, max_batch=4, prefill_chunk=32, ddtree_budget=6, cuda_graphs=cuda,
                      eager_padded=not cuda)
     core.policy.plan = lambda *args, **kwargs: True  # its timing of real steps must not change the rounds
-    core.tree_budgets.forced = True
+    core.tree_budgets.forced = core.chain_lengths.forced = True
     assert (core.device_trees is not None) == device_trees
-    seqs = [make_sequence(target, p, new, "ddtree") for p, new in zip(prompts, MAX_NEW, strict=True)]
+    seqs = [make_sequence(target, p, new, mode) for p, new in zip(prompts, MAX_NEW, strict=True)]
     drafts: Drafts = {}
     _install_oracles(monkeypatch, core, seqs, references, drafts)
     rounds = followed = holes = 0  # rounds launched, launched after an unread one, with an ended request's slot
@@ -138,12 +138,12 @@ def _serve(
         trees = core.device_trees
         counted_launch = trees.launch
 
-        def counted(step: list[Sequence], budget: int, *, follow: bool = False, ended: Any = None) -> Any:
+        def counted(step: list[Sequence], budget: int, *, follow: bool = False, ended: Any = None, **options: Any) -> Any:
             nonlocal rounds, followed, holes
             rounds += 1
             followed += follow
             holes += bool(ended)
-            return counted_launch(step, budget, follow=follow, ended=ended)
+            return counted_launch(step, budget, follow=follow, ended=ended, **options)
 
         trees.launch = counted  # type: ignore[method-assign]
     for seq in seqs:
@@ -157,15 +157,18 @@ def _serve(
     return seqs, (rounds, followed, holes), drafts
 
 
-def _commit_like_the_host(monkeypatch: pytest.MonkeyPatch, device: torch.device, tolerance: float) -> None:
-    on, (rounds, followed, holes), device_drafts = _serve(monkeypatch, True, device)
-    off, _, host_drafts = _serve(monkeypatch, False, device)
-    assert rounds >= 15 and followed >= 5 and holes >= 1
+def _commit_like_the_host(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device, tolerance: float, mode: str = "ddtree"
+) -> None:
+    on, (rounds, followed, holes), device_drafts = _serve(monkeypatch, True, device, mode)
+    off, _, host_drafts = _serve(monkeypatch, False, device, mode)
+    assert rounds >= 15 and followed >= 5 and (holes >= 1 or mode == "linear")  # ended slots: the trees' runs
     for device_seq, host_seq, new in zip(on, off, MAX_NEW, strict=True):
-        assert device_seq.stats.acceptance_length > 2.5
+        # a chain stops at the oracle's first swapped position, a tree goes on through the second-best child
+        assert device_seq.stats.acceptance_length > (2.5 if mode == "ddtree" else 1.8)
         # round for round, but for the last rounds, where a host-built tree is cut to the tokens left and a device
-        # round still drafts its full depth (the sink keeps what was asked for)
-        uncut = _uncut_rounds(host_seq.stats.accepted_per_round, new, DEPTH)
+        # round still drafts its full depth (the sink keeps what was asked for; linear rounds are never cut)
+        uncut = _uncut_rounds(host_seq.stats.accepted_per_round, new, DEPTH if mode == "ddtree" else 0)
         assert uncut >= len(host_seq.stats.accepted_per_round) - 3
         assert device_seq.stats.accepted_per_round[:uncut] == host_seq.stats.accepted_per_round[:uncut]
     # the drafter read the same context in every round both made (the device rounds' absorbed rows, kept features)
@@ -199,11 +202,20 @@ def test_device_trees_commit_round_for_round_what_host_built_trees_commit(monkey
     _commit_like_the_host(monkeypatch, torch.device("cpu"), 1e-4)
 
 
+def test_device_chains_commit_round_for_round_what_host_built_linear_rounds_commit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Greedy linear requests on the device trees take chains of the drafter's argmax tokens: the same five requests
+    give their greedy tokens alone and accept, round for round, what host-built linear rounds accept."""
+    _commit_like_the_host(monkeypatch, torch.device("cpu"), 1e-4, mode="linear")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_device_trees_commit_what_host_built_trees_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["ddtree", "linear"])
+def test_graphed_device_trees_commit_what_host_built_trees_commit(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """The same through the captured graphs and the Triton tree programs on a GPU."""
-    _commit_like_the_host(monkeypatch, torch.device("cuda"), 1e-3)
+    _commit_like_the_host(monkeypatch, torch.device("cuda"), 1e-3, mode)
 
 
 def test_requests_that_stop_or_are_cancelled_while_a_device_round_is_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,10 +244,10 @@ def test_requests_that_stop_or_are_cancelled_while_a_device_round_is_in_flight(m
     followed = 0
     real_launch = core.device_trees.launch
 
-    def counted(step: list[Sequence], budget: int, *, follow: bool = False, ended: Any = None) -> Any:
+    def counted(step: list[Sequence], budget: int, *, follow: bool = False, ended: Any = None, **options: Any) -> Any:
         nonlocal followed
         followed += follow
-        return real_launch(step, budget, follow=follow, ended=ended)
+        return real_launch(step, budget, follow=follow, ended=ended, **options)
 
     core.device_trees.launch = counted  # type: ignore[method-assign]
     for seq in seqs:

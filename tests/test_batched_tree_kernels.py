@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.fastpath.batched_trees import BatchedTreeBuilder, TreeBatch
+from dflash.fastpath.batched_trees import BatchedChainBuilder, BatchedTreeBuilder, TreeBatch
 from dflash.kernels.triton_tree import tree_kernel_usable
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,3 +81,24 @@ def test_the_builder_checks_its_programs_against_the_torch_ops() -> None:
     """Left to choose, the builder runs the programs once against the torch ops and keeps them where they agree."""
     builder = BatchedTreeBuilder(7, 7, 200, DEVICE, 2)
     assert builder.kernel
+
+
+@pytest.mark.parametrize("length", [3, 15])
+def test_chains_walked_by_the_program_equal_the_torch_ops(length: int) -> None:
+    """One-path trees (linear rounds' chains) through the walk program: the same round outputs as the torch ops."""
+    generator = torch.Generator().manual_seed(length)
+    trees, vocab = 3, 300
+    logits = torch.randn((trees, 15, vocab), generator=generator).to(DEVICE)
+    fast = BatchedChainBuilder(length, vocab, DEVICE, trees, kernel=True)
+    reference = BatchedChainBuilder(length, vocab, DEVICE, trees, kernel=False)
+    chains = reference.grow(logits)
+    follow = torch.rand((trees, length + 1), generator=generator) < 0.85
+    follow[:, 0] = True
+    choices = torch.where(follow.to(DEVICE), chains.tokens.roll(-1, dims=1), 0)
+    smaller = torch.tensor([c for c in (3, 7) if c < length], dtype=torch.long, device=DEVICE)
+    out = torch.full((trees, length + 2 + smaller.shape[0]), -5, dtype=torch.long, device=DEVICE)
+    out_expected = out.clone()
+    fast.walk_into(fast.grow(logits), choices, smaller, out)
+    reference.walk_into(chains, choices, smaller, out_expected)
+    assert (out_expected[:, 0] > 0).all()
+    assert torch.equal(out, out_expected)

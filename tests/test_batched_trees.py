@@ -1,12 +1,18 @@
 """Trees grown, laid out and walked for a batch of requests at once (`dflash.fastpath.batched_trees`) equal the
-single-tree device programs' torch form (`dflash.fastpath.device_tree`), tree by tree."""
+single-tree device programs' torch form (`dflash.fastpath.device_tree`), tree by tree; chains (one-path trees) walk
+as linear verification does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dflash.fastpath.batched_trees import BatchedTreeBuilder, walk_trees, write_tree_inputs
+from dflash.fastpath.batched_trees import (
+    BatchedChainBuilder,
+    BatchedTreeBuilder,
+    walk_trees,
+    write_tree_inputs,
+)
 from dflash.fastpath.device_tree import TreeBuilder, walk_tree
 
 
@@ -90,3 +96,33 @@ def test_lengths_within_smaller_budgets_equal_walking_the_smaller_trees(seed: in
         tree = BatchedTreeBuilder(small, min(depth, small), vocab, "cpu").grow(logits)
         expected = walk_trees(tree, _prefix_choices(tree, top_ids), min(depth, small)).length
         assert torch.equal(within[:, column], expected)
+
+
+def test_chains_are_the_argmax_paths_and_walk_as_linear_verification() -> None:
+    """A chain is the drafter's argmax at each position; its walk accepts the drafts up to the first the target's
+    choice differs from, then the bonus token, and reports what each shorter chain would have committed."""
+    generator = torch.Generator().manual_seed(3)
+    trees, length, vocab = 4, 6, 50
+    logits = torch.randn((trees, length + 2, vocab), generator=generator)
+    builder = BatchedChainBuilder(length, vocab, "cpu", trees)
+    chains = builder.grow(logits)
+    drafts = logits[:, :length].argmax(dim=-1)  # [trees, length]
+    assert torch.equal(chains.tokens[:, 1:], drafts)
+    assert torch.equal(chains.parents[0], torch.tensor([0, 0, 1, 2, 3, 4, 5]))
+    assert torch.equal(chains.ancestors[0], torch.ones(length + 1, length + 1).tril().bool())
+    # the target agrees with the first `agree` drafts of each chain, then picks another token
+    agree = [0, 2, 5, 6]
+    choices = torch.zeros((trees, length + 1), dtype=torch.long)
+    for index, count in enumerate(agree):
+        choices[index, :length] = drafts[index]
+        if count < length:
+            choices[index, count] = (drafts[index, count] + 1) % vocab
+        choices[index, length] = 7
+    smaller = torch.tensor([1, 3])
+    out = torch.zeros((trees, length + 2 + 2), dtype=torch.long)
+    builder.walk_into(chains, choices, smaller, out)
+    for index, count in enumerate(agree):
+        assert int(out[index, 0]) == count
+        committed = [*drafts[index, :count].tolist(), int(choices[index, count])]
+        assert out[index, 1 : count + 2].tolist() == committed
+        assert out[index, length + 2 :].tolist() == [min(count, 1) + 1, min(count, 3) + 1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.batch import tree_budgets
-from dflash.batch.tree_budgets import EXPLORE_STEPS, TreeBudgetChooser, candidate_budgets
+from dflash.batch.tree_budgets import EXPLORE_STEPS, TreeBudgetChooser, candidate_budgets, candidate_chains
 
 BUDGETS = [7, 15, 31]
 TIMES = {0: 1.0, 7: 2.0, 15: 2.6, 31: 3.4}  # seconds of a steady step of 8 requests (plain, then each budget)
@@ -29,6 +29,9 @@ def test_candidates_are_the_smaller_buckets_and_the_top() -> None:
     assert candidate_budgets(12) == [7, 12]
     assert candidate_budgets(5) == [5]
     assert candidate_budgets(0) == []
+    assert candidate_chains(15) == [3, 7, 15]
+    assert candidate_chains(5) == [3, 5]
+    assert candidate_chains(0) == []
 
 
 def test_every_option_is_measured_largest_first_then_the_fastest_is_taken() -> None:

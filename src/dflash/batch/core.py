@@ -33,7 +33,7 @@ from dflash.batch.policy import RoundPlan, SpeculationPolicy
 from dflash.batch.pool import BlockPool, SlotTable
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
-from dflash.batch.tree_budgets import TreeBudgetChooser, candidate_budgets
+from dflash.batch.tree_budgets import TreeBudgetChooser, candidate_budgets, candidate_chains
 from dflash.drafter.dflash2 import DFlash2Drafter
 from dflash.drafter.model import DFlashDrafter
 from dflash.drafter.selector import CandidateLattice
@@ -141,12 +141,13 @@ class BatchCore:
             settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
         )
         self.tree_budgets = TreeBudgetChooser()  # steps of greedy DDTree requests only (`_tree_option`)
+        self.chain_lengths = TreeBudgetChooser()  # steps of greedy linear requests on the device, by chain length
         self._option_memo: tuple[tuple[int, tuple[int, ...]], int] | None = None
         self._step_index = 0
         # the last step's start, its (request bucket, tree option) if the chooser decided it, and whether a prompt
         # chunk ran in it: the time to the next step's start is that option's cost (`_account_step`)
         self._step_started = 0.0
-        self._step_choice: tuple[int, int] | None = None
+        self._step_choice: tuple[TreeBudgetChooser, int, int] | None = None  # (chooser, bucket, option)
         self._step_prefilled = False
         # steps by kind (the device's launched-ahead and loaded rounds, launched-ahead plain steps, steps with a
         # prompt chunk, other host-built steps) -> [steps, seconds to the next step's start]: where the time goes
@@ -184,7 +185,10 @@ class BatchCore:
                 memory=memory, graphed=graphed, sliding_window=target.sliding_window,
                 fused_drafter=(target, self.drafter_graphs.fused) if self.drafter_graphs.fused is not None else None,
                 context_stores=self.drafter_graphs.context,
-                within=tuple(sorted({b for d in range(2, settings.max_batch + 1) for b in self._budgets_for(d)})),
+                within=tuple(sorted({
+                    b for d in range(2, settings.max_batch + 1) for chain in (False, True)
+                    for b in self._budgets_for(d, chain)
+                })),
             )
         self.overlap: OverlappedSteps | None = None
         if self.graphs is not None and settings.overlap and batch_overlap_enabled():
@@ -525,10 +529,13 @@ class BatchCore:
     def _plan_rounds(self, decoders: list[Sequence]) -> list[_Round]:
         speculating = sum(1 for s in decoders if s.speculative)
         plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
-        if len(decoders) > 1 and self._device_tree_requests(decoders):
-            option = self._tree_option(decoders)  # 0: a plain step
+        kind = self._device_kind(decoders) if len(decoders) > 1 else None
+        if kind is not None:
+            option = self._tree_option(decoders, chain=kind == "chain")  # 0: a plain step
             if option == 0:
                 return [_Round(seq, "plain") for seq in decoders]
+            if kind == "chain":  # chains of `option` drafts (on the device where the step fits it)
+                return [_Round(seq, "linear", outputs=option) for seq in decoders]
             rounds = [self._round_for(seq, RoundPlan(option, plan.linear_drafts)) for seq in decoders]
             if any(r.kind != "tree" for r in rounds):  # a request with one token left: a device round serves it too
                 drafts = min(self.device_trees.block - 1, option) if self.device_trees is not None else 0
@@ -552,42 +559,52 @@ class BatchCore:
         round before it) to the option it took, where the chooser decided it and no prompt chunk ran in it."""
         spent = now - self._step_started
         if self._step_choice is not None and not self._step_prefilled:
-            self.tree_budgets.observe(*self._step_choice, spent)
+            chooser, bucket, option = self._step_choice
+            chooser.observe(bucket, option, spent)
         if self._step_kind is not None:
             totals = self.step_kinds.setdefault(self._step_kind, [0, 0.0])
             totals[0] += 1
             totals[1] += spent
         self._step_started, self._step_choice, self._step_prefilled, self._step_kind = now, None, False, None
 
-    def _budgets_for(self, decoding: int) -> list[int]:
-        """The tree budgets a step of `decoding` greedy DDTree requests may take (alone: the configured one); the
-        same for every count of one request bucket (the bucket's row share), so that each bucket measures a few."""
+    def _budgets_for(self, decoding: int, chain: bool = False) -> list[int]:
+        """The tree budgets (`chain`: the chain lengths) a step of `decoding` greedy DDTree (linear) requests may take
+        (alone: the configured one); the same for every count of one request bucket (the bucket's row share), so
+        that each bucket measures a few."""
+        block = self.drafter.config.block_size if self.drafter is not None else 1
+        bucket = 1 if decoding == 1 else PaddedShape.bucket_requests(decoding, self.settings.max_batch)
+        share = self.policy.share(bucket, plain_rows=0)
+        top = min(share.linear_drafts, block - 1) if chain else share.ddtree_budget
         if decoding == 1:
-            top = self.policy.share(1, plain_rows=0).ddtree_budget
             return [top] if top > 0 else []
-        bucket = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
-        return candidate_budgets(self.policy.share(bucket, plain_rows=0).ddtree_budget)
+        return candidate_chains(top) if chain else candidate_budgets(top)
 
-    def _device_tree_requests(self, decoders: list[Sequence]) -> bool:
-        """Whether every decoding request is a greedy DDTree request the device trees serve."""
-        return self.device_trees is not None and all(
-            s.mode == "ddtree" and s.feature_rows is not None and _plain_greedy(s.chooser, s.produced)
-            for s in decoders
-        )
+    def _device_kind(self, decoders: list[Sequence]) -> str | None:
+        """"tree" where every decoding request is a greedy DDTree request the device trees serve, "chain" where
+        every one is a greedy linear request (served as one-path trees), else None."""
+        if self.device_trees is None or not decoders:
+            return None
+        mode = decoders[0].mode
+        if mode not in ("ddtree", "linear") or not all(
+            s.mode == mode and s.feature_rows is not None and _plain_greedy(s.chooser, s.produced) for s in decoders
+        ):
+            return None
+        return "tree" if mode == "ddtree" else "chain"
 
-    def _tree_option(self, decoders: list[Sequence]) -> int:
-        """This step's tree budget for `decoders` (0: a plain step), chosen once per step (`TreeBudgetChooser`)."""
+    def _tree_option(self, decoders: list[Sequence], chain: bool = False) -> int:
+        """This step's tree budget (`chain`: chain length) for `decoders` (0: a plain step), chosen once per step
+        (`TreeBudgetChooser`)."""
         key = (self._step_index, tuple(map(id, decoders)))
         if self._option_memo is not None and self._option_memo[0] == key:
             return self._option_memo[1]
-        chooser = self.tree_budgets
+        chooser = self.chain_lengths if chain else self.tree_budgets
         bucket = PaddedShape.bucket_requests(len(decoders), self.settings.max_batch)
         option = chooser.choose(
-            bucket, len(decoders), self._budgets_for(len(decoders)),
+            bucket, len(decoders), self._budgets_for(len(decoders), chain),
             lambda budget: sum(s.expected_tree_tokens(budget, chooser.prior(budget)) for s in decoders),
         )
         self._option_memo = (key, option)
-        self._step_choice = (bucket, option)
+        self._step_choice = (chooser, bucket, option)
         return option
 
     def _round_for(self, seq: Sequence, plan: RoundPlan) -> _Round:
@@ -774,9 +791,11 @@ class BatchCore:
         seq.record_drafted_round(drafted, accepted)
         self.policy.record_round(seq.mode, accepted + 1)
 
-    def _record_tree(self, seq: Sequence, budget: int, tokens: int, within: dict[int, int]) -> None:
+    def _record_tree(
+        self, seq: Sequence, budget: int, tokens: int, within: dict[int, int], chain: bool = False
+    ) -> None:
         seq.record_tree_round(budget, tokens, within)
-        self.tree_budgets.record(budget, tokens, within)
+        (self.chain_lengths if chain else self.tree_budgets).record(budget, tokens, within)
 
     def _commit(self, seq: Sequence, committed: list[int], kept_features: torch.Tensor | None) -> None:
         """A round's committed tokens (its K/V rows already kept): the drafter's new context, the next pending
@@ -790,20 +809,24 @@ class BatchCore:
 
     # ---- DDTree steps built on the device (`dflash.batch.device_trees`) -----------------------------------
     def _device_tree_step_fits(self, rounds: list[_Round], *, ahead: bool = False) -> bool:
-        """Whether this step's rounds go through the device trees: every one a greedy tree round of one budget
-        (the choice is the plain argmax), each request's round writing only positions it reserved (`ahead`: the
-        round starts after the unread one, up to depth + 1 positions later). A round may draft past a request's
-        last token: its sink keeps only what the request asked for."""
+        """Whether this step's rounds go through the device trees: every one a greedy tree round of one budget, or
+        every one a greedy linear round of one draft count (a chain), the choice the plain argmax, each request's
+        round writing only positions it reserved (`ahead`: the round starts after the unread one, up to depth + 1
+        positions later). A round may draft past a request's last token: its sink keeps only what the request
+        asked for."""
         trees = self.device_trees
-        if trees is None or not rounds or any(r.kind != "tree" for r in rounds):
+        found = _device_round(rounds)
+        if trees is None or found is None:
             return False
-        budget = rounds[0].budget
-        depth = trees.depth(budget)
+        size, chain = found
+        depth = trees.depth(size)
+        if chain and depth != size:
+            return False
         # the furthest position a round writes past its start: tree rows to depth, the drafter block to block - 1
         reach = max(depth, trees.block - 1) + (depth + 1 if ahead else 0)
         for r in rounds:
             seq = r.seq
-            if r.budget != budget or seq.feature_rows is None or not _plain_greedy(seq.chooser, seq.produced):
+            if seq.feature_rows is None or not _plain_greedy(seq.chooser, seq.produced):
                 return False
             if seq.start + reach >= self.positions_needed(seq):
                 return False
@@ -812,7 +835,9 @@ class BatchCore:
     def _device_tree_step(self, rounds: list[_Round]) -> int:
         """Launch this step's round from the committed state; it is read at the next step."""
         assert self.device_trees is not None
-        self.device_trees.launch([r.seq for r in rounds], rounds[0].budget)
+        found = _device_round(rounds)
+        assert found is not None
+        self.device_trees.launch([r.seq for r in rounds], found[0], chain=found[1])
         self.last_batch = len(rounds)
         return len(rounds)
 
@@ -832,8 +857,9 @@ class BatchCore:
         # ended requests' slots ride as padding while the others fill the same request bucket
         if same and PaddedShape.bucket_requests(len(live), self.settings.max_batch) == trees.launched.shape.requests:
             rounds = self._plan_rounds(decoding)
-        budget = rounds[0].budget if rounds else 0
-        if not (self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow(seqs, budget)):
+        found = _device_round(rounds)
+        size, chain = found if found is not None else (0, False)
+        if not (self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow(seqs, size, chain)):
             unread = trees.take()
             assert unread is not None
             self._commit_device_round(unread)
@@ -849,7 +875,7 @@ class BatchCore:
             try:
                 # an ended request's slot rides as padding until the requests change (no chain break at its end)
                 ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
-                previous = trees.launch(seqs, budget, follow=True, ended=ended)
+                previous = trees.launch(seqs, size, chain=chain, follow=True, ended=ended)
             except Exception as exc:  # the launch failed: its requests end with the error (the unread round too)
                 log.exception("batched step failed")
                 trees.take()
@@ -888,17 +914,17 @@ class BatchCore:
             for seq in launched.seqs:
                 self._end(seq, exc)
             return
-        budget = launched.shape.budget
+        shape = launched.shape
         for seq, result in zip(launched.seqs, results, strict=True):
             if seq.phase != "done":
-                self._guarded(seq, self._after_device_round, seq, budget, result)
+                self._guarded(seq, self._after_device_round, seq, shape.budget, result, shape.chain)
 
-    def _after_device_round(self, seq: Sequence, budget: int, result: RoundResult) -> None:
+    def _after_device_round(self, seq: Sequence, budget: int, result: RoundResult, chain: bool = False) -> None:
         """Commit a device round: its K/V rows were moved on the device; the table keeps them, the drafter has read
         the context before the round's start, its next context is the round's rows."""
         assert seq.target is not None and seq.drafter is not None
         self._record_drafted(seq, budget, result.accepted)
-        self._record_tree(seq, budget, result.accepted + 1, result.within)
+        self._record_tree(seq, budget, result.accepted + 1, result.within, chain)
         kept = result.accepted + 1
         seq.target.crop(seq.start + kept)
         seq.drafter.crop(seq.start)
@@ -1013,6 +1039,20 @@ class BatchCore:
             seq.finish(error)
         self.active.clear()
         self.waiting.clear()
+
+
+def _device_round(rounds: list[_Round]) -> tuple[int, bool] | None:
+    """(tree budget, False) where every round is a tree round of that budget, (draft count, True) where every one is
+    a linear round of that many drafts (a chain on the device), else None."""
+    if not rounds:
+        return None
+    kind = rounds[0].kind
+    size = rounds[0].budget if kind == "tree" else rounds[0].outputs
+    if kind not in ("tree", "linear") or size <= 0:
+        return None
+    if any(r.kind != kind or (r.budget if kind == "tree" else r.outputs) != size for r in rounds):
+        return None
+    return size, kind == "linear"
 
 
 def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:

@@ -22,6 +22,10 @@ with the same shape, the next round is launched from step 6's state before this 
 so the host's commits overlap the GPU; otherwise every round is read before the next is loaded from the host. The
 host commits the tokens as it commits a host-built round's. Greedy verification accepts exactly the target's own argmax path, so the output is
 the target's greedy decoding whatever the tree (the device and host trees may differ on exact score ties).
+
+Greedy linear DFlash requests take the same rounds with `chain=True`: each tree is one path, the drafter's argmax at
+every block position (`dflash.fastpath.batched_trees.BatchedChainBuilder`), the chain a host-built linear round
+verifies.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from dflash.batch.pool import BlockPool
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import TargetRows
 from dflash.drafter.model import DFlashDrafter
-from dflash.fastpath.batched_trees import BatchedTreeBuilder, write_tree_inputs
+from dflash.fastpath.batched_trees import BatchedChainBuilder, BatchedTreeBuilder, write_tree_inputs
 from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
 from dflash.kernels.triton_argmax import fast_argmax
@@ -52,6 +56,7 @@ class TreeShape:
     requests: int  # request bucket (`PaddedShape.bucket_requests`)
     keys: int  # key positions both passes may reach (a power of two, at least `MIN_KEY_BUCKET`)
     budget: int  # drafted nodes per tree
+    chain: bool = False  # linear DFlash: each tree one path of the drafter's argmax tokens
 
 
 @dataclass
@@ -119,7 +124,7 @@ class DeviceTrees:
         self._handed: list[torch.Tensor | None] = [None] * max_requests  # the context views given out, by index
         self._entries: dict[TreeShape, _Entry] = {}
         self.launched: LaunchedRound | None = None
-        self._builders: dict[int, BatchedTreeBuilder] = {}
+        self._builders: dict[tuple[int, bool], BatchedTreeBuilder] = {}  # (budget, chain) ->
         self._smaller: dict[int, torch.Tensor] = {}  # budget -> [smaller budgets of `within`] long
         from dflash.kernels.triton_kv_move import pool_move_usable
 
@@ -135,30 +140,31 @@ class DeviceTrees:
         """Drafted positions a tree of `budget` nodes grows over."""
         return min(self.block - 1, budget)
 
-    def shape(self, seqs: list[Sequence], budget: int) -> TreeShape:
+    def shape(self, seqs: list[Sequence], budget: int, chain: bool = False) -> TreeShape:
         """The shape of a round of `seqs`, or of the round after it (the keys reach one round further: a round
         launched before the previous one is read starts up to `depth + 1` positions past the host's `start`)."""
         reach = max(seq.start for seq in seqs) + self.depth(budget) + 1 + max(self.block, budget + 1)
         keys = max(MIN_KEY_BUCKET, 1 << (reach - 1).bit_length())
-        return TreeShape(PaddedShape.bucket_requests(len(seqs), self.max_requests), keys, budget)
+        return TreeShape(PaddedShape.bucket_requests(len(seqs), self.max_requests), keys, budget, chain)
 
     def ensure(self, shape: TreeShape) -> None:
         if shape not in self._entries:
             self._capture(shape)
 
     # ---- a step ------------------------------------------------------------------------------------------
-    def can_follow(self, seqs: list[Sequence], budget: int) -> bool:
+    def can_follow(self, seqs: list[Sequence], budget: int, chain: bool = False) -> bool:
         """Whether a round of `seqs` can be launched straight after the unread one, from the state that round
         leaves on the device: the same requests in the same order, the same budget and shape."""
         launched = self.launched
         return (
             launched is not None and len(launched.seqs) == len(seqs)
             and all(a is b for a, b in zip(launched.seqs, seqs, strict=True))
-            and launched.shape == self.shape(seqs, budget)
+            and launched.shape == self.shape(seqs, budget, chain)
         )
 
     def launch(
-        self, seqs: list[Sequence], budget: int, *, follow: bool = False, ended: list[int] | None = None
+        self, seqs: list[Sequence], budget: int, *, chain: bool = False, follow: bool = False,
+        ended: list[int] | None = None,
     ) -> LaunchedRound | None:
         """Launch one round for each of `seqs` (greedy DDTree requests, at most `max_requests`, each able to draft
         `depth(budget)` positions), nothing read back; returns the round launched before it, unread (None if none).
@@ -166,7 +172,7 @@ class DeviceTrees:
         round), but for `ended` (indexes of requests that ended since: their slots become padding); otherwise they
         are loaded from the host, which must have read every earlier round."""
         previous = self.launched
-        shape = previous.shape if follow and previous is not None else self.shape(seqs, budget)
+        shape = previous.shape if follow and previous is not None else self.shape(seqs, budget, chain)
         entry = self._entries.get(shape) or self._capture(shape)
         if not follow:
             assert previous is None, "a round loaded from the host needs every earlier round read"
@@ -180,7 +186,7 @@ class DeviceTrees:
         if entry.graph is not None:
             entry.graph.replay()
         else:
-            self._round(entry, budget)
+            self._round(entry, shape)
         host = entry.host_out[entry.turn]
         entry.turn ^= 1
         host.copy_(entry.out, non_blocking=True)
@@ -260,11 +266,12 @@ class DeviceTrees:
         entry.context_rows.copy_(entry.host_context_rows, non_blocking=True)
 
     # ---- the round (captured) ----------------------------------------------------------------------------
-    def _round(self, entry: _Entry, budget: int) -> None:
+    def _round(self, entry: _Entry, shape: TreeShape) -> None:
         drafter_batch, target_batch = entry.drafter_batch, entry.target_batch
+        budget = shape.budget
         depth = self.depth(budget)
         draft_logits = self.draft_pass(drafter_batch, entry.context_rows)  # [requests, block - 1, vocab]
-        builder = self._builder(budget)
+        builder = self._builder(budget, shape.chain)
         trees = builder.grow(draft_logits)
         write_tree_inputs(trees, drafter_batch.tokens[:, 0], target_batch.past, target_batch.tokens,
                           target_batch.positions, target_batch.visibility)
@@ -338,12 +345,15 @@ class DeviceTrees:
         context.copy_(torch.where(keep[:, :, None], kept.to(context.dtype), context))
 
     # ---- shapes ------------------------------------------------------------------------------------------
-    def _builder(self, budget: int) -> BatchedTreeBuilder:
-        builder = self._builders.get(budget)
+    def _builder(self, budget: int, chain: bool = False) -> BatchedTreeBuilder:
+        builder = self._builders.get((budget, chain))
         if builder is None:
             device = self.target_pool.device
-            builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, device, self.max_requests)
-            self._builders[budget] = builder
+            if chain:
+                builder = BatchedChainBuilder(budget, self.vocab, device, self.max_requests)
+            else:
+                builder = BatchedTreeBuilder(budget, self.depth(budget), self.vocab, device, self.max_requests)
+            self._builders[(budget, chain)] = builder
             # the budgets below this one whose walk lengths its rounds report, made before any capture
             self._smaller[budget] = torch.tensor([b for b in self.within if b < budget], dtype=torch.long,
                                                  device=device)
@@ -364,12 +374,12 @@ class DeviceTrees:
             torch.zeros((requests, columns), dtype=torch.long, device=device),
             [torch.zeros((requests, columns), dtype=torch.long, pin_memory=pinned) for _ in range(2)],
         )
-        self._builder(shape.budget)  # made before any capture
+        self._builder(shape.budget, shape.chain)  # made before any capture
         self._entries[shape] = entry
         if not self.graphed:
             return entry
         # the buffers hold no request: every row is padding, nothing real is written (the context stays)
-        entry.graph, _ = capture_graph(lambda: self._round(entry, shape.budget), self._memory, warmups=2)
+        entry.graph, _ = capture_graph(lambda: self._round(entry, shape), self._memory, warmups=2)
         return entry
 
 

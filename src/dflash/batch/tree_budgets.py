@@ -1,5 +1,5 @@
-"""Which tree budget a step of greedy DDTree requests verifies, or none (a plain step), from measured step times and
-measured acceptance.
+"""Which tree budget a step of greedy DDTree requests verifies (or which chain length a step of greedy linear requests
+does), or none (a plain step), from measured step times and measured acceptance.
 
 A bigger tree commits more tokens per round and costs more per step, and the more requests share a step, the more
 every verified row costs against the plain rows it delays: the best budget moves with the load and the machine. When
@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 CANDIDATES = (7, 15, 31)  # tree budgets whose verification rows (budget + 1) fill a padded row bucket
+CHAIN_CANDIDATES = (3, 7)  # chain lengths of linear requests (rows 4 and 8 fill a row bucket), with the top one
 EXPLORE_STEPS = 6  # consecutive steps an option runs when it is measured
 REFRESH_STEPS = 256  # steps of one request bucket between re-measurements of its least recently measured option
 SWITCH_MARGIN = 1.05  # predicted speed-up that moves the choice off the current option
@@ -54,6 +55,13 @@ def candidate_budgets(top: int) -> list[int]:
     if top <= 0:
         return []
     return sorted({b for b in CANDIDATES if b < top} | {top})
+
+
+def candidate_chains(top: int) -> list[int]:
+    """The chain lengths a step of greedy linear requests may take, at most `top` drafts each."""
+    if top <= 0:
+        return []
+    return sorted({c for c in CHAIN_CANDIDATES if c < top} | {top})
 
 
 class TreeBudgetChooser:

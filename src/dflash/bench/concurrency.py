@@ -281,11 +281,15 @@ def _step_counts(core: Any) -> dict[str, dict[str, float]]:
     if core is None:
         return {}
     chosen = {f"{bucket}:{option}": count for (bucket, option), count in core.tree_budgets.chosen.items()}
+    chains = getattr(core, "chain_lengths", None)  # greedy linear requests' chains on the device
+    if chains is not None:
+        chosen.update({f"{bucket}:chain{option}": count for (bucket, option), count in chains.chosen.items()})
     return {"kinds": {k: list(v) for k, v in core.step_kinds.items()}, "chosen": chosen}
 
 
 def _step_difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """A level's steps: by kind {steps, ms}, and the tree options chosen ("bucket:option": steps; 0 is plain)."""
+    """A level's steps: by kind {steps, ms}, and the tree options chosen ("bucket:option": steps; 0 is plain;
+    "bucket:chainN": chains of N drafts, "bucket:chain0" plain steps of linear requests)."""
     kinds = {}
     for kind, (count, seconds) in sorted(after["kinds"].items()):
         old = before["kinds"].get(kind, [0, 0.0])
@@ -299,8 +303,12 @@ def _tree_budgets(engine: Engine) -> dict[str, Any]:
     """What the batched core's tree-budget choice did over the run (`dflash.batch.tree_budgets`) and its steps by
     kind (count, time to the next step), where it ran."""
     core = getattr(getattr(engine, "loop", None), "core", None)
-    chooser = getattr(core, "tree_budgets", None)
-    return {"tree_budgets": chooser.summary()} if chooser is not None else {}
+    found = {}
+    for name in ("tree_budgets", "chain_lengths"):
+        chooser = getattr(core, name, None)
+        if chooser is not None and chooser.chosen:
+            found[name] = chooser.summary()
+    return found
 
 
 def format_concurrency_table(result: dict[str, Any]) -> str:

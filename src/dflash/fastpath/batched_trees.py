@@ -234,3 +234,29 @@ def walk_trees(trees: TreeBatch, choices: torch.Tensor, depth: int) -> Walk:
     next_rows = path.gather(1, (steps + 1).clamp(max=depth).expand(count, depth + 1))
     committed = torch.where(steps < (length - 1)[:, None], trees.tokens.gather(1, next_rows), bonus)
     return Walk(path, length, committed, accepted)
+
+
+class BatchedChainBuilder(BatchedTreeBuilder):
+    """Linear DFlash's chains for a batch of requests as trees of one path: node d the drafter's argmax at block
+    position d, its parent node d - 1; walked by the trees' walk. A chain's first c nodes are its best c (ranks by
+    depth), so each round also tells what every shorter chain would have committed (`Walk.lengths_within`)."""
+
+    def __init__(
+        self, length: int, vocab: int, device: torch.device | str, max_trees: int = 1, *, kernel: bool | None = None
+    ) -> None:
+        device = torch.device(device)
+        rows = torch.arange(length + 1, device=device)  # [n+1]
+        self._depths = rows[None].repeat(max_trees, 1)  # [max_trees, n+1]
+        self._parents = (rows - 1).clamp(min=0)[None].repeat(max_trees, 1)
+        self._valid = torch.ones((max_trees, length + 1), dtype=torch.bool, device=device)
+        self._ancestors = (rows[None, :] <= rows[:, None])[None].repeat(max_trees, 1, 1)  # [max_trees, n+1, n+1]
+        self._ranks = (rows - 1)[None].repeat(max_trees, 1)  # the root -1
+        super().__init__(length, length, vocab, device, max_trees, kernel=kernel)
+
+    def grow(self, draft_logits: torch.Tensor) -> TreeBatch:
+        """draft_logits: [trees, >= length, vocab] -> each request's chain of argmax tokens."""
+        trees, length = draft_logits.shape[0], self.depth
+        best = draft_logits[:, :length].argmax(dim=-1)  # [trees, length]
+        tokens = torch.cat((best.new_zeros(trees, 1), best), 1)  # [trees, length + 1]
+        return TreeBatch(tokens, self._depths[:trees], self._parents[:trees], self._valid[:trees],
+                         self._ancestors[:trees], self._ranks[:trees])
