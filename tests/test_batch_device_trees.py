@@ -401,3 +401,16 @@ def test_device_rounds_after_plain_steps_absorb_every_request_s_rows_in_one_pass
     assert drafts.keys() == alone_drafts.keys() and len(drafts) >= 12
     for key, logits in drafts.items():
         torch.testing.assert_close(logits, alone_drafts[key], atol=1e-4, rtol=1e-4)
+
+
+def test_warm_up_sets_up_the_chains_of_an_engine_serving_linear_requests() -> None:
+    """`capture_graphs(chains=True)` (the warm-up of an engine whose mode is linear) sets up device rounds of chains,
+    at every request bucket, of the chain lengths its steps choose among, and no tree shape."""
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=4, linear_drafts=7, eager_padded=True)
+    assert core.device_trees is not None
+    core.capture_graphs(max_keys=256, chains=True)
+    shapes = list(core.device_trees._entries)
+    assert shapes and all(shape.chain for shape in shapes)
+    assert {shape.requests for shape in shapes} == {1, 2, 4}
+    assert {shape.budget for shape in shapes if shape.requests == 4} == {3, 7}

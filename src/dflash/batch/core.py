@@ -241,10 +241,11 @@ class BatchCore:
             self._restore_prefix(seq)
             self.active.append(seq)
 
-    def capture_graphs(self, max_keys: int = 4096) -> int:
+    def capture_graphs(self, max_keys: int = 4096, *, chains: bool = False) -> int:
         """Capture the decoding pass's graphs ahead of traffic: every request bucket with every row bucket its steps
-        can have (plain rows, and the rounds the policy's shares allow that many requests), keys up to `max_keys`.
-        A shape met later is captured then, holding up every request of that step. Returns the graphs held."""
+        can have (plain rows, and the rounds the policy's shares allow that many requests), keys up to `max_keys`,
+        and the device rounds of DDTree's trees (`chains`: linear requests' chains). A shape met later is captured
+        then, holding up every request of that step. Returns the graphs held."""
         if self.graphs is None:
             return 0
         from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, bucket_up
@@ -255,10 +256,12 @@ class BatchCore:
             requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
             rows = self.policy.round_rows(decoding) if self.drafter is not None else {1}
             rows_of.setdefault(requests, set()).update(bucket_up(count, ROW_BUCKETS) for count in rows)
-        budgets_of: dict[int, set[int]] = {}  # request bucket -> tree budgets of steps where every request drafts
+        # request bucket -> tree budgets (`chains`: the chain lengths of greedy linear requests, the engine's default
+        # mode) of steps where every request drafts
+        budgets_of: dict[int, set[int]] = {}
         for decoding in range(1, self.settings.max_batch + 1):
             requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
-            budgets_of.setdefault(requests, set()).update(self._budgets_for(decoding))
+            budgets_of.setdefault(requests, set()).update(self._budgets_for(decoding, chains))
         for requests, rows in sorted(rows_of.items()):
             keys = MIN_KEY_BUCKET
             while keys <= max_keys:
@@ -268,7 +271,7 @@ class BatchCore:
                     self.drafter_graphs.graphs.ensure(PaddedShape(requests, bucket_up(block, ROW_BUCKETS), keys))
                 if self.device_trees is not None:
                     for budget in sorted(budgets_of.get(requests, ())):
-                        self.device_trees.ensure(TreeShape(requests, keys, budget))
+                        self.device_trees.ensure(TreeShape(requests, keys, budget, chains))
                 keys *= 2
         drafter = self.drafter_graphs.graphs.captured if self.drafter_graphs is not None else 0
         trees = self.device_trees.captured if self.device_trees is not None else 0

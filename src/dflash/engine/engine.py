@@ -260,7 +260,7 @@ class Engine:
 
         if self.batched and self.device.type == "cuda" and self.options.cuda_graphs:
             started = time.perf_counter()
-            captured = self.loop.core.capture_graphs()
+            captured = self.loop.core.capture_graphs(chains=self.options.spec == "linear")
             log.info("warm-up: %d CUDA graphs of the batched step captured in %.1f s", captured,
                      time.perf_counter() - started)
             if self.options.single_request_path and graph_runner_of(self.target) is not None:
