@@ -24,6 +24,7 @@ from dflash.bench.concurrency import (
 )
 from dflash.errors import DFlashError
 from dflash.generation.request import GenerationRequest, GenerationResult, GenerationStats, TokenCallback
+from dflash.generation.sampling import SamplingParams
 from dflash.training.prompts import write_prompt_file
 
 
@@ -106,6 +107,17 @@ def test_closed_loop_keeps_level_requests_in_flight_and_counts_tokens() -> None:
     expected = sum(t.tokens / t.latency_s for t in run.requests) / 10
     assert row["request_tokens_per_s"] == pytest.approx(expected, rel=1e-3)
     assert row["acceptance_length"] == pytest.approx(3.0)  # (8 accepted + 4 rounds) / 4 rounds
+
+
+def test_sampled_levels_seed_each_request_by_its_index() -> None:
+    """At a temperature, request i is sampled with seed i (the same request in every mode and level)."""
+    engine = StandInEngine(first_s=0.0, rest_s=0.0)
+    closed_loop(engine, PROMPTS, spec="ddtree", clients=2, requests=5, max_tokens=3,
+                sampling=SamplingParams(temperature=0.7, top_p=0.9))
+    by_seed = sorted(engine.requests, key=lambda r: r.sampling.seed or 0)
+    assert [r.sampling.seed for r in by_seed] == [0, 1, 2, 3, 4]
+    assert [r.prompt_ids[0] for r in by_seed] == [PROMPTS[i % 3][0] for i in range(5)]
+    assert all(r.sampling.temperature == 0.7 and r.sampling.top_p == 0.9 and r.ignore_eos for r in by_seed)
 
 
 def test_one_client_runs_requests_one_after_another() -> None:

@@ -2,9 +2,10 @@
 
 Each (mode, level) runs a closed loop of `level` clients: `level` threads share the level's requests and each issues
 its next request as soon as its previous one ends, so `level` requests stay in flight until the queue drains. Every
-request is greedy with `ignore_eos=True`: it produces exactly `max_tokens` tokens whatever the model would answer,
-so every request does the same decoding work and tokens/s compare across levels and modes. Request i takes prompt
-i modulo the prompt list, which alternates between the prompt files.
+request is greedy (or sampled at `--temperature`, request i with seed i, the same in every mode and level) with
+`ignore_eos=True`: it produces exactly `max_tokens` tokens whatever the model would answer, so every request does
+the same decoding work and tokens/s compare across levels and modes. Request i takes prompt i modulo the prompt list,
+which alternates between the prompt files.
 
 Per request: TTFT (from submission to the first streamed text or token ids, so it includes any wait for the engine),
 end-to-end latency and tokens. Per level: aggregate tokens/s (all tokens over the level's wall time), p50/p95 of
@@ -106,7 +107,12 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def timed_request(generator: Generator, prompt_ids: list[int], *, spec: str, max_tokens: int) -> RequestTiming:
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def timed_request(
+    generator: Generator, prompt_ids: list[int], *, spec: str, max_tokens: int, sampling: SamplingParams = GREEDY
+) -> RequestTiming:
     first_output: list[float] = []
 
     def on_text(text: str, ids: list[int]) -> None:
@@ -114,7 +120,7 @@ def timed_request(generator: Generator, prompt_ids: list[int], *, spec: str, max
             first_output.append(time.perf_counter())
 
     request = GenerationRequest(
-        prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=SamplingParams(temperature=0.0), ignore_eos=True
+        prompt_ids=prompt_ids, max_new_tokens=max_tokens, sampling=sampling, ignore_eos=True
     )
     submitted = time.perf_counter()
     result = generator.generate(request, on_text=on_text, spec=spec)
@@ -128,10 +134,11 @@ def timed_request(generator: Generator, prompt_ids: list[int], *, spec: str, max
 
 
 def closed_loop(
-    generator: Generator, prompts: Sequence[list[int]], *, spec: str, clients: int, requests: int, max_tokens: int
+    generator: Generator, prompts: Sequence[list[int]], *, spec: str, clients: int, requests: int, max_tokens: int,
+    sampling: SamplingParams = GREEDY,
 ) -> LoopRun:
-    """`requests` requests (request i on prompt i mod len(prompts)) from `clients` threads, each starting its next
-    request when its previous one ends."""
+    """`requests` requests (request i on prompt i mod len(prompts), sampled with seed i unless greedy) from
+    `clients` threads, each starting its next request when its previous one ends."""
     if clients < 1 or requests < 1 or not prompts:
         raise ValueError(f"need clients, requests and prompts (got {clients}, {requests}, {len(prompts)})")
     # A pool of `clients` threads over a queue of all the requests is exactly `clients` closed-loop clients: a thread
@@ -139,7 +146,8 @@ def closed_loop(
     with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="bench-client") as pool:
         started = time.perf_counter()
         futures = [
-            pool.submit(timed_request, generator, prompts[i % len(prompts)], spec=spec, max_tokens=max_tokens)
+            pool.submit(timed_request, generator, prompts[i % len(prompts)], spec=spec, max_tokens=max_tokens,
+                        sampling=sampling if sampling.greedy else dataclasses.replace(sampling, seed=i))
             for i in range(requests)
         ]
         try:
@@ -182,6 +190,7 @@ def measure_levels(
     warmup: bool = True,
     advance: Callable[[int], None] = lambda n: None,
     warmup_requests: int | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one summary per level. Levels run in the outer loop, so the modes of one level are measured close
     together in time. Warm-up (untimed): one request per client at every level, per mode, so that the batch shapes
@@ -198,20 +207,23 @@ def measure_levels(
     if warmup:
         for mode, level in itertools.product(modes, levels):
             count = max(level, warmup_requests or 0)
-            closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens)
+            closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens,
+                        sampling=sampling)
             advance(count)
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     core = getattr(getattr(generator, "loop", None), "core", None)  # the batched core, where the engine has one
     for level, mode in itertools.product(levels, modes):
         count = requests_per_level(level, requests)
         before = _step_counts(core)
-        run = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens)
+        run = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens,
+                        sampling=sampling)
         advance(count)
         row = summarise(run, level)
         if core is not None:
             row["steps"] = _step_difference(_step_counts(core), before)
         if sequential:
-            alone = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=1, requests=count, max_tokens=max_tokens)
+            alone = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=1, requests=count, max_tokens=max_tokens,
+                                sampling=sampling)
             advance(count)
             row["sequential_wall_s"] = round(alone.wall_s, 4)
             row["sequential_tokens_per_s"] = round(row["tokens"] / alone.wall_s, 3)
@@ -237,6 +249,7 @@ def measure_concurrency(
     sequential: bool = False,
     warmup: bool = True,
     warmup_requests: int | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> dict[str, Any]:
     """The levels on `engine` (serialised with `OneAtATime` where it cannot batch), with provenance."""
     if engine.drafter is None and any(MODE_SPECS.get(m, "none") != "none" for m in modes):
@@ -253,6 +266,7 @@ def measure_concurrency(
         results = measure_levels(
             generator, prompts, modes=modes, levels=levels, max_tokens=max_tokens, requests=requests,
             sequential=sequential, warmup=warmup, advance=bar.advance, warmup_requests=warmup_requests,
+            sampling=sampling,
         )
     return {
         **provenance(engine.device),
@@ -264,7 +278,10 @@ def measure_concurrency(
         "cuda_graphs": graph_runner_of(engine.target) is not None,
         "batched": (max_batch or 1) > 1,  # False: the engine ran one request at a time, the others waited
         "max_batch": max_batch,
-        "sampling": "greedy, ignore_eos (every request produces exactly max_tokens)",
+        "sampling": (
+            "greedy" if sampling.greedy
+            else f"temperature {sampling.temperature}, top_p {sampling.top_p}, request i seeded with i"
+        ) + ", ignore_eos (every request produces exactly max_tokens)",
         "max_tokens": max_tokens,
         "prompts": len(prompts),
         "prompt_files": [str(p) for p in prompt_files],

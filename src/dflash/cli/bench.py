@@ -59,6 +59,10 @@ def register(commands: Any) -> None:
     concurrency.add_argument("--requests", type=int, default=None,
                              help="requests per level (default: 2 x the level, at least 4)")
     concurrency.add_argument("--max-tokens", type=int, default=128, help="tokens of every request (EOS ignored)")
+    concurrency.add_argument("--temperature", type=float, default=0.0,
+                             help="sample every request at this temperature (request i seeded with i; default greedy)")
+    concurrency.add_argument("--top-p", type=float, default=1.0)
+    concurrency.add_argument("--top-k", type=int, default=0)
     concurrency.add_argument("--prompts-file", type=Path, action="append", default=None)
     concurrency.add_argument("--sequential", action="store_true", help="also time the same requests one at a time")
     concurrency.add_argument("--max-concurrency", "--max-batch", dest="max_concurrency", type=int, default=None,
@@ -135,8 +139,10 @@ def run_speed(args: argparse.Namespace) -> int:
 
 def run_concurrency(args: argparse.Namespace) -> int:
     from dflash.bench.concurrency import engine_takes_threads, format_concurrency_table, measure_concurrency
+    from dflash.generation.sampling import SamplingParams
 
     levels = [int(level) for level in args.concurrency.split(",") if level.strip()]
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # checked first
     if args.max_concurrency is None and engine_takes_threads():
         args.max_concurrency = max(levels, default=1)  # below the top level, the top levels would only queue
     engine = engine_from_args(args)
@@ -147,6 +153,7 @@ def run_concurrency(args: argparse.Namespace) -> int:
         args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], levels=levels, max_tokens=args.max_tokens,
         requests=args.requests, sequential=args.sequential, warmup=args.warmup, warmup_requests=args.warmup_requests,
+        sampling=sampling,
     )
     _emit(result, args, format_concurrency_table(result))
     return 0
