@@ -75,14 +75,16 @@ def drain(core: BatchCore, limit: int = 10_000) -> int:
 
 def sampled_counts(
     target: CausalLM, drafter: DFlashDrafter, mode: str, samples: int, new: int, *, budget: int, block: int,
-    prepare: Callable[[BatchCore], None] | None = None, rounds: list[int] | None = None,
+    prepare: Callable[[BatchCore], None] | None = None, rounds: list[int] | None = None, eager_padded: bool = False,
 ) -> list[Counter[int]]:
     """Token counts per output position of `samples` requests on prompt [1, 2, 3] (seeds 0..), sampled at
     temperature 1, 64 in a batch; `prepare` adjusts each batch's core first (e.g. its speculation policy).
-    `rounds` gains each request's speculative rounds."""
+    `rounds` gains each request's speculative rounds. `eager_padded`: through the fixed-shape passes run eagerly
+    (the CUDA path's steps: device rounds for DDTree requests)."""
     per_position: list[Counter[int]] = [Counter() for _ in range(new)]
     for first in range(0, samples, 64):
-        core = make_core(target, drafter, max_batch=64, ddtree_budget=budget, linear_drafts=block - 1)
+        core = make_core(target, drafter, max_batch=64, ddtree_budget=budget, linear_drafts=block - 1,
+                         eager_padded=eager_padded)
         if prepare is not None:
             prepare(core)
         seqs = [

@@ -3,6 +3,7 @@ eagerly on the CPU (the CUDA graphs' passes and tree programs' torch forms) and,
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -16,8 +17,16 @@ from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
 from dflash.environment import DEVICE_TREES
 from dflash.kv.prefix_cache import PrefixCache
-from tests.batch_helpers import drain, make_core, make_sequence
-from tests.spec_helpers import golden_pair, one_torch_thread, oracle_logits, random_prompts, run
+from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
+from tests.spec_helpers import (
+    golden_pair,
+    one_torch_thread,
+    oracle_logits,
+    random_prompts,
+    run,
+    tiny_random_pair,
+    total_variation,
+)
 
 _one_thread = one_torch_thread  # autouse, module scope
 
@@ -414,3 +423,51 @@ def test_warm_up_sets_up_the_chains_of_an_engine_serving_linear_requests() -> No
     assert shapes and all(shape.chain for shape in shapes)
     assert {shape.requests for shape in shapes} == {1, 2, 4}
     assert {shape.budget for shape in shapes if shape.requests == 4} == {3, 7}
+
+
+# ---- sampled requests on the device rounds --------------------------------------------------------------------
+
+SAMPLED_VOCAB, SAMPLED_BLOCK, SAMPLED_NEW = 8, 4, 4
+
+
+def _device_samples(samples: int, mode: str, launches: list[int]) -> list[Counter[int]]:
+    """`samples` requests (seeds 0..) at temperature 1 through the CUDA path's steps run eagerly, DDTree's rounds
+    always on the device (`launches` gains each batch's device rounds)."""
+    def prepare(core: BatchCore) -> None:
+        core.tree_budgets.forced = True
+        core.policy.plan = lambda *args, **kwargs: True  # type: ignore[method-assign]
+        if core.device_trees is not None:
+            trees = core.device_trees
+            launch = trees.launch
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                launches.append(1)
+                return launch(*args, **kwargs)
+
+            trees.launch = counted  # type: ignore[method-assign]
+
+    pair = tiny_random_pair(SAMPLED_VOCAB, 2.0, SAMPLED_BLOCK)
+    return sampled_counts(*pair, mode, samples, SAMPLED_NEW, budget=6, block=SAMPLED_BLOCK, prepare=prepare,
+                          eager_padded=True)
+
+
+@pytest.mark.slow
+def test_sampled_ddtree_requests_on_device_rounds_keep_the_target_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per-position token distributions of 1500 DDTree requests sampled at temperature 1 (64 in a batch), every round
+    on the device (each tree row sampled there, the walk following the sampled token), agree with plain decoding's
+    within TV 0.06; a control whose rows take the argmax instead exceeds it (the test can fail)."""
+    samples, tolerance = 1500, 0.06
+    launches: list[int] = []
+    reference = _device_samples(samples, "none", launches)
+    assert not launches
+    sampled = _device_samples(samples, "ddtree", launches)
+    assert len(launches) >= 100
+    distances = [total_variation(p, s) for p, s in zip(reference, sampled, strict=True)]
+    assert max(distances) < tolerance, distances
+    import dflash.batch.device_trees as trees_module
+
+    monkeypatch.setattr(trees_module, "choose_rows", lambda logits, sampling, past, mode, greedy: greedy)
+    control = _device_samples(samples, "ddtree", launches)
+    assert max(total_variation(p, s) for p, s in zip(reference, control, strict=True)) > tolerance

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dflash.batch.device_sampling import device_seed, sample_tree_rows
 from dflash.batch.device_trees import DeviceTrees, LaunchedRound, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, absorb_context_rows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
@@ -583,13 +584,15 @@ class BatchCore:
         return candidate_chains(top) if chain else candidate_budgets(top)
 
     def _device_kind(self, decoders: list[Sequence]) -> str | None:
-        """"tree" where every decoding request is a greedy DDTree request the device trees serve, "chain" where
-        every one is a greedy linear request (served as one-path trees), else None."""
+        """"tree" where every decoding request is a DDTree request the device trees serve (greedy, or sampled with
+        nothing but its logits and random stream deciding: `_device_choice`), "chain" where every one is a greedy
+        linear request (served as one-path trees), else None."""
         if self.device_trees is None or not decoders:
             return None
         mode = decoders[0].mode
         if mode not in ("ddtree", "linear") or not all(
-            s.mode == mode and s.feature_rows is not None and _plain_greedy(s.chooser, s.produced) for s in decoders
+            s.mode == mode and s.feature_rows is not None and _device_choice(s, chain=mode == "linear")
+            for s in decoders
         ):
             return None
         return "tree" if mode == "ddtree" else "chain"
@@ -747,6 +750,13 @@ class BatchCore:
             allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
             return seq.chooser.choose(logits, seq.produced, allowed)  # [k+1]
         assert r.tree is not None
+        if not seq.chooser.params.greedy and _choice_stateless(seq.chooser, seq.produced):
+            # the rows a device round would sample, with the same uniforms: the same tokens either way
+            if seq.device_seed is None:
+                seq.device_seed = device_seed(seq.chooser.params)
+            depths = r.tree.host.depths if r.tree.host is not None else r.tree.depths.tolist()
+            positions = [seq.start, *(seq.start + d for d in depths)]
+            return sample_tree_rows(logits, seq.chooser.params, seq.device_seed, positions)  # [n+1]
         return tree_choices(seq.chooser, logits, r.tree, seq.produced)  # [n+1]
 
     def _after_round(self, r: _Round, out: TargetOutput, index: int, choices: list[int]) -> None:
@@ -829,7 +839,7 @@ class BatchCore:
         reach = max(depth, trees.block - 1) + (depth + 1 if ahead else 0)
         for r in rounds:
             seq = r.seq
-            if seq.feature_rows is None or not _plain_greedy(seq.chooser, seq.produced):
+            if seq.feature_rows is None or not _device_choice(seq, chain=chain):
                 return False
             if seq.start + reach >= self.positions_needed(seq):
                 return False
@@ -1056,6 +1066,15 @@ def _device_round(rounds: list[_Round]) -> tuple[int, bool] | None:
     if any(r.kind != kind or (r.budget if kind == "tree" else r.outputs) != size for r in rounds):
         return None
     return size, kind == "linear"
+
+
+def _device_choice(seq: Sequence, *, chain: bool) -> bool:
+    """Whether a device round can choose `seq`'s tokens: a tree's rows greedy or sampled on the device
+    (`dflash.batch.device_sampling`), a chain's greedy only (a sampled chain is verified on the host, by the draft
+    distribution's rule, which accepts more than matching a sample)."""
+    if chain:
+        return _plain_greedy(seq.chooser, seq.produced)
+    return _choice_stateless(seq.chooser, seq.produced)
 
 
 def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dflash.batch.context_store import ContextStores
+from dflash.batch.device_sampling import RowSampling, choice_mode, choose_rows, device_seed
 from dflash.batch.draft_pass import DraftRows, absorb_context_rows, store_context
 from dflash.batch.graphs import PaddedForward
 from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedBatch, PaddedShape, bucket_up
@@ -57,6 +58,7 @@ class TreeShape:
     keys: int  # key positions both passes may reach (a power of two, at least `MIN_KEY_BUCKET`)
     budget: int  # drafted nodes per tree
     chain: bool = False  # linear DFlash: each tree one path of the drafter's argmax tokens
+    choice: str = "greedy"  # how the target's token at each row is chosen (`device_sampling.choice_mode`)
 
 
 @dataclass
@@ -72,6 +74,8 @@ class _Entry:
     # the walk's length under each of `DeviceTrees.within` below the round's budget
     host_out: list[torch.Tensor]  # two copies of it, pinned on CUDA, used in turn (a round launched before the
     # previous one is read must not overwrite what that one's copy may still be writing)
+    sampling: RowSampling  # each request's sampling parameters (sampled shapes), and their host buffers
+    host_sampling: RowSampling
     turn: int = 0
 
 
@@ -145,7 +149,8 @@ class DeviceTrees:
         launched before the previous one is read starts up to `depth + 1` positions past the host's `start`)."""
         reach = max(seq.start for seq in seqs) + self.depth(budget) + 1 + max(self.block, budget + 1)
         keys = max(MIN_KEY_BUCKET, 1 << (reach - 1).bit_length())
-        return TreeShape(PaddedShape.bucket_requests(len(seqs), self.max_requests), keys, budget, chain)
+        choice = choice_mode([seq.chooser.params for seq in seqs])
+        return TreeShape(PaddedShape.bucket_requests(len(seqs), self.max_requests), keys, budget, chain, choice)
 
     def ensure(self, shape: TreeShape) -> None:
         if shape not in self._entries:
@@ -264,6 +269,12 @@ class DeviceTrees:
         entry.drafter_batch.load(drafter_rows)
         entry.target_batch.load(target_rows)
         entry.context_rows.copy_(entry.host_context_rows, non_blocking=True)
+        if entry.sampling is not entry.host_sampling:  # sampled shapes: each request's parameters and seed
+            for seq in seqs:
+                if seq.device_seed is None:  # (a host-built round may have set it)
+                    seq.device_seed = device_seed(seq.chooser.params)
+            entry.host_sampling.fill([s.chooser.params for s in seqs], [s.device_seed or 0 for s in seqs])
+            entry.sampling.copy_(entry.host_sampling)
 
     # ---- the round (captured) ----------------------------------------------------------------------------
     def _round(self, entry: _Entry, shape: TreeShape) -> None:
@@ -279,6 +290,8 @@ class DeviceTrees:
         assert features is not None
         requests, rows = logits.shape[:2]
         choices = fast_argmax(logits.view(requests * rows, -1)).view(requests, rows)  # [requests, rows]
+        # a sampled request's rows: a draw from its filtered distribution (the walk then follows the sampled token)
+        choices = choose_rows(logits, entry.sampling, target_batch.positions, shape.choice, choices)
         # out: [accepted, committed tokens (depth + 1), walk lengths within the smaller budgets]
         paths, lengths = builder.walk_into(trees, choices, self._smaller[budget], entry.out)
         self._keep_paths(target_batch, paths, lengths, features, depth)
@@ -366,6 +379,9 @@ class DeviceTrees:
         columns = depth + 2 + sum(1 for b in self.within if b < shape.budget)
         drafter_shape = PaddedShape(requests, bucket_up(self.block, ROW_BUCKETS), shape.keys)
         target_shape = PaddedShape(requests, bucket_up(shape.budget + 1, ROW_BUCKETS), shape.keys)
+        sampling = RowSampling.zeros(requests, device)  # one set (never loaded) where every request is greedy
+        host_sampling = sampling if shape.choice == "greedy" else RowSampling.zeros(requests, torch.device("cpu"),
+                                                                                        pin_memory=pinned)
         entry = _Entry(
             None, PaddedBatch(drafter_shape, self.drafter_pool, None),
             PaddedBatch(target_shape, self.target_pool, self.window),
@@ -373,6 +389,7 @@ class DeviceTrees:
             torch.zeros(requests, dtype=torch.long, pin_memory=pinned),
             torch.zeros((requests, columns), dtype=torch.long, device=device),
             [torch.zeros((requests, columns), dtype=torch.long, pin_memory=pinned) for _ in range(2)],
+            sampling, host_sampling,
         )
         self._builder(shape.budget, shape.chain)  # made before any capture
         self._entries[shape] = entry

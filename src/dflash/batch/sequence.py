@@ -56,6 +56,7 @@ class Sequence:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     resumed: int = 0  # output tokens at the end of the prompt: it began on the single-request path (`resume_from_output`)
+    device_seed: int | None = None  # its rows' uniforms in sampled device rounds (`dflash.batch.device_sampling`)
 
     @property
     def prompt_length(self) -> int:

@@ -1,0 +1,170 @@
+"""The target's choice at every verified row of a device round, for greedy and sampled requests in one batch, on the
+device (inside the round's graph: no host read, no host random stream).
+
+A sampled DDTree round is lossless by sampling the target at every tree row and following the child that carries
+the sampled token (the host-built rounds' rule, `dflash.speculative.ddtree.tree_choices`): each committed token is
+then a sample of the target's distribution given the committed prefix. Here each row's token is drawn by inverse
+CDF from the request's filtered distribution (`dflash.generation.sampling.filtered_probs`: temperature, top-k, min-p,
+top-p, applied in the same order) with a uniform made by hashing (request seed, the row's position): every row at one
+depth of a tree shares its uniform, and a position's uniform decides the token committed after it exactly once (a
+round's rows past where its walk ends are never read; the next round draws them again with the same uniform, which
+nothing has seen). The tokens are then a function of the request's seed and the target's distributions alone: the
+same through device rounds, host-built rounds (`sample_tree_rows`), in any batch and whatever the trees. Rows of a
+greedy request (temperature 0) take the argmax.
+
+The round's shape says which programs run (`choice_mode`): "greedy" (every request greedy: the argmax alone),
+"sampled" (no top-k or top-p: one cumulative sum over the vocabulary in its own order) or "filtered" (some request
+with top-k or top-p: a sort of every row's scores).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dflash.generation.sampling import SamplingParams
+from dflash.host_copies import to_device
+
+MASK31 = 0x7FFFFFFF  # uniforms are hashed in 31-bit integers: every product below fits int64
+_MIXERS = (0x5BD1E995, 0x27D4EB2F, 0x165667B1)  # odd multipliers below 2**31
+_POSITION_MIX, _ROUND_MIX = 0x9E3779B1, 0x85EBCA77  # below 2**32: a 31-bit value times either fits int64
+_UNIFORM_BITS = 24  # float32 holds them exactly
+
+
+def choice_mode(params: Sequence[SamplingParams]) -> str:
+    """"greedy", "sampled" or "filtered" for a round of requests with these sampling parameters."""
+    sampled = [p for p in params if not p.greedy]
+    if not sampled:
+        return "greedy"
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
+        return "filtered"
+    return "sampled"
+
+
+def device_seed(params: SamplingParams) -> int:
+    """A request's 31-bit seed for its rows' uniforms: from its own seed where it gave one, else random."""
+    if params.seed is None:
+        return random.getrandbits(31)
+    return _mix_int(params.seed & MASK31 ^ (params.seed >> 31) & MASK31)
+
+
+@dataclass
+class RowSampling:
+    """Per-request sampling parameters of a round, on the device (each [requests])."""
+
+    temperature: torch.Tensor  # float32, 0 for a greedy request
+    top_k: torch.Tensor  # long, 0: no limit
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    seed: torch.Tensor  # long, 31 bits
+
+    @staticmethod
+    def zeros(requests: int, device: torch.device, *, pin_memory: bool = False) -> RowSampling:
+        def floats() -> torch.Tensor:
+            return torch.zeros(requests, dtype=torch.float32, device=device, pin_memory=pin_memory)
+
+        def longs() -> torch.Tensor:
+            return torch.zeros(requests, dtype=torch.long, device=device, pin_memory=pin_memory)
+
+        return RowSampling(floats(), longs(), floats(), floats(), longs())
+
+    def fill(self, params: Sequence[SamplingParams], seeds: Sequence[int]) -> None:
+        """Write these requests' parameters (host buffers), padding slots after them greedy."""
+        count = len(params)
+        self.temperature.zero_()
+        self.top_k.zero_()
+        self.top_p.fill_(1.0)
+        self.min_p.zero_()
+        self.seed.zero_()
+        self.temperature[:count] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        self.top_k[:count] = torch.tensor([p.top_k for p in params], dtype=torch.long)
+        self.top_p[:count] = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        self.min_p[:count] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        self.seed[:count] = torch.tensor(list(seeds), dtype=torch.long)
+
+    def copy_(self, other: RowSampling) -> None:
+        for mine, theirs in zip(self.fields(), other.fields(), strict=True):
+            mine.copy_(theirs, non_blocking=True)
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 31-bit integer hash, elementwise (x: long, values in [0, 2**31))."""
+    for multiplier in _MIXERS:
+        x = x ^ (x >> 15)
+        x = (x * multiplier) & MASK31
+    return x ^ (x >> 13)
+
+
+def _mix_int(x: int) -> int:
+    for multiplier in _MIXERS:
+        x ^= x >> 15
+        x = (x * multiplier) & MASK31
+    return x ^ (x >> 13)
+
+
+def row_uniforms(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """seed [requests] long, positions [requests, rows] long -> uniforms [requests, rows] in [0, 1), a function of
+    (seed, position) alone."""
+    key = _mix(seed)[:, None]  # [requests, 1]
+    bits = _mix(key ^ ((positions & MASK31) * _POSITION_MIX & MASK31))  # [requests, rows]
+    bits = _mix(bits ^ (key * _ROUND_MIX & MASK31))
+    return (bits >> (31 - _UNIFORM_BITS)).to(torch.float32) / float(1 << _UNIFORM_BITS)
+
+
+def choose_rows(
+    logits: torch.Tensor, sampling: RowSampling, positions: torch.Tensor, mode: str, greedy: torch.Tensor
+) -> torch.Tensor:
+    """logits [requests, rows, vocab], each row's position [requests, rows], its argmax `greedy` [requests, rows]
+    -> the target's token at every row [requests, rows] (`mode`: `choice_mode`)."""
+    if mode == "greedy":
+        return greedy
+    requests, rows, vocab = logits.shape
+    scores = logits.float()
+    # shifted so the best score is 0 before dividing (a tiny temperature sends the others to -inf, not NaN)
+    temperature = sampling.temperature.clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature  # [requests, rows, vocab]
+    order = None
+    if mode == "filtered":
+        scores, order = scores.sort(dim=-1, descending=True)
+        # top-k: every score below the k-th best goes (k = 0: none); ties with the k-th stay
+        kth_index = (sampling.top_k - 1).clamp(min=0, max=vocab - 1)[:, None, None].expand(requests, rows, 1)
+        kth = scores.gather(-1, kth_index)  # [requests, rows, 1]
+        limited = (sampling.top_k > 0)[:, None, None]
+        scores = torch.where(limited & (scores < kth), float("-inf"), scores)
+    probs = torch.softmax(scores, dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * sampling.min_p[:, None, None]
+    probs = torch.where(probs < floor, 0.0, probs)
+    if order is not None:  # top-p over the sorted (descending) probabilities; the best token always stays
+        before = probs.cumsum(-1) - probs
+        dropped = before >= sampling.top_p[:, None, None]
+        dropped[..., 0] = False
+        probs = torch.where(dropped, 0.0, probs)
+    cumulative = probs.cumsum(-1)  # [requests, rows, vocab]
+    uniforms = row_uniforms(sampling.seed, positions[:, :rows])  # [requests, rows]
+    total = cumulative[..., -1]  # [requests, rows]
+    # strictly below the total, so the search lands on a token with some probability whatever the rounding
+    threshold = torch.minimum(uniforms * total, total * (1 - 2.0**-22))[..., None]  # [requests, rows, 1]
+    index = torch.searchsorted(cumulative, threshold.contiguous(), right=True).clamp(max=vocab - 1)
+    sampled = index if order is None else order.gather(-1, index)  # [requests, rows, 1]
+    return torch.where((sampling.temperature > 0)[:, None], sampled[..., 0], greedy)
+
+
+def sample_tree_rows(
+    logits: torch.Tensor, params: SamplingParams, seed: int, positions: Sequence[int]
+) -> torch.Tensor:
+    """A host-built tree round's choices the way a device round makes them: logits [rows, vocab] of rows at
+    `positions` -> tokens [rows] on the logits' device (a sampled request's rows: `choose_rows`)."""
+    device = logits.device
+    host = RowSampling.zeros(1, torch.device("cpu"), pin_memory=device.type == "cuda")
+    host.fill([params], [seed])
+    sampling = RowSampling.zeros(1, device)
+    sampling.copy_(host)
+    rows = to_device(torch.tensor([list(positions)], dtype=torch.long), device)  # [1, rows]
+    greedy = logits.argmax(dim=-1)[None]  # [1, rows]
+    return choose_rows(logits[None], sampling, rows, choice_mode([params]), greedy)[0]
