@@ -8,9 +8,10 @@ CDF from the request's filtered distribution (`dflash.generation.sampling.filter
 top-p, applied in the same order) with a uniform made by hashing (request seed, the row's position): every row at one
 depth of a tree shares its uniform, and a position's uniform decides the token committed after it exactly once (a
 round's rows past where its walk ends are never read; the next round draws them again with the same uniform, which
-nothing has seen). The tokens are then a function of the request's seed and the target's distributions alone: the
-same through device rounds, host-built rounds (`sample_tree_rows`), in any batch and whatever the trees. Rows of a
-greedy request (temperature 0) take the argmax.
+nothing has seen). A tree round's tokens are then a function of the request's seed and the target's distributions
+alone: the same through device rounds and host-built rounds (`sample_tree_rows`), in any batch and whatever the
+trees (a plain step draws from the request's own random stream). Rows of a greedy request (temperature 0) take the
+argmax.
 
 The round's shape says which programs run (`choice_mode`): "greedy" (every request greedy: the argmax alone),
 "sampled" (no top-k or top-p: one cumulative sum over the vocabulary in its own order) or "filtered" (some request
