@@ -8,6 +8,9 @@
 #   scripts/gpu_bench.sh sweep      # DDTree budgets 4..64 beside linear and plain, graphs and eager plain decoding
 #   scripts/gpu_bench.sh replay     # acceptance per tree budget on the three evaluation sets (exact replay)
 #   scripts/gpu_bench.sh scale      # the random-weight Qwen3-8B-shaped scale study
+#   scripts/gpu_bench.sh batch-tests  # the batched core's GPU tests (device rounds, graphs, context writes)
+#   scripts/gpu_bench.sh concurrency  # plain, linear and DDTree under 8, 16 and 32 clients, twice each, greedy
+#                                     (TEMPERATURE=1: sampled, request i seeded with i)
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -36,5 +39,13 @@ case "$1" in
       --out "$RESULTS/gpu_ddtree_replay.json" ;;
   scale)
     python3 benchmarks/gpu_scale_study.py --out "$RESULTS/gpu_scale_study.json" ;;
+  batch-tests)
+    python3 -m pytest -q -m gpu tests/test_context_store.py tests/test_batch_device_trees.py tests/test_batch_gpu.py \
+      tests/test_graph_capture_threads.py tests/test_batched_step.py tests/test_batch_alone.py ;;
+  concurrency)
+    $DFLASH bench concurrency --model "$MODEL" --draft default --device cuda --modes "${MODES:-ar,linear,ddtree}" \
+      --concurrency "${LEVELS:-8,16,32,8,16,32}" --max-batch 32 --requests 128 --max-tokens 256 \
+      --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --json \
+      --out "$RESULTS/gpu_concurrency_t${TEMPERATURE:-0}.json" ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
