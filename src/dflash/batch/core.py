@@ -9,8 +9,8 @@ pass over the prefill chunks, plain steps, verification blocks and trees of all 
 chooses, accepts, commits or rolls back on its own, exactly as a single-request generation would.
 
 On a GPU two kinds of step are launched one ahead of reading their results, so the host's commits overlap the GPU:
-plain steps (`dflash.batch.overlap`) and greedy DDTree rounds built entirely on the device
-(`dflash.batch.device_trees`).
+plain steps (`dflash.batch.overlap`) and DDTree rounds (greedy or sampled; greedy linear rounds as one-path trees)
+built entirely on the device (`dflash.batch.device_trees`).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class BatchCore:
         self.policy = SpeculationPolicy(
             settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
         )
-        self.tree_budgets = TreeBudgetChooser()  # steps of greedy DDTree requests only (`_tree_option`)
+        self.tree_budgets = TreeBudgetChooser()  # steps of device-round DDTree requests only (`_tree_option`)
         self.chain_lengths = TreeBudgetChooser()  # steps of greedy linear requests on the device, by chain length
         self._option_memo: tuple[tuple[int, tuple[int, ...]], int] | None = None
         self._step_index = 0
@@ -173,7 +173,7 @@ class BatchCore:
                     drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed,
                     fused=not isinstance(drafter, DFlash2Drafter),
                 )
-        # greedy DDTree steps with their trees built on the device (`dflash.batch.device_trees`)
+        # DDTree steps (and greedy linear steps) with their trees built on the device (`dflash.batch.device_trees`)
         self.device_trees: DeviceTrees | None = None
         if (
             self.graphs is not None and self.drafter_graphs is not None and drafter is not None
@@ -572,7 +572,7 @@ class BatchCore:
         self._step_started, self._step_choice, self._step_prefilled, self._step_kind = now, None, False, None
 
     def _budgets_for(self, decoding: int, chain: bool = False) -> list[int]:
-        """The tree budgets (`chain`: the chain lengths) a step of `decoding` greedy DDTree (linear) requests may take
+        """The tree budgets (`chain`: the chain lengths) a step of `decoding` DDTree (greedy linear) requests may take
         (alone: the configured one); the same for every count of one request bucket (the bucket's row share), so
         that each bucket measures a few."""
         block = self.drafter.config.block_size if self.drafter is not None else 1
@@ -822,8 +822,8 @@ class BatchCore:
 
     # ---- DDTree steps built on the device (`dflash.batch.device_trees`) -----------------------------------
     def _device_tree_step_fits(self, rounds: list[_Round], *, ahead: bool = False) -> bool:
-        """Whether this step's rounds go through the device trees: every one a greedy tree round of one budget, or
-        every one a greedy linear round of one draft count (a chain), the choice the plain argmax, each request's
+        """Whether this step's rounds go through the device trees: every one a tree round of one budget (greedy or
+        sampled on the device), or every one a greedy linear round of one draft count (a chain), each request's
         round writing only positions it reserved (`ahead`: the round starts after the unread one, up to depth + 1
         positions later). A round may draft past a request's last token: its sink keeps only what the request
         asked for."""

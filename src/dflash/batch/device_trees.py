@@ -1,10 +1,10 @@
-"""Batched DDTree rounds of greedy requests with every tree on the device: one graph replay and one read per round,
-each round launched before the previous one is read.
+"""Batched DDTree rounds with every tree on the device: one graph replay and one read per round, each round launched
+before the previous one is read.
 
 The host-built batched round (`dflash.batch.core`) reads each request's draft candidates back, grows its tree on the
 host, ships the tree to the verification and reads every row's choice back: at 8 requests that host work and its
-synchronisations cost more than the GPU's passes. Where every decoding request is a greedy DDTree request, a step is
-instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
+synchronisations cost more than the GPU's passes. Where every decoding request is a DDTree request (greedy, or sampled:
+its rows drawn on the device, `dflash.batch.device_sampling`), a step is instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
 
 1. writes each request's new drafter context (the features of the positions it committed last round, kept on the
    device in `context`) into the drafter pool as keys and values;
@@ -12,7 +12,8 @@ instead one graph (captured per `TreeShape`, or run eagerly off CUDA) that:
    `dflash.batch.fused_padded.fused_padded_drafter_forward` does steps 1 and 2 in one pass);
 3. grows every request's tree from its block's logits, all trees at once (`dflash.fastpath.batched_trees`), straight
    into the verification's inputs;
-4. verifies every tree in one padded target pass and walks each tree with the argmax of every row;
+4. verifies every tree in one padded target pass and walks each tree with the target's choice at every row (the
+   argmax, or a sampled request's draw);
 5. moves each accepted path's K/V rows to the slots right after its committed prefix and keeps their features as the
    request's next context;
 6. leaves the next round's inputs on the device (pending token, committed lengths, positions, context rows);
@@ -21,7 +22,8 @@ and writes [accepted, committed tokens...] per request to one buffer, read back 
 with the same shape, the next round is launched from step 6's state before this one is read (`launch(follow=True)`),
 so the host's commits overlap the GPU; otherwise every round is read before the next is loaded from the host. The
 host commits the tokens as it commits a host-built round's. Greedy verification accepts exactly the target's own argmax path, so the output is
-the target's greedy decoding whatever the tree (the device and host trees may differ on exact score ties).
+the target's greedy decoding whatever the tree (the device and host trees may differ on exact score ties); a sampled
+request's walk follows its sampled tokens, so each committed token is a sample of the target's distribution.
 
 Greedy linear DFlash requests take the same rounds with `chain=True`: each tree is one path, the drafter's argmax at
 every block position (`dflash.fastpath.batched_trees.BatchedChainBuilder`), the chain a host-built linear round
