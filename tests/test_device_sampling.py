@@ -60,7 +60,7 @@ def test_uniforms_are_uniform_and_independent_across_positions_and_seeds() -> No
 @pytest.mark.parametrize("mode", ["sampled", "filtered"])
 def test_each_request_s_rows_follow_its_filtered_distribution(mode: str) -> None:
     """Many rounds (committed lengths) of one batch: each request's row-0 tokens match `filtered_probs` of its own
-    parameters within TV 0.03; a greedy request takes the argmax; rows of one request are independent draws."""
+    parameters within TV 0.03, nothing outside the filtered support; a greedy request takes the argmax."""
     generator = torch.Generator().manual_seed(1)
     params = PARAMS if mode == "filtered" else [p for p in PARAMS if p.top_k == 0 and p.top_p == 1.0]
     requests, rows = len(params), 2
@@ -69,19 +69,16 @@ def test_each_request_s_rows_follow_its_filtered_distribution(mode: str) -> None
     greedy = logits.argmax(dim=-1)
     rounds = 6000
     counts = torch.zeros((requests, VOCAB))
-    pairs = torch.zeros((VOCAB, VOCAB))
     for past in range(0, 2 * rounds, 2):
         positions = (past + torch.arange(rows))[None].expand(requests, rows)
         chosen = choose_rows(logits, sampling, positions, mode, greedy)  # [requests, rows]
         counts[torch.arange(requests), chosen[:, 0]] += 1
-        pairs[chosen[0, 0], chosen[0, 1]] += 1
     for index, p in enumerate(params):
         expected = filtered_probs(logits[index, :1], p)[0] if not p.greedy else torch.nn.functional.one_hot(
             greedy[index, 0], VOCAB).float()
         distance = 0.5 * (counts[index] / rounds - expected).abs().sum()
         assert distance < 0.03, (p, float(distance))
         assert (counts[index][expected == 0] == 0).all()  # nothing outside the filtered support
-    assert pairs.sum() == rounds
 
 
 def test_greedy_mode_is_the_argmax() -> None:

@@ -2,8 +2,9 @@
 
 Before a request's rounds, the drafter reads its context as keys and values in every drafter layer: the target's
 features of every committed position, written by `store_context` (a prompt's rows as its prefill ends, the rows of
-plain steps taken since the request's last round). Run eagerly, a write is a hundred small launches: about 2 ms of
-the engine loop's time per call under load, whatever the row count, once per arriving request. Here the rows of
+plain steps taken since the request's last round). Run eagerly, a write is a hundred small launches, whatever the row
+count, once per arriving request (the engine loop's time it took under load: results/gpu_concurrency_h100_arrivals.json,
+`arrival_probe_32_clients`). Here the rows of
 every request in a call are packed into a padded row bucket and written by one graph replay; padding rows write to
 the pool's trash slot. Rows beyond the largest bucket go in several replays. Built with `graphed=False` (off CUDA,
 tests), the same buffers are loaded and the same pass runs eagerly.

@@ -49,7 +49,8 @@ def device_seed(params: SamplingParams) -> int:
     """A request's 31-bit seed for its rows' uniforms: from its own seed where it gave one, else random."""
     if params.seed is None:
         return random.getrandbits(31)
-    return _mix_int(params.seed & MASK31 ^ (params.seed >> 31) & MASK31)
+    folded = params.seed & MASK31 ^ (params.seed >> 31) & MASK31  # any integer names a seed
+    return int(_mix(torch.tensor([folded], dtype=torch.long))[0])
 
 
 @dataclass
@@ -98,13 +99,6 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     """A 31-bit integer hash, elementwise (x: long, values in [0, 2**31))."""
     for multiplier in _MIXERS:
         x = x ^ (x >> 15)
-        x = (x * multiplier) & MASK31
-    return x ^ (x >> 13)
-
-
-def _mix_int(x: int) -> int:
-    for multiplier in _MIXERS:
-        x ^= x >> 15
         x = (x * multiplier) & MASK31
     return x ^ (x >> 13)
 

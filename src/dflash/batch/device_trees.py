@@ -239,7 +239,7 @@ class DeviceTrees:
         # a request's context may be another index's view: read every source before any is overwritten
         sources = [f.clone() if _shares(f, self.context) else f for _, _, f in moved]
         # features beyond the last block's (the rows of plain steps taken since the last tree) go in first, every
-        # request's in one write (one write per request made that round cost several followed rounds)
+        # request's in one write: a write per request would launch its passes once per request
         excess = [
             DraftRows(seq.drafter, features[: features.shape[0] - self.block], 0, 0, 0)
             for (_, seq, _), features in zip(moved, sources, strict=True)

@@ -118,7 +118,7 @@ class GraphedTargetPasses:
         # pass attends request by request. A step with the chunks of up to `PREFILL_GRAPH_REQUESTS` requests (the
         # usual one: under load requests arrive one or two at a time, as others end) replays a graph captured when
         # its shape is first met (eagerly, launching a few hundred kernels from Python costs more than a few small
-        # chunks' work: a DDTree prompt step of ~2.4 requests' chunks took 15.6 ms eagerly on an H100); more
+        # chunks' work: results/gpu_concurrency_h100_arrivals.json, DDTree's prompt steps at 32 clients); more
         # requests' chunks run eagerly. Their graphs keep a memory pool of their own: a step reads a chunk's logits
         # after the decoding rows' graph has run, which would reuse a shared pool's memory
         self.prefills = PaddedGraphs(
