@@ -3,6 +3,7 @@ eagerly on the CPU (the CUDA graphs' passes and tree programs' torch forms) and,
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -471,3 +472,45 @@ def test_sampled_ddtree_requests_on_device_rounds_keep_the_target_distribution(
     monkeypatch.setattr(trees_module, "choose_rows", lambda logits, sampling, past, mode, greedy: greedy)
     control = _device_samples(samples, "ddtree", launches)
     assert max(total_variation(p, s) for p, s in zip(reference, control, strict=True)) > tolerance
+
+
+def test_a_step_that_captured_a_graph_is_not_measured_as_its_option_s_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that captures a graph (a shape's first use) takes far longer than its steady cost: the tree budget
+    chooser does not count it. Here every fourth device round "captures" (the process's capture count moves and the
+    launch stalls 0.3 s): no observed step takes that long, and the other steps are observed."""
+    target, drafter = golden_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=37, lengths=(9, 30, 17))
+    core = make_core(target, drafter, max_batch=4, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    assert core.device_trees is not None
+    captures = 0
+    monkeypatch.setattr(core_module, "captures_made", lambda: captures)
+    real_launch = core.device_trees.launch
+    launches = 0
+
+    def launch(step: list[Sequence], budget: int, **options: Any) -> Any:
+        nonlocal launches, captures
+        launches += 1
+        if launches % 4 == 0:
+            captures += 1
+            time.sleep(0.3)
+        return real_launch(step, budget, **options)
+
+    core.device_trees.launch = launch  # type: ignore[method-assign]
+    observed: list[float] = []
+    real_observe = core.tree_budgets.observe
+
+    def observe(bucket: int, option: int, seconds: float) -> None:
+        observed.append(seconds)
+        real_observe(bucket, option, seconds)
+
+    core.tree_budgets.observe = observe  # type: ignore[method-assign]
+    seqs = [make_sequence(target, prompt, 48, "ddtree") for prompt in prompts]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 48)[0]
+    assert launches >= 12 and captures >= 3
+    assert len(observed) >= 6
+    assert max(observed) < 0.25

@@ -143,3 +143,22 @@ def test_a_change_is_taken_only_where_its_saving_outweighs_its_measured_cost() -
         assert chooser.change_cost(8, 0) == pytest.approx((settling - TIMES[0]) * tree_budgets.SETTLE_STEPS)
         assert _run(chooser, 3, tokens) == [7] * 3
         assert _run(chooser, 3, slower) == [expected] * 3
+
+
+def test_one_stalled_step_does_not_price_an_option_out() -> None:
+    """A step that stalled (ten times its option's time) counts as at most OUTLIER_FACTOR times the trusted time:
+    budget 7 stays the choice; a lasting slowdown still moves the mean, and with it the choice."""
+    tokens = {7: 2.7, 15: 3.0, 31: 3.5}
+    chooser = TreeBudgetChooser()
+    assert _run(chooser, 4 * EXPLORE_STEPS + 3, tokens)[-3:] == [7] * 3
+    steady = chooser.step_time(8, 7)
+    assert steady == pytest.approx(TIMES[7])
+    chooser.observe(8, 7, 10 * TIMES[7])
+    decay = tree_budgets.TIME_DECAY
+    clipped = decay * steady + (1 - decay) * tree_budgets.OUTLIER_FACTOR * steady
+    assert chooser.step_time(8, 7) == pytest.approx(clipped)
+    assert _run(chooser, 3, tokens) == [7] * 3
+    for _ in range(40):  # every step of budget 7 now takes three times as long
+        chooser.observe(8, 7, 3 * TIMES[7])
+    assert chooser.step_time(8, 7) == pytest.approx(3 * TIMES[7], rel=0.05)
+    assert _run(chooser, 3, tokens) == [15] * 3  # 8 x 3.0 / 2.6 now beats budget 7 and plain steps

@@ -41,6 +41,7 @@ from dflash.drafter.selector import CandidateLattice
 from dflash.drafter.vocab import DraftScores
 from dflash.environment import batch_overlap_enabled, device_trees_enabled
 from dflash.errors import GenerationError
+from dflash.fastpath.capture import captures_made
 from dflash.generation.cached_prefill import prefix_cache_usable
 from dflash.generation.selection import TokenChooser
 from dflash.host_copies import to_device
@@ -150,6 +151,8 @@ class BatchCore:
         self._step_started = 0.0
         self._step_choice: tuple[TreeBudgetChooser, int, int] | None = None  # (chooser, bucket, option)
         self._step_prefilled = False
+        self._step_captures = captures_made()  # graphs captured before the last step began
+        self._last_step_captured = False
         # steps by kind (the device's launched-ahead and loaded rounds, launched-ahead plain steps, steps with a
         # prompt chunk, other host-built steps) -> [steps, seconds to the next step's start]: where the time goes
         self._step_kind: str | None = None
@@ -345,7 +348,9 @@ class BatchCore:
         for offset, (r, chosen) in enumerate(zip(rounds, choices, strict=True), start=len(prefills)):
             if chosen is not None:
                 self._guarded(r.seq, self._after_round, r, out, offset, chosen)
-        if not prefills:  # a decoding step's cost (prompt chunks cost what their length does, not what rows do)
+        if not prefills and captures_made() == self._step_captures:
+            # a decoding step's cost (prompt chunks cost what their length does, not what rows do; a capture is
+            # a first use's)
             rows = sum(item.count for item in items)
             self.policy.costs.observe(rows, any(r.outputs for r in rounds), time.perf_counter() - started)
         self.last_batch = len(served)
@@ -560,9 +565,13 @@ class BatchCore:
 
     def _account_step(self, now: float) -> None:
         """The previous step's whole cost (to this step's start: its host work, its launch and the wait for the
-        round before it) to the option it took, where the chooser decided it and no prompt chunk ran in it."""
+        round before it) to the option it took, where the chooser decided it, no prompt chunk ran in it and it
+        captured no graph (a first use's capture is no measure of the option's steady cost)."""
         spent = now - self._step_started
-        if self._step_choice is not None and not self._step_prefilled:
+        captures = captures_made()
+        captured, self._step_captures = captures != self._step_captures, captures
+        self._last_step_captured = captured
+        if self._step_choice is not None and not self._step_prefilled and not captured:
             chooser, bucket, option = self._step_choice
             chooser.observe(bucket, option, spent)
         if self._step_kind is not None:
@@ -984,7 +993,8 @@ class BatchCore:
         else:
             self.overlap.take()
         if previous is not None:
-            if launch:  # consecutive launches: the time between them is what a plain step costs here
+            if launch and not self._last_step_captured:
+                # consecutive launches: the time between them (the last step) is what a plain step costs here
                 self.policy.costs.observe(len(previous.seqs), False, now - previous.launched_at)
             self._commit_launched(previous)
         self.last_batch = len(rounds)

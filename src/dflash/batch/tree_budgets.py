@@ -45,6 +45,10 @@ TREE_GAIN = 1.1
 MIN_STEPS = 3  # observed steps before an option's time is trusted
 SETTLE_STEPS = 2  # steps after a change of option left unobserved: the change's cost is not the option's
 TIME_DECAY = 0.9  # weight of the older observations in an option's time
+# an observed step counts as at most this many times the option's trusted time: one stalled step (a collection, a
+# capture not seen as one) would otherwise price the option out for `REFRESH_STEPS` steps; a lasting change still
+# moves the mean, by up to this factor a step
+OUTLIER_FACTOR = 3.0
 ROUND_DECAY = 0.99  # weight of the older rounds in the engine-wide acceptance
 MIN_ROUNDS = 8  # rounds before the engine-wide acceptance at a budget replaces the prior
 PRIOR_TOKENS = 2.0  # tokens per round assumed before any is measured
@@ -90,6 +94,8 @@ class TreeBudgetChooser:
             settling[1] += 1
             return
         entry = self._times.setdefault((bucket, option), [seconds, 0.0])
+        if entry[1] >= MIN_STEPS:
+            seconds = min(seconds, OUTLIER_FACTOR * entry[0])
         entry[0] = TIME_DECAY * entry[0] + (1 - TIME_DECAY) * seconds if entry[1] else seconds
         entry[1] += 1
         self._measured[(bucket, option)] = self._steps.get(bucket, 0)

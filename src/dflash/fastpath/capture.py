@@ -17,6 +17,13 @@ T = TypeVar("T")
 
 CAPTURE_MODE = "thread_local"
 
+_captures = 0  # graphs captured in this process: a step that captured one is not a measure of its steady cost
+
+
+def captures_made() -> int:
+    """How many graphs `capture_graph` has captured so far in this process."""
+    return _captures
+
 
 def capture_graph(
     build: Callable[[], T], pool: Any, *, warmups: int = 1, device: torch.device | None = None,
@@ -34,4 +41,6 @@ def capture_graph(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_MODE):
         outputs = build()
+    global _captures
+    _captures += 1
     return graph, outputs
