@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.batch.device_sampling import RowSampling, choice_mode, choose_rows, device_seed, row_uniforms
+from dflash.batch.device_sampling import (
+    RowSampling,
+    choice_mode,
+    choose_rows,
+    choose_step_rows,
+    device_seed,
+    row_uniforms,
+)
 from dflash.generation.sampling import SamplingParams, filtered_probs
 
 VOCAB = 12
@@ -31,6 +38,7 @@ def test_the_mode_follows_the_requests_parameters() -> None:
     assert choice_mode([SamplingParams(), SamplingParams(temperature=0.8, min_p=0.1)]) == "sampled"
     assert choice_mode([SamplingParams(temperature=0.8, top_p=0.9)]) == "filtered"
     assert choice_mode([SamplingParams(top_k=5), SamplingParams(temperature=1.0, top_k=5)]) == "filtered"
+    assert choice_mode([SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.8)]) == "mixed"
     assert device_seed(SamplingParams(temperature=1.0, seed=7)) == device_seed(SamplingParams(temperature=1.0, seed=7))
     assert 0 <= device_seed(SamplingParams(temperature=1.0, seed=-3)) < 2**31
 
@@ -57,12 +65,21 @@ def test_uniforms_are_uniform_and_independent_across_positions_and_seeds() -> No
     assert torch.equal(row_uniforms(seeds, positions - 1)[:, 1], first[:, 0])
 
 
-@pytest.mark.parametrize("mode", ["sampled", "filtered"])
+def _of_mode(mode: str) -> list[SamplingParams]:
+    """The requests of PARAMS a round of `mode` can hold (greedy ones in every mode)."""
+    if mode == "mixed":
+        return PARAMS
+    filtered = mode == "filtered"
+    return [p for p in PARAMS if p.greedy or (p.top_k > 0 or p.top_p < 1.0) == filtered]
+
+
+@pytest.mark.parametrize("mode", ["sampled", "filtered", "mixed"])
 def test_each_request_s_rows_follow_its_filtered_distribution(mode: str) -> None:
     """Many rounds (committed lengths) of one batch: each request's row-0 tokens match `filtered_probs` of its own
     parameters within TV 0.03, nothing outside the filtered support; a greedy request takes the argmax."""
     generator = torch.Generator().manual_seed(1)
-    params = PARAMS if mode == "filtered" else [p for p in PARAMS if p.top_k == 0 and p.top_p == 1.0]
+    params = _of_mode(mode)
+    assert choice_mode(params) == mode
     requests, rows = len(params), 2
     logits = (torch.randn((requests, 1, VOCAB), generator=generator) * 2).expand(requests, rows, VOCAB).contiguous()
     sampling = _sampling(params, [11 * index + 5 for index in range(requests)])
@@ -79,6 +96,23 @@ def test_each_request_s_rows_follow_its_filtered_distribution(mode: str) -> None
         distance = 0.5 * (counts[index] / rounds - expected).abs().sum()
         assert distance < 0.03, (p, float(distance))
         assert (counts[index][expected == 0] == 0).all()  # nothing outside the filtered support
+
+
+def test_a_request_s_tokens_do_not_depend_on_the_others_parameters() -> None:
+    """Each request of a mixed batch (top-k and top-p requests beside plain sampled and greedy ones) draws, row for
+    row, what it draws in a round of its own kind alone, and what `choose_step_rows` draws for its row."""
+    generator = torch.Generator().manual_seed(3)
+    requests, rows = len(PARAMS), 3
+    logits = torch.randn((requests, rows, VOCAB), generator=generator) * 2
+    seeds = [7 * index + 1 for index in range(requests)]
+    positions = (40 + torch.arange(rows))[None].expand(requests, rows)
+    together = choose_rows(logits, _sampling(PARAMS, seeds), positions, "mixed", logits.argmax(dim=-1))
+    for index, p in enumerate(PARAMS):
+        alone = choose_rows(logits[index : index + 1], _sampling([p], [seeds[index]]), positions[index : index + 1],
+                            choice_mode([p]), logits[index : index + 1].argmax(dim=-1))
+        assert torch.equal(together[index], alone[0]), p
+    step = choose_step_rows(logits[:, 0], PARAMS, seeds, [40] * requests)  # [requests]
+    assert torch.equal(step, together[:, 0])
 
 
 def test_greedy_mode_is_the_argmax() -> None:

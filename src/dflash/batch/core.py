@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dflash.batch.device_sampling import device_seed, sample_tree_rows
+from dflash.batch.device_sampling import choose_step_rows, sample_tree_rows
 from dflash.batch.device_trees import DeviceTrees, LaunchedRound, RoundResult, TreeShape
 from dflash.batch.draft_pass import DraftRows, absorb_context_rows, run_drafter, run_selector
 from dflash.batch.overlap import Launched, OverlappedSteps
@@ -718,9 +718,9 @@ class BatchCore:
     def _choices(self, rounds: list[_Round], out: TargetOutput, first: int) -> list[list[int] | None]:
         """Every round's choices at its logit rows, on the host (None: its sequence failed choosing and ended).
 
-        A plain greedy round takes the pass's host argmax; every other round is chosen by its chooser on the
-        logits' device (sampling, constraints, penalties, EOS suppression: the same operations as alone, its own
-        random stream) and all of them are read back in one transfer, so that a request choosing on the device
+        A plain greedy round takes the pass's host argmax; every other round is chosen on the logits' device (by
+        its chooser: constraints, penalties, EOS suppression, the same operations as alone; sampled rows that only
+        their logits decide by the uniforms of their seed and positions, `_choose`) and all of them are read back in one transfer, so that a request choosing on the device
         costs the step no synchronisation of its own. Rounds are numbered from `first` in the pass's outputs."""
         choices: list[list[int] | None] = [None] * len(rounds)
         chosen: list[tuple[int, torch.Tensor]] = []  # (round number, its choices [rows] on the logits' device)
@@ -753,6 +753,9 @@ class BatchCore:
         """A round's choices by its chooser: logits [rows, vocab] -> tokens [rows], left on their device."""
         seq = r.seq
         if r.kind == "plain":
+            if not seq.chooser.params.greedy and _choice_stateless(seq.chooser, seq.produced):
+                # drawn as a launched plain step draws it (`_chooser_for`): the same tokens either way
+                return choose_step_rows(logits, [seq.chooser.params], [seq.row_seed()], [seq.start])  # [1]
             return seq.chooser.choose(logits, seq.produced)  # [1]
         if r.kind == "linear":
             assert r.drafts is not None
@@ -761,11 +764,9 @@ class BatchCore:
         assert r.tree is not None
         if not seq.chooser.params.greedy and _choice_stateless(seq.chooser, seq.produced):
             # the rows a device round would sample, with the same uniforms: the same tokens either way
-            if seq.device_seed is None:
-                seq.device_seed = device_seed(seq.chooser.params)
             depths = r.tree.host.depths if r.tree.host is not None else r.tree.depths.tolist()
             positions = [seq.start, *(seq.start + d for d in depths)]
-            return sample_tree_rows(logits, seq.chooser.params, seq.device_seed, positions)  # [n+1]
+            return sample_tree_rows(logits, seq.chooser.params, seq.row_seed(), positions)  # [n+1]
         return tree_choices(seq.chooser, logits, r.tree, seq.produced)  # [n+1]
 
     def _after_round(self, r: _Round, out: TargetOutput, index: int, choices: list[int]) -> None:
@@ -1000,22 +1001,19 @@ class BatchCore:
         self.last_batch = len(rounds)
         return len(rounds)
 
-    def _chooser_for(self, seqs: list[Sequence]) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
-        """How the launched step chooses each request's token: None where all of them take the plain argmax; else
-        (request index, its logits row [1, vocab]) -> token [1] on the device, through the request's own chooser (its
-        random stream, in the order the synchronous step would draw)."""
+    def _chooser_for(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How the launched step chooses its requests' tokens: None where all of them take the plain argmax; else
+        logits [requests, vocab] -> tokens [requests] on the device, every request at once: the argmax for greedy
+        ones, for sampled ones the draw of (its seed, its row's position) that the synchronous step makes
+        (`dflash.batch.device_sampling.choose_step_rows`). Every request here chooses from its logits alone (the
+        overlap's condition)."""
         assert self.overlap is not None
-        produced = [self.overlap.produced(s) for s in seqs]
-        greedy = [_plain_greedy(s.chooser, n) for s, n in zip(seqs, produced, strict=True)]
-        if all(greedy):
+        if all(s.chooser.params.greedy for s in seqs):
             return None
-
-        def choose(index: int, logits: torch.Tensor) -> torch.Tensor:  # logits [1, vocab] -> [1]
-            if greedy[index]:  # the argmax, as the synchronous step's greedy requests take it
-                return logits.argmax(dim=-1)
-            return seqs[index].chooser.choose(logits, produced[index])
-
-        return choose
+        params = [s.chooser.params for s in seqs]
+        seeds = [s.row_seed() for s in seqs]
+        positions = [s.start for s in seqs]  # each request's row (its position advances after the launch)
+        return lambda logits: choose_step_rows(logits, params, seeds, positions)
 
     def _read_launched(self) -> None:
         launched = self.overlap.take() if self.overlap is not None else None

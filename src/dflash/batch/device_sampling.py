@@ -10,12 +10,14 @@ depth of a tree shares its uniform, and a position's uniform decides the token c
 round's rows past where its walk ends are never read; the next round draws them again with the same uniform, which
 nothing has seen). A tree round's tokens are then a function of the request's seed and the target's distributions
 alone: the same through device rounds and host-built rounds (`sample_tree_rows`), in any batch and whatever the
-trees (a plain step draws from the request's own random stream). Rows of a greedy request (temperature 0) take the
-argmax.
+trees. A plain step's row is drawn the same way (`choose_step_rows`: every request of a launched step in one
+program, not one chooser call per request): a request sampled through plain steps and rounds in turn uses each
+position's uniform once. Rows of a greedy request (temperature 0) take the argmax.
 
 The round's shape says which programs run (`choice_mode`): "greedy" (every request greedy: the argmax alone),
-"sampled" (no top-k or top-p: one cumulative sum over the vocabulary in its own order) or "filtered" (some request
-with top-k or top-p: a sort of every row's scores).
+"sampled" (no top-k or top-p: one cumulative sum over the vocabulary in its own order), "filtered" (every sampled
+request with top-k or top-p: a sort of every row's scores, the search in that order) or "mixed" (both kinds: both
+programs, each request's rows taking its own kind's). A request's tokens never depend on the others' parameters.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ _UNIFORM_BITS = 24  # float32 holds them exactly
 
 
 def choice_mode(params: Sequence[SamplingParams]) -> str:
-    """"greedy", "sampled" or "filtered" for a round of requests with these sampling parameters."""
-    sampled = [p for p in params if not p.greedy]
-    if not sampled:
+    """"greedy", "sampled", "filtered" or "mixed" for a round of requests with these sampling parameters."""
+    filtered = [_filtered(p) for p in params if not p.greedy]
+    if not filtered:
         return "greedy"
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
+    if all(filtered):
         return "filtered"
-    return "sampled"
+    return "mixed" if any(filtered) else "sampled"
+
+
+def _filtered(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0
 
 
 def device_seed(params: SamplingParams) -> int:
@@ -119,35 +125,61 @@ def choose_rows(
     -> the target's token at every row [requests, rows] (`mode`: `choice_mode`)."""
     if mode == "greedy":
         return greedy
-    requests, rows, vocab = logits.shape
+    rows = logits.shape[1]
     scores = logits.float()
     # shifted so the best score is 0 before dividing (a tiny temperature sends the others to -inf, not NaN)
     temperature = sampling.temperature.clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature  # [requests, rows, vocab]
-    order = None
-    if mode == "filtered":
-        scores, order = scores.sort(dim=-1, descending=True)
-        # top-k: every score below the k-th best goes (k = 0: none); ties with the k-th stay
-        kth_index = (sampling.top_k - 1).clamp(min=0, max=vocab - 1)[:, None, None].expand(requests, rows, 1)
-        kth = scores.gather(-1, kth_index)  # [requests, rows, 1]
-        limited = (sampling.top_k > 0)[:, None, None]
-        scores = torch.where(limited & (scores < kth), float("-inf"), scores)
-    probs = torch.softmax(scores, dim=-1)
-    floor = probs.amax(dim=-1, keepdim=True) * sampling.min_p[:, None, None]
-    probs = torch.where(probs < floor, 0.0, probs)
-    if order is not None:  # top-p over the sorted (descending) probabilities; the best token always stays
-        before = probs.cumsum(-1) - probs
-        dropped = before >= sampling.top_p[:, None, None]
-        dropped[..., 0] = False
-        probs = torch.where(dropped, 0.0, probs)
-    cumulative = probs.cumsum(-1)  # [requests, rows, vocab]
     uniforms = row_uniforms(sampling.seed, positions[:, :rows])  # [requests, rows]
+    if mode == "sampled":
+        sampled = _in_vocabulary_order(scores, sampling, uniforms)
+    elif mode == "filtered":
+        sampled = _in_sorted_order(scores, sampling, uniforms)
+    else:  # each request by its own kind
+        filtered = (sampling.top_k > 0) | (sampling.top_p < 1.0)  # [requests]
+        sampled = torch.where(filtered[:, None], _in_sorted_order(scores, sampling, uniforms),
+                              _in_vocabulary_order(scores, sampling, uniforms))
+    return torch.where((sampling.temperature > 0)[:, None], sampled, greedy)
+
+
+def _in_vocabulary_order(scores: torch.Tensor, sampling: RowSampling, uniforms: torch.Tensor) -> torch.Tensor:
+    """Rows without top-k or top-p: scores [requests, rows, vocab] -> tokens [requests, rows] (min-p applied)."""
+    return _searched(_min_p(torch.softmax(scores, dim=-1), sampling), uniforms)
+
+
+def _in_sorted_order(scores: torch.Tensor, sampling: RowSampling, uniforms: torch.Tensor) -> torch.Tensor:
+    """Rows with top-k or top-p, searched in descending order of score: scores [requests, rows, vocab] -> tokens
+    [requests, rows] (top-k, then min-p, then top-p: the host's order)."""
+    requests, rows, vocab = scores.shape
+    scores, order = scores.sort(dim=-1, descending=True)
+    # top-k: every score below the k-th best goes (k = 0: none); ties with the k-th stay
+    kth_index = (sampling.top_k - 1).clamp(min=0, max=vocab - 1)[:, None, None].expand(requests, rows, 1)
+    kth = scores.gather(-1, kth_index)  # [requests, rows, 1]
+    limited = (sampling.top_k > 0)[:, None, None]
+    scores = torch.where(limited & (scores < kth), float("-inf"), scores)
+    probs = _min_p(torch.softmax(scores, dim=-1), sampling)
+    # top-p over the sorted (descending) probabilities; the best token always stays
+    before = probs.cumsum(-1) - probs
+    dropped = before >= sampling.top_p[:, None, None]
+    dropped[..., 0] = False
+    probs = torch.where(dropped, 0.0, probs)
+    return order.gather(-1, _searched(probs, uniforms)[..., None])[..., 0]
+
+
+def _min_p(probs: torch.Tensor, sampling: RowSampling) -> torch.Tensor:
+    floor = probs.amax(dim=-1, keepdim=True) * sampling.min_p[:, None, None]
+    return torch.where(probs < floor, 0.0, probs)
+
+
+def _searched(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: probs [requests, rows, vocab] (unnormalised), uniforms [requests, rows] -> the index [requests,
+    rows] whose cumulative mass first exceeds uniform x total."""
+    vocab = probs.shape[-1]
+    cumulative = probs.cumsum(-1)  # [requests, rows, vocab]
     total = cumulative[..., -1]  # [requests, rows]
     # strictly below the total, so the search lands on a token with some probability whatever the rounding
     threshold = torch.minimum(uniforms * total, total * (1 - 2.0**-22))[..., None]  # [requests, rows, 1]
-    index = torch.searchsorted(cumulative, threshold.contiguous(), right=True).clamp(max=vocab - 1)
-    sampled = index if order is None else order.gather(-1, index)  # [requests, rows, 1]
-    return torch.where((sampling.temperature > 0)[:, None], sampled[..., 0], greedy)
+    return torch.searchsorted(cumulative, threshold.contiguous(), right=True).clamp(max=vocab - 1)[..., 0]
 
 
 def sample_tree_rows(
@@ -155,11 +187,32 @@ def sample_tree_rows(
 ) -> torch.Tensor:
     """A host-built tree round's choices the way a device round makes them: logits [rows, vocab] of rows at
     `positions` -> tokens [rows] on the logits' device (a sampled request's rows: `choose_rows`)."""
-    device = logits.device
-    host = RowSampling.zeros(1, torch.device("cpu"), pin_memory=device.type == "cuda")
-    host.fill([params], [seed])
-    sampling = RowSampling.zeros(1, device)
-    sampling.copy_(host)
-    rows = to_device(torch.tensor([list(positions)], dtype=torch.long), device)  # [1, rows]
+    sampling, rows = _loaded([params], [seed], [list(positions)], logits.device)  # rows [1, rows]
     greedy = logits.argmax(dim=-1)[None]  # [1, rows]
     return choose_rows(logits[None], sampling, rows, choice_mode([params]), greedy)[0]
+
+
+def choose_step_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]
+) -> torch.Tensor:
+    """A plain step's choices for all its requests at once: logits [requests, vocab], each request's row at
+    `positions` -> tokens [requests] on the logits' device (the argmax for greedy requests), queued without a wait
+    for the device."""
+    sampling, rows = _loaded(params, seeds, [[p] for p in positions], logits.device)  # rows [requests, 1]
+    greedy = logits.argmax(dim=-1)[:, None]  # [requests, 1]
+    return choose_rows(logits[:, None], sampling, rows, choice_mode(params), greedy)[:, 0]
+
+
+def _loaded(
+    params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[Sequence[int]], device: torch.device
+) -> tuple[RowSampling, torch.Tensor]:
+    """Requests' sampling parameters and their rows' positions [requests, rows] on `device`, in one host copy (one
+    float64 table: seeds and positions below 2**31 and the parameters' floats are exact in it)."""
+    table = torch.tensor(
+        [[p.temperature, p.top_k, p.top_p, p.min_p, seed, *rows]
+         for p, seed, rows in zip(params, seeds, positions, strict=True)],
+        dtype=torch.float64,
+    )  # [requests, 5 + rows]
+    on = to_device(table, device)
+    sampling = RowSampling(on[:, 0].float(), on[:, 1].long(), on[:, 2].float(), on[:, 3].float(), on[:, 4].long())
+    return sampling, on[:, 5:].long()

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from dflash.batch.context_store import ContextStores
-from dflash.batch.device_sampling import RowSampling, choice_mode, choose_rows, device_seed
+from dflash.batch.device_sampling import RowSampling, choice_mode, choose_rows
 from dflash.batch.draft_pass import DraftRows, absorb_context_rows, store_context
 from dflash.batch.graphs import PaddedForward
 from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedBatch, PaddedShape, bucket_up
@@ -272,10 +272,7 @@ class DeviceTrees:
         entry.target_batch.load(target_rows)
         entry.context_rows.copy_(entry.host_context_rows, non_blocking=True)
         if entry.sampling is not entry.host_sampling:  # sampled shapes: each request's parameters and seed
-            for seq in seqs:
-                if seq.device_seed is None:  # (a host-built round may have set it)
-                    seq.device_seed = device_seed(seq.chooser.params)
-            entry.host_sampling.fill([s.chooser.params for s in seqs], [s.device_seed or 0 for s in seqs])
+            entry.host_sampling.fill([s.chooser.params for s in seqs], [s.row_seed() for s in seqs])
             entry.sampling.copy_(entry.host_sampling)
 
     # ---- the round (captured) ----------------------------------------------------------------------------

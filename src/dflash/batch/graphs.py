@@ -168,17 +168,15 @@ class GraphedTargetPasses:
 
     def launch(
         self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None,
-        choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, RowViews | None]:
         """One plain row per request, nothing read back (`dflash.batch.overlap`): -> (each request's token
-        [requests] on the device: the argmax, or `choose(index, logits [1, vocab])` where given; its row's features
+        [requests] on the device: the argmax, or `choose(logits [requests, vocab])` where given; its row's features
         [1, F] per request or None)."""
         entry = self.graphs.replay(items, first_tokens)
         count = len(items)
-        if choose is None:
-            best = entry.logits[:count, 0].argmax(dim=-1)  # [requests]: the same operation as `run`'s
-        else:  # each request in order, read before the next replay overwrites the logits
-            best = torch.cat([choose(index, entry.logits[index, :1]) for index in range(count)])
+        logits = entry.logits[:count, 0]  # [requests, vocab], read before the next replay overwrites it
+        best = logits.argmax(dim=-1) if choose is None else choose(logits)  # [requests]: the argmax as `run`'s
         copied = entry.features[:count, :1].clone() if entry.features is not None else None
         features = RowViews(copied, [slice(0, 1)] * count) if copied is not None else None
         return best, features

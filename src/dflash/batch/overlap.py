@@ -4,8 +4,8 @@ work of the next.
 When every decoding request of a step takes a plain step whose choice depends only on its logits and its random
 stream (greedy, or sampled without constraint, penalties or EOS suppression left; plain requests, and speculative
 ones once the policy stops speculating under load), the next step's inputs need nothing from the host but each
-request's token, and the device has just chosen it (the argmax, or the request's chooser drawing from its own
-stream, in the order the synchronous step would). So the core launches step N+1 with those tokens copied
+request's token, and the device has just chosen it (the argmax, or for sampled requests the draw of their seeds
+and rows' positions, every request in one program, as the synchronous step draws it). So the core launches step N+1 with those tokens copied
 on the device, and only then reads step N's tokens (one transfer, already landed or landing while N+1 runs) and does
 N's host work: commits, detokenisation, stop checks, callbacks. The device has N+1 queued while the host works, so
 a step costs the larger of the two instead of their sum.
@@ -76,11 +76,11 @@ class OverlappedSteps:
 
     def launch(
         self, seqs: list[Sequence], items: list[TargetRows], now: float,
-        choose: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+        choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> Launched | None:
         """Launch one plain row per request of `seqs` (`items`: their rows, tokens from the host, replaced on the
-        device by the launched step's where it chose them). `choose`: (request index, logits [1, vocab]) -> token
-        [1] on the device, for requests that sample (None: every request takes the argmax). Returns the previously
+        device by the launched step's where it chose them). `choose`: logits [requests, vocab] -> tokens [requests]
+        on the device, where some request samples (None: every request takes the argmax). Returns the previously
         launched step, for the caller to read and commit."""
         previous = self.launched
         first_tokens = None

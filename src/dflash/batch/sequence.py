@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dflash.batch.device_sampling import device_seed
 from dflash.batch.policy import PRIOR_ACCEPTANCE
 from dflash.batch.pool import SlotTable
 from dflash.generation.output import OutputSink
@@ -57,6 +58,12 @@ class Sequence:
     done: threading.Event = field(default_factory=threading.Event)
     resumed: int = 0  # output tokens at the end of the prompt: it began on the single-request path (`resume_from_output`)
     device_seed: int | None = None  # its rows' uniforms in sampled device rounds (`dflash.batch.device_sampling`)
+
+    def row_seed(self) -> int:
+        """The seed of its sampled rows' uniforms (drawn at first use: from its own seed where it gave one)."""
+        if self.device_seed is None:
+            self.device_seed = device_seed(self.chooser.params)
+        return self.device_seed
 
     @property
     def prompt_length(self) -> int:
