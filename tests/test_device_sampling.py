@@ -13,6 +13,7 @@ from dflash.batch.device_sampling import (
     choose_rows,
     choose_step_rows,
     device_seed,
+    host_uniforms,
     row_uniforms,
 )
 from dflash.generation.sampling import SamplingParams, filtered_probs
@@ -63,6 +64,11 @@ def test_uniforms_are_uniform_and_independent_across_positions_and_seeds() -> No
     # row of a round from 17 draws
     assert torch.equal(row_uniforms(seeds[5:9], positions[5:9]), first[5:9])
     assert torch.equal(row_uniforms(seeds, positions - 1)[:, 1], first[:, 0])
+    # made on the host (host-built rounds, plain steps): the same values
+    wide = torch.randint(0, 2**31, (300,), generator=torch.Generator().manual_seed(2))
+    spread = torch.randint(0, 2**20, (300, 4), generator=torch.Generator().manual_seed(3))
+    on_host = host_uniforms(wide.tolist(), spread.tolist())
+    assert torch.equal(torch.from_numpy(on_host).float(), row_uniforms(wide, spread))
 
 
 def _of_mode(mode: str) -> list[SamplingParams]:
@@ -88,7 +94,7 @@ def test_each_request_s_rows_follow_its_filtered_distribution(mode: str) -> None
     counts = torch.zeros((requests, VOCAB))
     for past in range(0, 2 * rounds, 2):
         positions = (past + torch.arange(rows))[None].expand(requests, rows)
-        chosen = choose_rows(logits, sampling, positions, mode, greedy)  # [requests, rows]
+        chosen = choose_rows(logits, sampling, row_uniforms(sampling.seed, positions), mode, greedy)
         counts[torch.arange(requests), chosen[:, 0]] += 1
     for index, p in enumerate(params):
         expected = filtered_probs(logits[index, :1], p)[0] if not p.greedy else torch.nn.functional.one_hot(
@@ -106,9 +112,10 @@ def test_a_request_s_tokens_do_not_depend_on_the_others_parameters() -> None:
     logits = torch.randn((requests, rows, VOCAB), generator=generator) * 2
     seeds = [7 * index + 1 for index in range(requests)]
     positions = (40 + torch.arange(rows))[None].expand(requests, rows)
-    together = choose_rows(logits, _sampling(PARAMS, seeds), positions, "mixed", logits.argmax(dim=-1))
+    uniforms = row_uniforms(torch.tensor(seeds), positions)  # [requests, rows]
+    together = choose_rows(logits, _sampling(PARAMS, seeds), uniforms, "mixed", logits.argmax(dim=-1))
     for index, p in enumerate(PARAMS):
-        alone = choose_rows(logits[index : index + 1], _sampling([p], [seeds[index]]), positions[index : index + 1],
+        alone = choose_rows(logits[index : index + 1], _sampling([p], [seeds[index]]), uniforms[index : index + 1],
                             choice_mode([p]), logits[index : index + 1].argmax(dim=-1))
         assert torch.equal(together[index], alone[0]), p
     step = choose_step_rows(logits[:, 0], PARAMS, seeds, [40] * requests)  # [requests]
@@ -119,5 +126,4 @@ def test_greedy_mode_is_the_argmax() -> None:
     logits = torch.randn((2, 3, VOCAB))
     greedy = logits.argmax(dim=-1)
     sampling = _sampling([SamplingParams(), SamplingParams()], [1, 2])
-    positions = torch.zeros((2, 3), dtype=torch.long)
-    assert torch.equal(choose_rows(logits, sampling, positions, "greedy", greedy), greedy)
+    assert torch.equal(choose_rows(logits, sampling, None, "greedy", greedy), greedy)

@@ -719,14 +719,30 @@ class BatchCore:
         """Every round's choices at its logit rows, on the host (None: its sequence failed choosing and ended).
 
         A plain greedy round takes the pass's host argmax; every other round is chosen on the logits' device (by
-        its chooser: constraints, penalties, EOS suppression, the same operations as alone; sampled rows that only
-        their logits decide by the uniforms of their seed and positions, `_choose`) and all of them are read back in one transfer, so that a request choosing on the device
-        costs the step no synchronisation of its own. Rounds are numbered from `first` in the pass's outputs."""
+        its chooser: constraints, penalties, EOS suppression, the same operations as alone; sampled plain rows that
+        only their logits decide, all in one program: `_drawn_plain`) and all of them are read back in one
+        transfer, so that a request choosing on the device costs the step no synchronisation of its own. Rounds are
+        numbered from `first` in the pass's outputs."""
         choices: list[list[int] | None] = [None] * len(rounds)
         chosen: list[tuple[int, torch.Tensor]] = []  # (round number, its choices [rows] on the logits' device)
+        drawn = [number for number, r in enumerate(rounds) if _drawn_plain(r)]
+        if drawn:  # sampled plain rows, every request's in one program (as a launched step draws them)
+            seqs = [rounds[number].seq for number in drawn]
+            try:
+                tokens = choose_step_rows(
+                    torch.cat([out.logits[first + number][:1] for number in drawn]),  # [requests, vocab]
+                    [s.chooser.params for s in seqs], [s.row_seed() for s in seqs], [s.start for s in seqs],
+                )
+                chosen.extend((number, tokens[index : index + 1]) for index, number in enumerate(drawn))
+            except Exception as exc:
+                log.exception("choosing failed")
+                for seq in seqs:
+                    self._end(seq, exc)
         for number, r in enumerate(rounds):
             if r.greedy and out.argmax is not None:
                 choices[number] = out.argmax[first + number]
+                continue
+            if _drawn_plain(r):
                 continue
             try:
                 chosen.append((number, self._choose(r, out.logits[first + number])))
@@ -753,9 +769,6 @@ class BatchCore:
         """A round's choices by its chooser: logits [rows, vocab] -> tokens [rows], left on their device."""
         seq = r.seq
         if r.kind == "plain":
-            if not seq.chooser.params.greedy and _choice_stateless(seq.chooser, seq.produced):
-                # drawn as a launched plain step draws it (`_chooser_for`): the same tokens either way
-                return choose_step_rows(logits, [seq.chooser.params], [seq.row_seed()], [seq.start])  # [1]
             return seq.chooser.choose(logits, seq.produced)  # [1]
         if r.kind == "linear":
             assert r.drafts is not None
@@ -1083,6 +1096,13 @@ def _device_choice(seq: Sequence, *, chain: bool) -> bool:
     if chain:
         return _plain_greedy(seq.chooser, seq.produced)
     return _choice_stateless(seq.chooser, seq.produced)
+
+
+def _drawn_plain(r: _Round) -> bool:
+    """Whether `r` is a sampled plain round that only its logits and seed decide: drawn with the others of its step
+    (`_choices`) by the uniforms of its seed and position, as a launched plain step draws it (`_chooser_for`)."""
+    seq = r.seq
+    return r.kind == "plain" and not seq.chooser.params.greedy and _choice_stateless(seq.chooser, seq.produced)
 
 
 def _plain_greedy(chooser: TokenChooser, produced: int) -> bool:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy
 import torch
 
 from dflash.generation.sampling import SamplingParams
@@ -35,6 +37,8 @@ MASK31 = 0x7FFFFFFF  # uniforms are hashed in 31-bit integers: every product bel
 _MIXERS = (0x5BD1E995, 0x27D4EB2F, 0x165667B1)  # odd multipliers below 2**31
 _POSITION_MIX, _ROUND_MIX = 0x9E3779B1, 0x85EBCA77  # below 2**32: a 31-bit value times either fits int64
 _UNIFORM_BITS = 24  # float32 holds them exactly
+
+T = TypeVar("T", torch.Tensor, numpy.ndarray)
 
 
 def choice_mode(params: Sequence[SamplingParams]) -> str:
@@ -101,36 +105,47 @@ class RowSampling:
         return self.temperature, self.top_k, self.top_p, self.min_p, self.seed
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 31-bit integer hash, elementwise (x: long, values in [0, 2**31))."""
+def _mix(x: T) -> T:
+    """A 31-bit integer hash, elementwise (x: int64 tensor or array, values in [0, 2**31))."""
     for multiplier in _MIXERS:
         x = x ^ (x >> 15)
         x = (x * multiplier) & MASK31
     return x ^ (x >> 13)
 
 
-def row_uniforms(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """seed [requests] long, positions [requests, rows] long -> uniforms [requests, rows] in [0, 1), a function of
-    (seed, position) alone."""
+def _uniform_bits(seed: T, positions: T) -> T:
+    """seed [requests], positions [requests, rows] (int64 tensors or arrays) -> _UNIFORM_BITS-bit integers."""
     key = _mix(seed)[:, None]  # [requests, 1]
     bits = _mix(key ^ ((positions & MASK31) * _POSITION_MIX & MASK31))  # [requests, rows]
     bits = _mix(bits ^ (key * _ROUND_MIX & MASK31))
-    return (bits >> (31 - _UNIFORM_BITS)).to(torch.float32) / float(1 << _UNIFORM_BITS)
+    return bits >> (31 - _UNIFORM_BITS)
+
+
+def row_uniforms(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """seed [requests] long, positions [requests, rows] long -> uniforms [requests, rows] in [0, 1), a function of
+    (seed, position) alone."""
+    return _uniform_bits(seed, positions).to(torch.float32) / float(1 << _UNIFORM_BITS)
+
+
+def host_uniforms(seeds: Sequence[int], positions: Sequence[Sequence[int]]) -> numpy.ndarray:
+    """`row_uniforms` computed on the host (the same values): float64 [requests, rows], exact in float32."""
+    bits = _uniform_bits(numpy.asarray(seeds, dtype=numpy.int64), numpy.asarray(positions, dtype=numpy.int64))
+    return bits.astype(numpy.float64) / float(1 << _UNIFORM_BITS)
 
 
 def choose_rows(
-    logits: torch.Tensor, sampling: RowSampling, positions: torch.Tensor, mode: str, greedy: torch.Tensor
+    logits: torch.Tensor, sampling: RowSampling, uniforms: torch.Tensor | None, mode: str, greedy: torch.Tensor
 ) -> torch.Tensor:
-    """logits [requests, rows, vocab], each row's position [requests, rows], its argmax `greedy` [requests, rows]
-    -> the target's token at every row [requests, rows] (`mode`: `choice_mode`)."""
+    """logits [requests, rows, vocab], each row's uniform [requests, rows] (`row_uniforms`, `host_uniforms`; None
+    in greedy mode), its argmax `greedy` [requests, rows] -> the target's token at every row [requests, rows]
+    (`mode`: `choice_mode`)."""
     if mode == "greedy":
         return greedy
-    rows = logits.shape[1]
+    assert uniforms is not None, "sampled rows need their uniforms"
     scores = logits.float()
     # shifted so the best score is 0 before dividing (a tiny temperature sends the others to -inf, not NaN)
     temperature = sampling.temperature.clamp(min=torch.finfo(torch.float32).tiny)[:, None, None]
     scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature  # [requests, rows, vocab]
-    uniforms = row_uniforms(sampling.seed, positions[:, :rows])  # [requests, rows]
     if mode == "sampled":
         sampled = _in_vocabulary_order(scores, sampling, uniforms)
     elif mode == "filtered":
@@ -187,32 +202,31 @@ def sample_tree_rows(
 ) -> torch.Tensor:
     """A host-built tree round's choices the way a device round makes them: logits [rows, vocab] of rows at
     `positions` -> tokens [rows] on the logits' device (a sampled request's rows: `choose_rows`)."""
-    sampling, rows = _loaded([params], [seed], [list(positions)], logits.device)  # rows [1, rows]
+    sampling, uniforms = _loaded([params], [seed], [list(positions)], logits.device)  # uniforms [1, rows]
     greedy = logits.argmax(dim=-1)[None]  # [1, rows]
-    return choose_rows(logits[None], sampling, rows, choice_mode([params]), greedy)[0]
+    return choose_rows(logits[None], sampling, uniforms, choice_mode([params]), greedy)[0]
 
 
 def choose_step_rows(
     logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]
 ) -> torch.Tensor:
-    """A plain step's choices for all its requests at once: logits [requests, vocab], each request's row at
+    """A plain step's choices for several requests at once: logits [requests, vocab], each request's row at
     `positions` -> tokens [requests] on the logits' device (the argmax for greedy requests), queued without a wait
     for the device."""
-    sampling, rows = _loaded(params, seeds, [[p] for p in positions], logits.device)  # rows [requests, 1]
+    sampling, uniforms = _loaded(params, seeds, [[p] for p in positions], logits.device)  # uniforms [requests, 1]
     greedy = logits.argmax(dim=-1)[:, None]  # [requests, 1]
-    return choose_rows(logits[:, None], sampling, rows, choice_mode(params), greedy)[:, 0]
+    return choose_rows(logits[:, None], sampling, uniforms, choice_mode(params), greedy)[:, 0]
 
 
 def _loaded(
     params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[RowSampling, torch.Tensor]:
-    """Requests' sampling parameters and their rows' positions [requests, rows] on `device`, in one host copy (one
-    float64 table: seeds and positions below 2**31 and the parameters' floats are exact in it)."""
-    table = torch.tensor(
-        [[p.temperature, p.top_k, p.top_p, p.min_p, seed, *rows]
-         for p, seed, rows in zip(params, seeds, positions, strict=True)],
-        dtype=torch.float64,
-    )  # [requests, 5 + rows]
-    on = to_device(table, device)
+    """Requests' sampling parameters and their rows' uniforms [requests, rows] (made on the host) on `device`, in
+    one host copy (a float64 table: seeds below 2**31, the parameters' floats and the 24-bit uniforms are exact in
+    it)."""
+    table = numpy.empty((len(params), 5 + len(positions[0]) if positions else 5), dtype=numpy.float64)
+    table[:, :5] = [[p.temperature, p.top_k, p.top_p, p.min_p, seed] for p, seed in zip(params, seeds, strict=True)]
+    table[:, 5:] = host_uniforms(seeds, positions)
+    on = to_device(torch.from_numpy(table), device)  # [requests, 5 + rows]
     sampling = RowSampling(on[:, 0].float(), on[:, 1].long(), on[:, 2].float(), on[:, 3].float(), on[:, 4].long())
-    return sampling, on[:, 5:].long()
+    return sampling, on[:, 5:].float()

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from dflash.batch.context_store import ContextStores
-from dflash.batch.device_sampling import RowSampling, choice_mode, choose_rows
+from dflash.batch.device_sampling import RowSampling, choice_mode, choose_rows, row_uniforms
 from dflash.batch.draft_pass import DraftRows, absorb_context_rows, store_context
 from dflash.batch.graphs import PaddedForward
 from dflash.batch.padded import MIN_KEY_BUCKET, ROW_BUCKETS, PaddedBatch, PaddedShape, bucket_up
@@ -290,7 +290,9 @@ class DeviceTrees:
         requests, rows = logits.shape[:2]
         choices = fast_argmax(logits.view(requests * rows, -1)).view(requests, rows)  # [requests, rows]
         # a sampled request's rows: a draw from its filtered distribution (the walk then follows the sampled token)
-        choices = choose_rows(logits, entry.sampling, target_batch.positions, shape.choice, choices)
+        if shape.choice != "greedy":
+            uniforms = row_uniforms(entry.sampling.seed, target_batch.positions[:, :rows])  # [requests, rows]
+            choices = choose_rows(logits, entry.sampling, uniforms, shape.choice, choices)
         # out: [accepted, committed tokens (depth + 1), walk lengths within the smaller budgets]
         paths, lengths = builder.walk_into(trees, choices, self._smaller[budget], entry.out)
         self._keep_paths(target_batch, paths, lengths, features, depth)
