@@ -514,3 +514,40 @@ def test_a_step_that_captured_a_graph_is_not_measured_as_its_option_s_cost(monke
     assert launches >= 12 and captures >= 3
     assert len(observed) >= 6
     assert max(observed) < 0.25
+
+
+def test_arrivals_beside_a_chain_of_device_rounds_are_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While device rounds run for enough requests (GATHER_DECODING, 2 here), an arrival waits for company: a lone
+    one is admitted after GATHER_STEPS steps, two arriving a step apart are admitted in one step (GATHER_ARRIVALS);
+    every request gives its greedy tokens alone."""
+    monkeypatch.setattr(core_module, "GATHER_DECODING", 2)
+    monkeypatch.setattr(core_module, "GATHER_ARRIVALS", 2)
+    monkeypatch.setattr(core_module, "GATHER_STEPS", 5)
+    target, drafter = golden_pair()
+    prompts = random_prompts(5, target.config.vocab_size, seed=43, lengths=(9, 30))
+    core = make_core(target, drafter, max_batch=6, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    core.tree_budgets.forced = True
+    assert core.device_trees is not None
+    seqs = [make_sequence(target, prompt, 60, "ddtree") for prompt in prompts]
+    for seq in seqs[:2]:
+        core.add(seq)
+    while core.device_trees.launched is None:
+        core.step()
+    core.add(seqs[2])
+    waited = 0
+    while seqs[2] in core.waiting:
+        core.step()
+        waited += 1
+    assert waited == 5
+    while core.device_trees.launched is None:  # the chain starts again with the three of them
+        core.step()
+    core.add(seqs[3])
+    core.step()
+    assert seqs[3] in core.waiting
+    core.add(seqs[4])
+    core.step()
+    assert seqs[3] not in core.waiting and seqs[4] not in core.waiting  # both admitted in that step
+    drain(core)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 60)[0]
