@@ -68,13 +68,6 @@ log = logging.getLogger("dflash.batch")
 
 POOL_BLOCK_TOKENS = 16
 _FIRST_ROW = slice(0, 1)
-# Arrivals beside a chain of device rounds are gathered (`_gathering`): each admission breaks the chain (its prompt's
-# pass beside a round, the next round loaded from the host), so arrivals admitted together pay for that once. Where
-# at least GATHER_DECODING requests decode, an arrival waits until GATHER_ARRIVALS wait (or the free slots are
-# spoken for), at most GATHER_STEPS steps.
-GATHER_DECODING = 8
-GATHER_ARRIVALS = 4  # the prompt passes' graphs take up to this many requests (`graphs.PREFILL_GRAPH_REQUESTS`)
-GATHER_STEPS = 8
 
 
 @dataclass
@@ -229,12 +222,9 @@ class BatchCore:
 
     def add(self, seq: Sequence) -> None:
         self.add_check(seq)
-        seq.queued_step = self._step_index
         self.waiting.append(seq)
 
     def _admit(self) -> None:
-        if self._gathering():
-            return
         while self.waiting and len(self.active) < self.settings.max_batch:
             seq = self.waiting[0]
             positions = self.positions_needed(seq)
@@ -254,19 +244,6 @@ class BatchCore:
             seq.stats.prompt_tokens = seq.prompt_length - seq.resumed  # the client's prompt
             self._restore_prefix(seq)
             self.active.append(seq)
-
-    def _gathering(self) -> bool:
-        """Whether the waiting requests wait for company this step: a chain of device rounds runs for at least
-        GATHER_DECODING requests, fewer than GATHER_ARRIVALS wait (and fewer than the free slots), and the oldest
-        has waited fewer than GATHER_STEPS steps."""
-        trees = self.device_trees
-        if trees is None or trees.launched is None or not self.waiting:
-            return False
-        if sum(1 for s in self.active if s.phase == "decode") < GATHER_DECODING:
-            return False
-        if len(self.waiting) >= min(GATHER_ARRIVALS, self.settings.max_batch - len(self.active)):
-            return False
-        return self._step_index - self.waiting[0].queued_step < GATHER_STEPS
 
     def capture_graphs(self, max_keys: int = 4096, *, chains: bool = False) -> int:
         """Capture the decoding pass's graphs ahead of traffic: every request bucket with every row bucket its steps

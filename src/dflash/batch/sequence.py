@@ -58,7 +58,6 @@ class Sequence:
     done: threading.Event = field(default_factory=threading.Event)
     resumed: int = 0  # output tokens at the end of the prompt: it began on the single-request path (`resume_from_output`)
     device_seed: int | None = None  # its rows' uniforms in sampled device rounds (`dflash.batch.device_sampling`)
-    queued_step: int = 0  # the core's step count when it was queued (`BatchCore._gathering`)
 
     def row_seed(self) -> int:
         """The seed of its sampled rows' uniforms (drawn at first use: from its own seed where it gave one)."""
