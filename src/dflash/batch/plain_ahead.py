@@ -1,0 +1,104 @@
+"""Plain steps launched one ahead of reading their tokens in the batched core (`dflash.batch.overlap`): where every
+decoding request takes a plain step that its logits and seed alone decide."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from dflash.batch.core_parts import CoreParts
+from dflash.batch.device_sampling import choose_step_rows
+from dflash.batch.overlap import Launched
+from dflash.batch.rounds import Round, choice_stateless
+from dflash.batch.sequence import Sequence
+
+log = logging.getLogger("dflash.batch")
+
+
+class PlainAheadSteps:
+    last_batch: int
+
+    def _overlapped_rounds(self: CoreParts) -> list[Round] | None:
+        """This step's rounds when it can be launched ahead: every active request decoding, each taking a plain
+        step whose choice depends on nothing chosen before (`choice_stateless`), all of them in the launched step
+        or none; None otherwise."""
+        assert self.overlap is not None
+        decoders = self.active
+        if not decoders or any(s.phase != "decode" for s in decoders) or not self.overlap.takes(decoders):
+            return None
+        rounds = self._plan_rounds(decoders)
+        for r in rounds:
+            if r.kind != "plain" or not choice_stateless(r.seq.chooser, self.overlap.produced(r.seq)):
+                return None
+        return rounds
+
+    def _overlapped_step(self: CoreParts, rounds: list[Round]) -> int:
+        """Launch this step's plain rows, then read and commit the step launched before it."""
+        assert self.overlap is not None
+        now = time.perf_counter()
+        # a request whose in-flight token is its last allowed one gets no further row
+        launch = [r for r in rounds if self.overlap.produced(r.seq) < r.seq.request.max_new_tokens]
+        previous = self.overlap.launched
+        if launch:
+            seqs = [r.seq for r in launch]
+            try:
+                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now, self._chooser_for(seqs))
+            except Exception as exc:  # the launch failed: its requests and the unread step's end with the error
+                log.exception("batched step failed")
+                unread = self.overlap.take()
+                for seq in {id(s): s for s in [*seqs, *(unread.seqs if unread else [])]}.values():
+                    self._end(seq, exc)
+                return len(rounds)
+            for seq in seqs:  # a plain row is kept whatever its token: the position advances now
+                assert seq.target is not None
+                seq.target.crop(seq.start + 1)
+                seq.start += 1
+        else:
+            self.overlap.take()
+        if previous is not None:
+            if launch and not self._last_step_captured:
+                # consecutive launches: the time between them (the last step) is what a plain step costs here
+                self.policy.costs.observe(len(previous.seqs), False, now - previous.launched_at)
+            self._commit_launched(previous)
+        self.last_batch = len(rounds)
+        return len(rounds)
+
+    def _chooser_for(self: CoreParts, seqs: list[Sequence]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How the launched step chooses its requests' tokens: None where all of them take the plain argmax; else
+        logits [requests, vocab] -> tokens [requests] on the device, every request at once: the argmax for greedy
+        ones, for sampled ones the draw of (its seed, its row's position) that the synchronous step makes
+        (`dflash.batch.device_sampling.choose_step_rows`). Every request here chooses from its logits alone (the
+        overlap's condition)."""
+        assert self.overlap is not None
+        if all(s.chooser.params.greedy for s in seqs):
+            return None
+        params = [s.chooser.params for s in seqs]
+        seeds = [s.row_seed() for s in seqs]
+        positions = [s.start for s in seqs]  # each request's row (its position advances after the launch)
+        return lambda logits: choose_step_rows(logits, params, seeds, positions)
+
+    def _read_launched(self: CoreParts) -> None:
+        launched = self.overlap.take() if self.overlap is not None else None
+        if launched is not None:
+            self._commit_launched(launched)
+
+    def _commit_launched(self: CoreParts, launched: Launched) -> None:
+        """Read a launched step's tokens and commit them (a request that ended since is skipped: its row is
+        discarded)."""
+        try:
+            tokens = launched.tokens()
+        except Exception as exc:
+            log.exception("batched step failed")
+            for seq in launched.seqs:
+                self._end(seq, exc)
+            return
+        for index, (seq, token) in enumerate(zip(launched.seqs, tokens, strict=True)):
+            if seq.phase == "done":
+                continue
+            if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
+                seq.stats.record_round(0, 0)
+            features = launched.features[index] if seq.speculative and launched.features is not None else None
+            self._guarded(seq, self._commit, seq, [token], features)
