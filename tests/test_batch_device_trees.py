@@ -17,6 +17,7 @@ from dflash.batch.padded import PaddedBatch
 from dflash.batch.sequence import Sequence
 from dflash.drafter.vocab import DraftScores
 from dflash.environment import DEVICE_TREES
+from dflash.generation.sampling import SamplingParams
 from dflash.kv.prefix_cache import PrefixCache
 from tests.batch_helpers import drain, make_core, make_sequence, sampled_counts
 from tests.spec_helpers import (
@@ -433,9 +434,9 @@ SAMPLED_VOCAB, SAMPLED_BLOCK, SAMPLED_NEW = 8, 4, 4
 
 def _device_samples(samples: int, mode: str, launches: list[int]) -> list[Counter[int]]:
     """`samples` requests (seeds 0..) at temperature 1 through the CUDA path's steps run eagerly, DDTree's rounds
-    always on the device (`launches` gains each batch's device rounds)."""
+    and linear chains always on the device (`launches` gains each batch's device rounds)."""
     def prepare(core: BatchCore) -> None:
-        core.tree_budgets.forced = True
+        core.tree_budgets.forced = core.chain_lengths.forced = True
         core.policy.plan = lambda *args, **kwargs: True  # type: ignore[method-assign]
         if core.device_trees is not None:
             trees = core.device_trees
@@ -453,25 +454,71 @@ def _device_samples(samples: int, mode: str, launches: list[int]) -> list[Counte
 
 
 @pytest.mark.slow
-def test_sampled_ddtree_requests_on_device_rounds_keep_the_target_distribution(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("mode", ["ddtree", "linear"])
+def test_sampled_requests_on_device_rounds_keep_the_target_distribution(
+    monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    """Per-position token distributions of 1500 DDTree requests sampled at temperature 1 (64 in a batch), every round
-    on the device (each tree row sampled there, the walk following the sampled token), agree with plain decoding's
-    within TV 0.06; a control whose rows take the argmax instead exceeds it (the test can fail)."""
+    """Per-position token distributions of 1500 DDTree (or linear: chains) requests sampled at temperature 1 (64 in
+    a batch), every round on the device (each row sampled there, the walk following the sampled token), agree with
+    plain decoding's within TV 0.06; a control whose rows take the argmax instead exceeds it (the test can fail)."""
     samples, tolerance = 1500, 0.06
     launches: list[int] = []
     reference = _device_samples(samples, "none", launches)
     assert not launches
-    sampled = _device_samples(samples, "ddtree", launches)
+    sampled = _device_samples(samples, mode, launches)
     assert len(launches) >= 100
     distances = [total_variation(p, s) for p, s in zip(reference, sampled, strict=True)]
     assert max(distances) < tolerance, distances
     import dflash.batch.device_trees as trees_module
 
-    monkeypatch.setattr(trees_module, "choose_rows", lambda logits, sampling, past, mode, greedy: greedy)
-    control = _device_samples(samples, "ddtree", launches)
+    monkeypatch.setattr(trees_module, "choose_rows", lambda logits, sampling, uniforms, mode, greedy: greedy)
+    control = _device_samples(samples, mode, launches)
     assert max(total_variation(p, s) for p, s in zip(reference, control, strict=True)) > tolerance
+
+
+def _sampled_linear_run(monkeypatch: pytest.MonkeyPatch, device_trees: bool) -> tuple[list[list[int]], int]:
+    """Three seeded sampled linear requests (temperature 0.9; one with top-p, one with top-k) through the padded
+    passes, with or without device rounds -> (each request's tokens, device rounds launched)."""
+    monkeypatch.setenv(DEVICE_TREES, "1" if device_trees else "0")
+    target, drafter = golden_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=47, lengths=(9, 30))
+    sampling = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.9, top_p=0.9, seed=2),
+                SamplingParams(temperature=0.9, top_k=40, seed=3)]
+    core = make_core(target, drafter, max_batch=4, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    core.tree_budgets.forced = core.chain_lengths.forced = True
+    launches = 0
+    if core.device_trees is not None:
+        launch = core.device_trees.launch
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal launches
+            launches += 1
+            return launch(*args, **kwargs)
+
+        core.device_trees.launch = counted  # type: ignore[method-assign]
+    seqs = [make_sequence(target, p, 40, "linear", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    assert all(seq.error is None and len(seq.sink.token_ids) == 40 for seq in seqs)
+    return [seq.sink.token_ids for seq in seqs], launches
+
+
+def test_sampled_linear_requests_draw_the_same_tokens_through_device_chains_and_host_built_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded sampled linear requests run as chains on the device commit, token for token, what host-built linear
+    rounds commit (each row drawn with the uniform of its seed and position, whatever the rounds), and they did
+    sample (not the greedy tokens)."""
+    on, launched = _sampled_linear_run(monkeypatch, True)
+    off, none = _sampled_linear_run(monkeypatch, False)
+    assert launched >= 10 and none == 0
+    assert on == off
+    target, _ = golden_pair()
+    prompt = random_prompts(3, target.config.vocab_size, seed=47, lengths=(9, 30))[0]
+    assert on[0] != run(target, None, prompt, 40)[0]
+
 
 
 def test_a_step_that_captured_a_graph_is_not_measured_as_its_option_s_cost(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,7 +9,7 @@ pass over the prefill chunks, plain steps, verification blocks and trees of all 
 chooses, accepts, commits or rolls back on its own, exactly as a single-request generation would.
 
 On a GPU two kinds of step are launched one ahead of reading their results, so the host's commits overlap the GPU:
-plain steps (`dflash.batch.overlap`) and DDTree rounds (greedy or sampled; greedy linear rounds as one-path trees)
+plain steps (`dflash.batch.overlap`) and DDTree rounds (greedy or sampled; linear rounds as one-path trees)
 built entirely on the device (`dflash.batch.device_trees`).
 """
 
@@ -115,7 +115,7 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
             settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
         )
         self.tree_budgets = TreeBudgetChooser()  # steps of device-round DDTree requests only (`_tree_option`)
-        self.chain_lengths = TreeBudgetChooser()  # steps of greedy linear requests on the device, by chain length
+        self.chain_lengths = TreeBudgetChooser()  # steps of linear requests on the device, by chain length
         self._option_memo: tuple[tuple[int, tuple[int, ...]], int] | None = None
         self._step_index = 0
         # the last step's start, its (request bucket, tree option) if the chooser decided it, and whether a prompt
@@ -148,7 +148,7 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
                     drafter, target, self.drafter_pool, settings.max_batch, memory, graphed=graphed,
                     fused=not isinstance(drafter, DFlash2Drafter),
                 )
-        # DDTree steps (and greedy linear steps) with their trees built on the device (`dflash.batch.device_trees`)
+        # DDTree steps (and linear steps) with their trees built on the device (`dflash.batch.device_trees`)
         self.device_trees: DeviceTrees | None = None
         if (
             self.graphs is not None and self.drafter_graphs is not None and drafter is not None
@@ -232,7 +232,7 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
             requests = PaddedShape.bucket_requests(decoding, self.settings.max_batch)
             rows = self.policy.round_rows(decoding) if self.drafter is not None else {1}
             rows_of.setdefault(requests, set()).update(bucket_up(count, ROW_BUCKETS) for count in rows)
-        # request bucket -> tree budgets (`chains`: the chain lengths of greedy linear requests, the engine's default
+        # request bucket -> tree budgets (`chains`: the chain lengths of linear requests, the engine's default
         # mode) of steps where every request drafts
         budgets_of: dict[int, set[int]] = {}
         for decoding in range(1, self.settings.max_batch + 1):
@@ -559,13 +559,17 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
         seq = r.seq
         if r.kind == "plain":
             return seq.chooser.choose(logits, seq.produced)  # [1]
+        # a sampled round's rows as a device round samples them, with the same uniforms: the same tokens either way
+        drawn = not seq.chooser.params.greedy and choice_stateless(seq.chooser, seq.produced)
         if r.kind == "linear":
             assert r.drafts is not None
+            if drawn:
+                positions = list(range(seq.start, seq.start + len(r.drafts) + 1))
+                return sample_tree_rows(logits, seq.chooser.params, seq.row_seed(), positions)  # [k+1]
             allowed = seq.chooser.allowed(r.drafts) if seq.chooser.constrained else None
             return seq.chooser.choose(logits, seq.produced, allowed)  # [k+1]
         assert r.tree is not None
-        if not seq.chooser.params.greedy and choice_stateless(seq.chooser, seq.produced):
-            # the rows a device round would sample, with the same uniforms: the same tokens either way
+        if drawn:
             depths = r.tree.host.depths if r.tree.host is not None else r.tree.depths.tolist()
             positions = [seq.start, *(seq.start + d for d in depths)]
             return sample_tree_rows(logits, seq.chooser.params, seq.row_seed(), positions)  # [n+1]

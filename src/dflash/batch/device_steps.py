@@ -1,5 +1,5 @@
 """Device rounds in the batched core (`dflash.batch.device_trees`): where every decoding request is a DDTree request
-(greedy or sampled) or a greedy linear one (a chain), a step is one round built on the device; the tree budget or chain
+or a linear one (a chain), greedy or sampled, a step is one round built on the device; the tree budget or chain
 length is chosen from measured step times (`dflash.batch.tree_budgets`), and a round is launched before the one
 before it is read, the prompt chunks due running in a pass of their own beside it."""
 
@@ -26,7 +26,7 @@ class DeviceRoundSteps:
     last_batch: int
 
     def _budgets_for(self: CoreParts, decoding: int, chain: bool = False) -> list[int]:
-        """The tree budgets (`chain`: the chain lengths) a step of `decoding` DDTree (greedy linear) requests may take
+        """The tree budgets (`chain`: the chain lengths) a step of `decoding` DDTree (linear) requests may take
         (alone: the configured one); the same for every count of one request bucket (the bucket's row share), so
         that each bucket measures a few."""
         block = self.drafter.config.block_size if self.drafter is not None else 1
@@ -39,14 +39,13 @@ class DeviceRoundSteps:
 
     def _device_kind(self: CoreParts, decoders: list[Sequence]) -> str | None:
         """"tree" where every decoding request is a DDTree request the device trees serve (greedy, or sampled with
-        nothing but its logits and random stream deciding: `device_choice`), "chain" where every one is a greedy
-        linear request (served as one-path trees), else None."""
+        nothing but its logits and seed deciding: `device_choice`), "chain" where every one is such a linear request
+        (served as one-path trees), else None."""
         if self.device_trees is None or not decoders:
             return None
         mode = decoders[0].mode
         if mode not in ("ddtree", "linear") or not all(
-            s.mode == mode and s.feature_rows is not None and device_choice(s, chain=mode == "linear")
-            for s in decoders
+            s.mode == mode and s.feature_rows is not None and device_choice(s) for s in decoders
         ):
             return None
         return "tree" if mode == "ddtree" else "chain"
@@ -69,7 +68,7 @@ class DeviceRoundSteps:
 
     def _device_tree_step_fits(self: CoreParts, rounds: list[Round], *, ahead: bool = False) -> bool:
         """Whether this step's rounds go through the device trees: every one a tree round of one budget (greedy or
-        sampled on the device), or every one a greedy linear round of one draft count (a chain), each request's
+        sampled on the device), or every one a linear round of one draft count (a chain), each request's
         round writing only positions it reserved (`ahead`: the round starts after the unread one, up to depth + 1
         positions later). A round may draft past a request's last token: its sink keeps only what the request
         asked for."""
@@ -85,7 +84,7 @@ class DeviceRoundSteps:
         reach = max(depth, trees.block - 1) + (depth + 1 if ahead else 0)
         for r in rounds:
             seq = r.seq
-            if seq.feature_rows is None or not device_choice(seq, chain=chain):
+            if seq.feature_rows is None or not device_choice(seq):
                 return False
             if seq.start + reach >= self.positions_needed(seq):
                 return False

@@ -25,9 +25,9 @@ host commits the tokens as it commits a host-built round's. Greedy verification 
 the target's greedy decoding whatever the tree (the device and host trees may differ on exact score ties); a sampled
 request's walk follows its sampled tokens, so each committed token is a sample of the target's distribution.
 
-Greedy linear DFlash requests take the same rounds with `chain=True`: each tree is one path, the drafter's argmax at
+Linear DFlash requests take the same rounds with `chain=True`: each tree is one path, the drafter's argmax at
 every block position (`dflash.fastpath.batched_trees.BatchedChainBuilder`), the chain a host-built linear round
-verifies.
+verifies (a sampled request's rows sampled and walked as a tree's).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ class RoundResult:
 
 
 class DeviceTrees:
-    """Greedy DDTree rounds of up to `max_requests` requests, built on the target's and drafter's padded passes."""
+    """DDTree rounds (and chains) of up to `max_requests` requests, built on the target's and drafter's padded
+    passes."""
 
     def __init__(
         self, drafter: DFlashDrafter, target_forward: PaddedForward, drafter_forward: PaddedForward,
@@ -173,7 +174,7 @@ class DeviceTrees:
         self, seqs: list[Sequence], budget: int, *, chain: bool = False, follow: bool = False,
         ended: list[int] | None = None,
     ) -> LaunchedRound | None:
-        """Launch one round for each of `seqs` (greedy DDTree requests, at most `max_requests`, each able to draft
+        """Launch one round for each of `seqs` (DDTree or linear requests, at most `max_requests`, each able to draft
         `depth(budget)` positions), nothing read back; returns the round launched before it, unread (None if none).
         `follow` (`can_follow`): its inputs are what the previous round left on the device (the host state lags one
         round), but for `ended` (indexes of requests that ended since: their slots become padding); otherwise they

@@ -54,12 +54,10 @@ def device_round(rounds: list[Round]) -> tuple[int, bool] | None:
     return size, kind == "linear"
 
 
-def device_choice(seq: Sequence, *, chain: bool) -> bool:
-    """Whether a device round can choose `seq`'s tokens: a tree's rows greedy or sampled on the device
-    (`dflash.batch.device_sampling`), a chain's greedy only (a sampled chain is verified on the host, by the draft
-    distribution's rule, which accepts more than matching a sample)."""
-    if chain:
-        return plain_greedy(seq.chooser, seq.produced)
+def device_choice(seq: Sequence) -> bool:
+    """Whether a device round can choose `seq`'s tokens: a tree's or a chain's rows, greedy or sampled on the device
+    (`dflash.batch.device_sampling`: the walk follows the sampled token, as host-built rounds do), where nothing but
+    the logits and the request's seed decide them."""
     return choice_stateless(seq.chooser, seq.produced)
 
 

@@ -1,9 +1,9 @@
-"""Which tree budget a step of greedy DDTree requests verifies (or which chain length a step of greedy linear requests
-does), or none (a plain step), from measured step times and measured acceptance.
+"""Which tree budget a step of DDTree requests verifies (or which chain length a step of linear requests does), or none
+(a plain step), from measured step times and measured acceptance.
 
 A bigger tree commits more tokens per round and costs more per step, and the more requests share a step, the more
 every verified row costs against the plain rows it delays: the best budget moves with the load and the machine. When
-every decoding request is a greedy DDTree request (the steps `dflash.batch.device_trees` builds on the device), the
+every decoding request is a DDTree request (the steps `dflash.batch.device_trees` builds on the device), the
 chooser compares, for the step's request bucket, a plain step and a round at each candidate budget, by expected
 tokens per second:
 
@@ -24,7 +24,7 @@ arrivals and ends is not in their step times), and the choice changes only when 
 `SWITCH_MARGIN` faster and the time it would save over the next `SWITCH_HORIZON` steps exceeds what a change to it
 was measured to cost: each change ends a chain of launched-ahead steps (the first round after plain steps is loaded
 from the host and writes their drafter context first; the first plain step waits for the last round). Outputs never
-depend on the choice (greedy verification commits the target's own tokens).
+depend on the choice (verification commits the target's own tokens, greedy or sampled).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def candidate_budgets(top: int) -> list[int]:
 
 
 def candidate_chains(top: int) -> list[int]:
-    """The chain lengths a step of greedy linear requests may take, at most `top` drafts each."""
+    """The chain lengths a step of linear requests may take, at most `top` drafts each."""
     if top <= 0:
         return []
     return sorted({c for c in CHAIN_CANDIDATES if c < top} | {top})
@@ -121,7 +121,7 @@ class TreeBudgetChooser:
 
     # ---- the choice --------------------------------------------------------------------------------------
     def choose(self, bucket: int, requests: int, budgets: list[int], expected: Callable[[int], float]) -> int:
-        """The option for a step of `requests` greedy DDTree requests (request bucket `bucket`): 0 for a plain step
+        """The option for a step of `requests` DDTree requests (request bucket `bucket`): 0 for a plain step
         or one of `budgets`; `expected(budget)`: the tokens a round at `budget` would commit over all of them."""
         if self.forced is not None:
             return budgets[-1] if self.forced and budgets else 0
