@@ -2,8 +2,8 @@
 
 Wraps the batched core's phases (admission, planning, device rounds launched and read, commits, prompt passes,
 host copies' waits) with exclusive wall-clock timers on the engine loop's thread (a phase's figure leaves out the
-phases inside it), and on CUDA records events around every launched device round and plain step, so each round
-shape's GPU time can be set against the host's. `event.synchronize (wait)` is the time the host waited for the
+phases inside it), and on CUDA records events around every launched device round and plain step, prompt pass,
+host-built step's pass and drafter context write, so each one's GPU time can be set against the host's. `event.synchronize (wait)` is the time the host waited for the
 GPU: large there, the loop is bound by the GPU; small, by the host. The timers cost some host time themselves, so
 the levels' tokens/s here are not the benchmark's.
 
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from batch_host_overhead import Timers  # benchmarks/ is the script's folder
 
+from dflash.batch import context_store as context_module
 from dflash.batch import core as core_module
 from dflash.batch import device_trees as trees_module
 from dflash.batch import graphs as graphs_module
@@ -87,6 +88,12 @@ def with_events(label: Callable[[Any, Any], str], fn: Callable[..., Any]) -> Cal
     return run
 
 
+def _rows_bucket(items: Any, *, features: bool = False) -> int:
+    """The summed rows of a pass's items, rounded up to a power of two (a label, not a shape)."""
+    rows = sum(int(item.new_features.shape[0]) if features else int(item.count) for item in items)
+    return 1 << max(0, (rows - 1).bit_length())
+
+
 def instrument() -> None:
     for owner, name, label in PHASES:
         setattr(owner, name, TIMERS.wrap(label, getattr(owner, name)))
@@ -96,6 +103,23 @@ def instrument() -> None:
     )
     steps = overlap_module.OverlappedSteps
     steps.launch = with_events(lambda self, args: f"plain n{len(args[0])}", steps.launch)  # type: ignore[method-assign]
+    # prompt passes (graphed up to a few requests, else packed) and the drafter context writes beside the rounds
+    passes = graphs_module.GraphedTargetPasses
+    passes.prefill = with_events(  # type: ignore[method-assign]
+        lambda self, args: f"prompt n{len(args[0])} rows{_rows_bucket(args[0])}", passes.prefill
+    )
+    passes.run = with_events(lambda self, args: f"host-built step n{len(args[0])}", passes.run)  # type: ignore[method-assign]
+    run_target = core_module.run_target  # (target, pool, items, ...): host-built steps' packed passes
+
+    def packed(_: Any, *args: Any, **kwargs: Any) -> Any:
+        return run_target(*args, **kwargs)
+
+    timed_packed = with_events(lambda _, args: f"packed pass n{len(args[2])}", packed)
+    core_module.run_target = lambda *args, **kwargs: timed_packed(None, *args, **kwargs)  # type: ignore[assignment]
+    stores = context_module.ContextStores
+    stores.absorb = with_events(  # type: ignore[method-assign]
+        lambda self, args: f"context store rows{_rows_bucket(args[0], features=True)}", stores.absorb
+    )
     loop = loop_module.BatchLoop._loop
 
     def traced_loop(self: Any) -> None:
