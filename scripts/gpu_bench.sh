@@ -11,6 +11,8 @@
 #   scripts/gpu_bench.sh batch-tests  # the batched core's GPU tests (device rounds, graphs, context writes)
 #   scripts/gpu_bench.sh concurrency  # plain, linear and DDTree under 8, 16 and 32 clients, twice each, greedy
 #                                     (TEMPERATURE=1: sampled, request i seeded with i)
+#   scripts/gpu_bench.sh trace        # where the engine loop's time goes at 32 clients, host phases and GPU passes
+#                                     (`benchmarks/engine_loop_trace.py`; MODES, LEVELS, TEMPERATURE as above)
 set -euo pipefail
 STAGE=${STAGE:-/tmp/m}
 MODEL=$STAGE/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -47,5 +49,10 @@ case "$1" in
       --concurrency "${LEVELS:-8,16,32,8,16,32}" --max-batch 32 --requests 128 --max-tokens 256 \
       --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --json \
       --out "$RESULTS/gpu_concurrency_t${TEMPERATURE:-0}.json" ;;
+  trace)
+    PYTHONPATH=$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/engine_loop_trace.py \
+      "$RESULTS/gpu_engine_trace_t${TEMPERATURE:-0}.json" -- --model "$MODEL" --draft default --device cuda \
+      --modes "${MODES:-ar,linear,ddtree}" --concurrency "${LEVELS:-32,32}" --max-batch 32 --requests 128 \
+      --max-tokens 256 --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --json ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
