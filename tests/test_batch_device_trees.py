@@ -126,10 +126,11 @@ def _install_oracles(monkeypatch: pytest.MonkeyPatch, core: BatchCore, seqs: lis
 
 def _serve(
     monkeypatch: pytest.MonkeyPatch, device_trees: bool, device: torch.device, mode: str = "ddtree"
-) -> tuple[list[Sequence], tuple[int, int, int], Drafts]:
-    """Five greedy DDTree (or linear: chains on the device) requests, at most four decoding together (an ended request's slot riding as padding while
-    the others fill the request bucket), through the padded passes (graphs on CUDA) -> (the sequences, (the device
-    rounds launched, those launched after an unread one, those with an ended request's slot), the drafter's logits
+) -> tuple[list[Sequence], tuple[int, int, int, int], Drafts]:
+    """Five greedy DDTree (or linear: chains on the device) requests, at most four decoding together (an ended
+    request's slot riding as padding while the others fill the request bucket, the fifth joining the chain of
+    rounds), through the padded passes (graphs on CUDA) -> (the sequences, (the device rounds launched, those
+    launched after an unread one, those with an ended request's slot, those a request joined), the drafter's logits
     of every round)."""
     monkeypatch.setenv(DEVICE_TREES, "1" if device_trees else "0")
     target, drafter = golden_pair(str(device))
@@ -144,16 +145,18 @@ def _serve(
     seqs = [make_sequence(target, p, new, mode) for p, new in zip(prompts, MAX_NEW, strict=True)]
     drafts: Drafts = {}
     _install_oracles(monkeypatch, core, seqs, references, drafts)
-    rounds = followed = holes = 0  # rounds launched, launched after an unread one, with an ended request's slot
+    # rounds launched, launched after an unread one, with an ended request's slot, with a request joining
+    rounds = followed = holes = joins = 0
     if core.device_trees is not None:
         trees = core.device_trees
         counted_launch = trees.launch
 
         def counted(step: list[Sequence], budget: int, *, follow: bool = False, ended: Any = None, **options: Any) -> Any:
-            nonlocal rounds, followed, holes
+            nonlocal rounds, followed, holes, joins
             rounds += 1
             followed += follow
             holes += bool(ended)
+            joins += bool(options.get("joined"))
             return counted_launch(step, budget, follow=follow, ended=ended, **options)
 
         trees.launch = counted  # type: ignore[method-assign]
@@ -165,15 +168,16 @@ def _serve(
         assert seq.sink.token_ids == reference[len(prompt):]
     assert core.target_pool.free_blocks == core.target_pool.num_blocks
     assert core.drafter_pool is not None and core.drafter_pool.free_blocks == core.drafter_pool.num_blocks
-    return seqs, (rounds, followed, holes), drafts
+    return seqs, (rounds, followed, holes, joins), drafts
 
 
 def _commit_like_the_host(
     monkeypatch: pytest.MonkeyPatch, device: torch.device, tolerance: float, mode: str = "ddtree"
 ) -> None:
-    on, (rounds, followed, holes), device_drafts = _serve(monkeypatch, True, device, mode)
+    on, (rounds, followed, holes, joins), device_drafts = _serve(monkeypatch, True, device, mode)
     off, _, host_drafts = _serve(monkeypatch, False, device, mode)
     assert rounds >= 15 and followed >= 5 and (holes >= 1 or mode == "linear")  # ended slots: the trees' runs
+    assert joins >= 1  # the fifth request joins the running chain in an ended request's slot
     for device_seq, host_seq, new in zip(on, off, MAX_NEW, strict=True):
         # a chain stops at the oracle's first swapped position, a tree goes on through the second-best child
         assert device_seq.stats.acceptance_length > (2.5 if mode == "ddtree" else 1.8)
@@ -476,44 +480,49 @@ def test_sampled_requests_on_device_rounds_keep_the_target_distribution(
     assert max(total_variation(p, s) for p, s in zip(reference, control, strict=True)) > tolerance
 
 
-def _sampled_linear_run(monkeypatch: pytest.MonkeyPatch, device_trees: bool) -> tuple[list[list[int]], int]:
-    """Three seeded sampled linear requests (temperature 0.9; one with top-p, one with top-k) through the padded
-    passes, with or without device rounds -> (each request's tokens, device rounds launched)."""
+def _sampled_run(monkeypatch: pytest.MonkeyPatch, mode: str, device_trees: bool) -> tuple[list[list[int]], int, int]:
+    """Three seeded sampled requests (temperature 0.9; one with top-p, one with top-k), two decoding at a time (the
+    third joins when one ends), through the padded passes, with or without device rounds -> (each request's tokens,
+    device rounds launched, rounds a request joined)."""
     monkeypatch.setenv(DEVICE_TREES, "1" if device_trees else "0")
     target, drafter = golden_pair()
     prompts = random_prompts(3, target.config.vocab_size, seed=47, lengths=(9, 30))
     sampling = [SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0.9, top_p=0.9, seed=2),
                 SamplingParams(temperature=0.9, top_k=40, seed=3)]
-    core = make_core(target, drafter, max_batch=4, eager_padded=True)
+    # budget 32 (the CUDA default): admission reserves a whole round past the output, so rounds follow to the end
+    core = make_core(target, drafter, max_batch=2, ddtree_budget=32, eager_padded=True)
     core.policy.plan = lambda *args, **kwargs: True
     core.tree_budgets.forced = core.chain_lengths.forced = True
-    launches = 0
+    launches = joins = 0
     if core.device_trees is not None:
         launch = core.device_trees.launch
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            nonlocal launches
+            nonlocal launches, joins
             launches += 1
+            joins += bool(kwargs.get("joined"))
             return launch(*args, **kwargs)
 
         core.device_trees.launch = counted  # type: ignore[method-assign]
-    seqs = [make_sequence(target, p, 40, "linear", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
+    new = (48, 24, 48)  # the second ends first: the third joins the running chain in its slot
+    seqs = [make_sequence(target, p, n, mode, sampling=s) for p, n, s in zip(prompts, new, sampling, strict=True)]
     for seq in seqs:
         core.add(seq)
     drain(core)
-    assert all(seq.error is None and len(seq.sink.token_ids) == 40 for seq in seqs)
-    return [seq.sink.token_ids for seq in seqs], launches
+    assert all(seq.error is None and len(seq.sink.token_ids) == n for seq, n in zip(seqs, new, strict=True))
+    return [seq.sink.token_ids for seq in seqs], launches, joins
 
 
-def test_sampled_linear_requests_draw_the_same_tokens_through_device_chains_and_host_built_rounds(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("mode", ["linear", "ddtree"])
+def test_sampled_requests_draw_the_same_tokens_through_device_rounds_and_host_built_ones(
+    monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    """Seeded sampled linear requests run as chains on the device commit, token for token, what host-built linear
-    rounds commit (each row drawn with the uniform of its seed and position, whatever the rounds), and they did
-    sample (not the greedy tokens)."""
-    on, launched = _sampled_linear_run(monkeypatch, True)
-    off, none = _sampled_linear_run(monkeypatch, False)
-    assert launched >= 10 and none == 0
+    """Seeded sampled linear (chains) and DDTree requests on the device rounds, one joining the running chain,
+    commit token for token what host-built rounds commit (each row drawn with the uniform of its seed and position,
+    whatever the rounds), and they did sample (not the greedy tokens)."""
+    on, launched, joins = _sampled_run(monkeypatch, mode, True)
+    off, none, _ = _sampled_run(monkeypatch, mode, False)
+    assert launched >= 10 and joins >= 1 and none == 0
     assert on == off
     target, _ = golden_pair()
     prompt = random_prompts(3, target.config.vocab_size, seed=47, lengths=(9, 30))[0]

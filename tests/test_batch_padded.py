@@ -127,6 +127,30 @@ def test_derived_slots_and_masks_follow_each_request_s_table() -> None:
     assert padding[..., 0].all() and not padding[..., 1:].any()
 
 
+def test_one_request_s_row_loads_as_a_whole_load_writes_it_and_leaves_the_others() -> None:
+    """`load_row` (a request joining a chain of device rounds) writes what `load` writes for that request (tokens,
+    positions, committed length, row count, block table, visibility) and nothing of the other requests'."""
+    target, _, core, seqs = decoding_core()
+    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(2)), 6)
+    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
+    items = [
+        TargetRows(seqs[0].target, tokens, positions, visibility),
+        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending, 5, 6]), torch.arange(seqs[1].start, seqs[1].start + 3)),
+    ]
+    shape = PaddedShape.of(items, 4)
+    whole = PaddedBatch(shape, core.target_pool, None)
+    whole.load(items)
+    rowwise = PaddedBatch(shape, core.target_pool, None)
+    rowwise.load([items[1], items[1]])  # slot 0 holds another request's inputs first
+    rowwise.load_row(0, items[0])
+    buffers = ("tokens", "positions", "past", "counts", "blocks", "visibility")
+    for name in buffers:
+        assert torch.equal(getattr(rowwise, name)[0], getattr(whole, name)[0]), name
+        assert torch.equal(getattr(rowwise, name)[1], getattr(whole, name)[1]), name  # slot 1 untouched
+    rowwise.load_row(1, items[0])
+    assert torch.equal(rowwise.blocks[1], whole.blocks[0]) and torch.equal(rowwise.visibility[1], whole.visibility[0])
+
+
 def test_the_eager_padded_core_keeps_sliding_windows() -> None:
     """A model with sliding-window layers (window 16) through the padded passes: its windowed masks are derived on
     the device from the rows' positions, and prompts past the window give each request its tokens alone."""

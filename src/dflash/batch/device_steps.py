@@ -13,6 +13,7 @@ from dflash.batch.padded import PaddedShape
 from dflash.batch.rounds import FirstToken, Round, device_choice, device_round
 from dflash.batch.sequence import Sequence
 from dflash.batch.tree_budgets import TreeBudgetChooser, candidate_budgets, candidate_chains
+from dflash.drafter.model import DFlashDrafter
 
 log = logging.getLogger("dflash.batch")
 
@@ -100,24 +101,36 @@ class DeviceRoundSteps:
         return len(rounds)
 
     def _follow_device_round(self: CoreParts) -> int | None:
-        """Where the unread device round's requests (less those that ended) are this step's only decoding ones and
-        go on with the same shape: run any prompt chunk due in a pass of its own (a request in its prompt does not
-        break the chain), launch their next round from the state the unread one leaves on the device, then read and
-        commit that one (the host's work overlaps the GPU's), and last read the first token of each prompt that
-        ended. Otherwise read and commit it, and return None: the step goes on from the committed state."""
+        """Where the unread device round's requests (less those that ended) are this step's decoding ones, with
+        perhaps some that began decoding since (joining in ended requests' slots or the bucket's free ones), and go
+        on with the same shape: run any prompt chunk due in a pass of its own (a request in its prompt does not
+        break the chain), launch their next round from the state the unread one leaves on the device (a joining
+        request's inputs loaded from the host), then read and commit that one (the host's work overlaps the GPU's),
+        and last read the first token of each prompt that ended. Otherwise read and commit it, and return None: the
+        step goes on from the committed state."""
         trees = self.device_trees
         assert trees is not None and trees.launched is not None
-        seqs = trees.launched.seqs  # in the launched round's order, requests that ended since included
-        live = [s for s in seqs if s.phase != "done"]
+        launched = trees.launched.seqs  # in the launched round's order, requests that ended since included
+        live = [s for s in launched if s.phase != "done"]
         rounds: list[Round] = []
         decoding = [s for s in self.active if s.phase == "decode"]
-        same = live and len(decoding) == len(live) and all(a is b for a, b in zip(decoding, live, strict=True))
-        # ended requests' slots ride as padding while the others fill the same request bucket
-        if same and PaddedShape.bucket_requests(len(live), self.settings.max_batch) == trees.launched.shape.requests:
+        in_round = {id(s) for s in live}
+        staying = [s for s in decoding if id(s) in in_round]
+        joiners = [s for s in decoding if id(s) not in in_round]
+        placed = _placed(launched, joiners, trees.launched.shape.requests, self.drafter)
+        seqs, joined = placed if placed is not None else (launched, [])
+        same = (
+            live and placed is not None and len(staying) == len(live)
+            and all(a is b for a, b in zip(staying, live, strict=True))
+        )
+        # ended requests' slots ride as padding while the others (and the requests in their prompts, which join
+        # next) fill the same request bucket
+        requests = PaddedShape.bucket_requests(len(self.active), self.settings.max_batch)
+        if same and requests == trees.launched.shape.requests:
             rounds = self._plan_rounds(decoding)
         found = device_round(rounds)
         size, chain = found if found is not None else (0, False)
-        if not (self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow(seqs, size, chain)):
+        if not (self._device_tree_step_fits(rounds, ahead=True) and trees.can_follow(seqs, size, chain, joined)):
             unread = trees.take()
             assert unread is not None
             self._commit_device_round(unread)
@@ -133,7 +146,7 @@ class DeviceRoundSteps:
             try:
                 # an ended request's slot rides as padding until the requests change (no chain break at its end)
                 ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
-                previous = trees.launch(seqs, size, chain=chain, follow=True, ended=ended)
+                previous = trees.launch(seqs, size, chain=chain, follow=True, ended=ended, joined=joined)
             except Exception as exc:  # the launch failed: its requests end with the error (the unread round too)
                 log.exception("batched step failed")
                 trees.take()
@@ -175,3 +188,27 @@ class DeviceRoundSteps:
         seq.start += kept
         seq.new_features = None
         self._commit(seq, result.tokens, result.features)
+
+
+def _placed(
+    launched: list[Sequence], joiners: list[Sequence], requests: int, drafter: DFlashDrafter | None
+) -> tuple[list[Sequence], list[int]] | None:
+    """The launched round's requests with `joiners` in ended requests' slots, then in the bucket's free ones (of
+    `requests`): (the next round's requests, the joiners' slots); None where they do not fit or one's new drafter
+    context exceeds a block (a joiner's drafter context but the last block is written as its prompt ends)."""
+    block = drafter.config.block_size if drafter is not None else 1
+    for seq in joiners:
+        features = seq.new_features
+        if features is None or features.shape[0] > block:
+            return None
+    free = [index for index, seq in enumerate(launched) if seq.phase == "done"]
+    free += range(len(launched), requests)
+    if len(joiners) > len(free):
+        return None
+    placed = list(launched)
+    for seq, slot in zip(joiners, free, strict=False):
+        if slot < len(placed):
+            placed[slot] = seq
+        else:  # the free slots after the last are taken in order
+            placed.append(seq)
+    return placed, free[: len(joiners)]

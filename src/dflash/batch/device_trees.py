@@ -32,7 +32,7 @@ verifies (a sampled request's rows sampled and walked as a tree's).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.batched_trees import BatchedChainBuilder, BatchedTreeBuilder, write_tree_inputs
 from dflash.fastpath.capture import capture_graph
 from dflash.fastpath.fused_drafter import FusedDrafterWeights
+from dflash.host_copies import to_device
 from dflash.kernels.triton_argmax import fast_argmax
 from dflash.models.model import CausalLM
 
@@ -160,25 +161,32 @@ class DeviceTrees:
             self._capture(shape)
 
     # ---- a step ------------------------------------------------------------------------------------------
-    def can_follow(self, seqs: list[Sequence], budget: int, chain: bool = False) -> bool:
+    def can_follow(self, seqs: list[Sequence], budget: int, chain: bool = False, joined: Collection[int] = ()) -> bool:
         """Whether a round of `seqs` can be launched straight after the unread one, from the state that round
-        leaves on the device: the same requests in the same order, the same budget and shape."""
+        leaves on the device: the same requests in the same order (but at `joined`: requests joining in slots
+        where one ended or none was, their inputs loaded from the host), the same budget and shape."""
         launched = self.launched
-        return (
-            launched is not None and len(launched.seqs) == len(seqs)
-            and all(a is b for a, b in zip(launched.seqs, seqs, strict=True))
-            and launched.shape == self.shape(seqs, budget, chain)
-        )
+        if launched is None or len(seqs) < len(launched.seqs):
+            return False
+        for index, seq in enumerate(seqs):
+            before = launched.seqs[index] if index < len(launched.seqs) else None
+            if index in joined:
+                if before is not None and before.phase != "done":
+                    return False
+            elif seq is not before:
+                return False
+        return launched.shape == self.shape(seqs, budget, chain)
 
     def launch(
         self, seqs: list[Sequence], budget: int, *, chain: bool = False, follow: bool = False,
-        ended: list[int] | None = None,
+        ended: list[int] | None = None, joined: Collection[int] = (),
     ) -> LaunchedRound | None:
         """Launch one round for each of `seqs` (DDTree or linear requests, at most `max_requests`, each able to draft
         `depth(budget)` positions), nothing read back; returns the round launched before it, unread (None if none).
         `follow` (`can_follow`): its inputs are what the previous round left on the device (the host state lags one
-        round), but for `ended` (indexes of requests that ended since: their slots become padding); otherwise they
-        are loaded from the host, which must have read every earlier round."""
+        round), but for `ended` (indexes of requests that ended since: their slots become padding) and `joined`
+        (indexes of requests joining: their inputs loaded from the host, which has committed all of theirs);
+        otherwise they are loaded from the host, which must have read every earlier round."""
         previous = self.launched
         shape = previous.shape if follow and previous is not None else self.shape(seqs, budget, chain)
         entry = self._entries.get(shape) or self._capture(shape)
@@ -191,6 +199,9 @@ class DeviceTrees:
                 batch.counts.index_fill_(0, index, 0)
                 batch.past.index_fill_(0, index, 0)
             entry.context_rows.index_fill_(0, index, 0)
+        if follow:
+            for slot in joined:
+                self._join(entry, slot, seqs[slot], budget)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -275,6 +286,32 @@ class DeviceTrees:
         if entry.sampling is not entry.host_sampling:  # sampled shapes: each request's parameters and seed
             entry.host_sampling.fill([s.chooser.params for s in seqs], [s.row_seed() for s in seqs])
             entry.sampling.copy_(entry.host_sampling)
+
+    def _join(self, entry: _Entry, index: int, seq: Sequence, budget: int) -> None:
+        """Request `seq` into slot `index` of a followed round, the other slots untouched: its new drafter context
+        (at most a block: the rest was written as its prompt ended) into `context`, its block and tree rows' inputs,
+        its context row count and sampling row, all from the host's committed state."""
+        features = seq.new_features
+        assert features is not None and seq.drafter is not None and seq.target is not None
+        rows = features.shape[0]
+        assert rows <= self.block, "a joining request's context beyond a block is written before it joins"
+        self.context[index, :rows].copy_(features.clone() if _shares(features, self.context) else features)
+        self._handed[index] = None
+        assert seq.drafter.length + rows == seq.start, "the drafter context must end right before the block"
+        seq.drafter.crop(seq.start)
+        tokens = self._mask_block.clone()
+        tokens[0] = seq.pending
+        positions = torch.arange(seq.start, seq.start + self.block)
+        entry.drafter_batch.load_row(index, TargetRows(seq.drafter, tokens, positions, self._visible))
+        dummy = torch.zeros(budget + 1, dtype=torch.long)
+        entry.target_batch.load_row(index, TargetRows(seq.target, dummy, dummy))
+        device = entry.context_rows.device
+        entry.context_rows[index : index + 1].copy_(to_device(torch.tensor([rows], dtype=torch.long), device))
+        if entry.sampling is not entry.host_sampling:  # sampled shapes: its parameters and seed
+            row = RowSampling.zeros(1, torch.device("cpu"))
+            row.fill([seq.chooser.params], [seq.row_seed()])
+            for mine, theirs in zip(entry.sampling.fields(), row.fields(), strict=True):
+                mine[index : index + 1].copy_(to_device(theirs, device))
 
     # ---- the round (captured) ----------------------------------------------------------------------------
     def _round(self, entry: _Entry, shape: TreeShape) -> None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from dflash.batch.pool import BlockPool
 from dflash.batch.target_pass import TargetRows
 from dflash.errors import GenerationError
+from dflash.host_copies import to_device
 from dflash.kernels.triton_paged_attention import paged_attention, paged_attention_usable
 from dflash.models.model import CausalLM
 
@@ -119,6 +120,26 @@ class PaddedBatch:
                 visibility[index, :n, :n] = item.visibility.numpy()
         self._ints.copy_(host_ints, non_blocking=True)
         self.visibility.copy_(host_visibility, non_blocking=True)
+
+    def load_row(self, index: int, item: TargetRows) -> None:
+        """Fill request `index`'s part of the buffers alone, the other requests' untouched (their inputs may be what
+        the device left there: a request joining a chain of device rounds), queued without a wait."""
+        r, n, kb = self.shape.rows, item.count, self.key_blocks
+        ints = np.zeros(2 * r + 2 + kb, dtype=np.int64)  # tokens [r], positions [r], past, count, block table [kb]
+        ints[:n] = item.tokens.numpy()
+        ints[r : r + n] = item.positions.numpy()
+        ints[2 * r], ints[2 * r + 1] = item.table.length, n
+        blocks = item.table.block_array(kb)
+        ints[2 * r + 2 : 2 * r + 2 + len(blocks)] = blocks
+        visibility = np.zeros((r, r), dtype=np.bool_)
+        visibility[:n, :n] = item.visibility.numpy() if item.visibility is not None else _LOWER[:n, :n]
+        on = to_device(torch.from_numpy(ints), self._ints.device)
+        self.tokens[index].copy_(on[:r])
+        self.positions[index].copy_(on[r : 2 * r])
+        self.past[index : index + 1].copy_(on[2 * r : 2 * r + 1])
+        self.counts[index : index + 1].copy_(on[2 * r + 1 : 2 * r + 2])
+        self.blocks[index].copy_(on[2 * r + 2 :])
+        self.visibility[index].copy_(to_device(torch.from_numpy(visibility), self._ints.device))
 
     def derive(self) -> None:
         """Slots from the loaded buffers, on the device:
