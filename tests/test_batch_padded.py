@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash.batch.core import BatchCore
 from dflash.batch.draft_pass import DraftRows, run_drafter
 from dflash.batch.graphs import padded_drafter_forward
 from dflash.batch.padded import PaddedBatch, PaddedShape, padded_forward
@@ -88,18 +89,24 @@ def test_the_eager_padded_core_gives_each_request_its_tokens_alone() -> None:
     assert core.target_pool.free_blocks == core.target_pool.num_blocks
 
 
+def _a_tree_and_a_chain(seed: int) -> tuple[BatchCore, list[TargetRows]]:
+    """A decoding core (`decoding_core`) and two requests' rows: the first a tree of 6 nodes, the second a chain of
+    3 rows."""
+    target, _, core, seqs = decoding_core()
+    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(seed)), 6)
+    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
+    return core, [
+        TargetRows(seqs[0].target, tokens, positions, visibility),
+        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending, 5, 6]), torch.arange(seqs[1].start, seqs[1].start + 3)),
+    ]
+
+
 def test_derived_slots_and_masks_follow_each_request_s_table() -> None:
     """The slots and masks the device derives from the loaded buffers: each request reads its committed slots and
     then its new rows' slots, writes its real rows only, and sees its committed keys plus its rows' own visibility
     (a chain causal, a tree by ancestors); padding rows and requests write the trash slot and see key 0."""
-    target, _, core, seqs = decoding_core()
+    core, items = _a_tree_and_a_chain(seed=1)
     pool = core.target_pool
-    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(1)), 6)
-    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
-    items = [
-        TargetRows(seqs[0].target, tokens, positions, visibility),
-        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending, 5, 6]), torch.arange(seqs[1].start, seqs[1].start + 3)),
-    ]
     shape = PaddedShape.of(items, 4)
     batch = PaddedBatch(shape, pool, None)
     batch.load(items)
@@ -130,13 +137,7 @@ def test_derived_slots_and_masks_follow_each_request_s_table() -> None:
 def test_one_request_s_row_loads_as_a_whole_load_writes_it_and_leaves_the_others() -> None:
     """`load_row` (a request joining a chain of device rounds) writes what `load` writes for that request (tokens,
     positions, committed length, row count, block table, visibility) and nothing of the other requests'."""
-    target, _, core, seqs = decoding_core()
-    tree = build_tree(torch.randn(5, target.config.vocab_size, generator=torch.Generator().manual_seed(2)), 6)
-    tokens, positions, visibility = tree_verify_inputs(tree, seqs[0].pending, seqs[0].start, 0)
-    items = [
-        TargetRows(seqs[0].target, tokens, positions, visibility),
-        TargetRows(seqs[1].target, torch.tensor([seqs[1].pending, 5, 6]), torch.arange(seqs[1].start, seqs[1].start + 3)),
-    ]
+    core, items = _a_tree_and_a_chain(seed=2)
     shape = PaddedShape.of(items, 4)
     whole = PaddedBatch(shape, core.target_pool, None)
     whole.load(items)
