@@ -570,3 +570,44 @@ def test_a_step_that_captured_a_graph_is_not_measured_as_its_option_s_cost(monke
     assert launches >= 12 and captures >= 3
     assert len(observed) >= 6
     assert max(observed) < 0.25
+
+
+def test_a_prompt_beyond_the_request_bucket_does_not_break_the_chain_until_it_joins() -> None:
+    """Two DDTree requests decode in a chain of device rounds (request bucket 2); a third arrives with a prompt of
+    three chunks: the chain goes on while it prefills (no round loaded from the host), and it joins the next rounds
+    once decoding (bucket 4, one round loaded); every request gives its greedy tokens alone."""
+    target, drafter = golden_pair()
+    prompts = random_prompts(3, target.config.vocab_size, seed=53, lengths=(9, 12))
+    prompts[2] = random_prompts(1, target.config.vocab_size, seed=54, lengths=(90,))[0]
+    core = make_core(target, drafter, max_batch=4, prefill_chunk=32, ddtree_budget=32, eager_padded=True)
+    core.policy.plan = lambda *args, **kwargs: True
+    core.tree_budgets.forced = True
+    assert core.device_trees is not None
+    loaded = 0
+    real_step = core._device_tree_step
+
+    def counted(rounds: Any) -> int:
+        nonlocal loaded
+        loaded += 1
+        return real_step(rounds)
+
+    core._device_tree_step = counted  # type: ignore[method-assign]
+    seqs = [make_sequence(target, prompt, 64, "ddtree") for prompt in prompts]
+    for seq in seqs[:2]:
+        core.add(seq)
+    while core.device_trees.launched is None:
+        core.step()
+    core.add(seqs[2])
+    before = loaded
+    steps = 0
+    while seqs[2].phase != "decode":
+        core.step()
+        steps += 1
+    assert steps >= 3 and loaded == before  # its three chunks beside the chain's rounds
+    core.step()
+    core.step()
+    assert loaded == before + 1 and core.device_trees.launched is not None
+    assert core.device_trees.launched.shape.requests == 4
+    drain(core)
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.error is None and seq.sink.token_ids == run(target, None, prompt, 64)[0]

@@ -123,10 +123,11 @@ class DeviceRoundSteps:
             live and placed is not None and len(staying) == len(live)
             and all(a is b for a, b in zip(staying, live, strict=True))
         )
-        # ended requests' slots ride as padding while the others (and the requests in their prompts, which join
-        # next) fill the same request bucket
-        requests = PaddedShape.bucket_requests(len(self.active), self.settings.max_batch)
-        if same and requests == trees.launched.shape.requests:
+        # ended requests' slots ride as padding while the decoding requests, with those in their prompts (which join
+        # next), still fill the request bucket; more requests than it holds join only where slots are free
+        bucket = trees.launched.shape.requests
+        least = PaddedShape.bucket_requests(len(decoding), self.settings.max_batch)
+        if same and least <= bucket <= PaddedShape.bucket_requests(len(self.active), self.settings.max_batch):
             rounds = self._plan_rounds(decoding)
         found = device_round(rounds)
         size, chain = found if found is not None else (0, False)
