@@ -1,13 +1,13 @@
 """Plain steps launched one step ahead of reading their tokens: the host's work of a step hidden under the device's
 work of the next.
 
-When every decoding request of a step takes a plain step whose choice depends only on its logits and its random
-stream (greedy, or sampled without constraint, penalties or EOS suppression left; plain requests, and speculative
+When every decoding request of a step takes a plain step whose choice depends only on its logits and its seed
+(greedy, or sampled without constraint, penalties or EOS suppression left; plain requests, and speculative
 ones once the policy stops speculating under load), the next step's inputs need nothing from the host but each
 request's token, and the device has just chosen it (the argmax, or for sampled requests the draw of their seeds
-and rows' positions, every request in one program, as the synchronous step draws it). So the core launches step N+1 with those tokens copied
-on the device, and only then reads step N's tokens (one transfer, already landed or landing while N+1 runs) and does
-N's host work: commits, detokenisation, stop checks, callbacks. The device has N+1 queued while the host works, so
+and rows' positions, every request in one program, as the synchronous step draws it). So the core launches step
+N+1 with those tokens copied on the device, and only then reads step N's tokens (one transfer, already landed or
+landing while N+1 runs) and does N's host work: commits, detokenisation, stop checks, callbacks. The device has N+1 queued while the host works, so
 a step costs the larger of the two instead of their sum.
 
 A plain step's K/V row is kept whatever its token, so a request's position and table advance at launch; only its

@@ -298,7 +298,7 @@ def _step_counts(core: Any) -> dict[str, dict[str, float]]:
     if core is None:
         return {}
     chosen = {f"{bucket}:{option}": count for (bucket, option), count in core.tree_budgets.chosen.items()}
-    chains = getattr(core, "chain_lengths", None)  # greedy linear requests' chains on the device
+    chains = getattr(core, "chain_lengths", None)  # linear requests' chains on the device
     if chains is not None:
         chosen.update({f"{bucket}:chain{option}": count for (bucket, option), count in chains.chosen.items()})
     return {"kinds": {k: list(v) for k, v in core.step_kinds.items()}, "chosen": chosen}
