@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -15,6 +14,7 @@ from dflash.batch.policy import SpeculationPolicy
 from dflash.batch.pool import BlockPool
 from dflash.batch.rounds import FirstToken, Round
 from dflash.batch.sequence import Sequence
+from dflash.batch.step_choice import StepSampling
 from dflash.batch.target_pass import TargetOutput, TargetRows
 from dflash.batch.tree_budgets import TreeBudgetChooser
 from dflash.drafter.model import DFlashDrafter
@@ -79,5 +79,5 @@ class CoreParts(Protocol):
     def _commit_device_round(self, launched: LaunchedRound) -> None: ...
     def _after_device_round(self, seq: Sequence, budget: int, result: RoundResult, chain: bool = False) -> None: ...
     # plain steps launched ahead (`dflash.batch.plain_ahead`)
-    def _chooser_for(self, seqs: list[Sequence]) -> Callable[[torch.Tensor], torch.Tensor] | None: ...
+    def _sampling_for(self, seqs: list[Sequence]) -> StepSampling | None: ...
     def _commit_launched(self, launched: Launched) -> None: ...

@@ -218,15 +218,31 @@ def choose_step_rows(
     return choose_rows(logits[:, None], sampling, uniforms, choice_mode(params), greedy)[:, 0]
 
 
+PARAMETERS = 5  # a request's row of a parameter table: temperature, top_k, top_p, min_p, seed
+
+
+def parameter_table(params: Sequence[SamplingParams], seeds: Sequence[int], columns: int = PARAMETERS) -> numpy.ndarray:
+    """float64 [len(params), columns]: each request's parameters in the first `PARAMETERS` columns (seeds below
+    2**31 and the parameters' floats are exact in it), the rest zero."""
+    table = numpy.zeros((len(params), columns), dtype=numpy.float64)
+    table[:, :PARAMETERS] = [
+        [p.temperature, p.top_k, p.top_p, p.min_p, seed] for p, seed in zip(params, seeds, strict=True)
+    ]
+    return table
+
+
+def table_sampling(table: torch.Tensor) -> RowSampling:
+    """A parameter table [requests, >= PARAMETERS] float64 on the device (`parameter_table`) as `RowSampling`."""
+    return RowSampling(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(), table[:, 3].float(),
+                       table[:, 4].long())
+
+
 def _loaded(
     params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[Sequence[int]], device: torch.device
 ) -> tuple[RowSampling, torch.Tensor]:
     """Requests' sampling parameters and their rows' uniforms [requests, rows] (made on the host) on `device`, in
-    one host copy (a float64 table: seeds below 2**31, the parameters' floats and the 24-bit uniforms are exact in
-    it)."""
-    table = numpy.empty((len(params), 5 + len(positions[0]) if positions else 5), dtype=numpy.float64)
-    table[:, :5] = [[p.temperature, p.top_k, p.top_p, p.min_p, seed] for p, seed in zip(params, seeds, strict=True)]
-    table[:, 5:] = host_uniforms(seeds, positions)
-    on = to_device(torch.from_numpy(table), device)  # [requests, 5 + rows]
-    sampling = RowSampling(on[:, 0].float(), on[:, 1].long(), on[:, 2].float(), on[:, 3].float(), on[:, 4].long())
-    return sampling, on[:, 5:].float()
+    one host copy (the 24-bit uniforms are exact in the float64 table too)."""
+    table = parameter_table(params, seeds, PARAMETERS + (len(positions[0]) if positions else 0))
+    table[:, PARAMETERS:] = host_uniforms(seeds, positions)
+    on = to_device(torch.from_numpy(table), device)  # [requests, PARAMETERS + rows]
+    return table_sampling(on), on[:, PARAMETERS:].float()

@@ -25,6 +25,7 @@ from dflash.batch.padded import (
     padded_forward,
 )
 from dflash.batch.pool import BlockPool
+from dflash.batch.step_choice import StepChoices, StepSampling
 from dflash.batch.target_pass import RowViews, TargetOutput, TargetRows
 from dflash.drafter.model import DFlashDrafter
 from dflash.fastpath.capture import capture_graph
@@ -126,6 +127,9 @@ class GraphedTargetPasses:
             max_requests, torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed,
             max_graphed_requests=PREFILL_GRAPH_REQUESTS,
         )
+        # launched plain steps' draws, graphed after the pass whose logits they read (a pool of their own: their
+        # tokens are read after later replays)
+        self.choices = StepChoices(torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed)
 
     @property
     def captured(self) -> int:
@@ -167,16 +171,17 @@ class GraphedTargetPasses:
         return TargetOutput(RowViews(entry.logits, wanted), features)
 
     def launch(
-        self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None,
-        choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None, sampling: StepSampling | None = None
     ) -> tuple[torch.Tensor, RowViews | None]:
         """One plain row per request, nothing read back (`dflash.batch.overlap`): -> (each request's token
-        [requests] on the device: the argmax, or `choose(logits [requests, vocab])` where given; its row's features
-        [1, F] per request or None)."""
+        [requests] on the device: the argmax, or where `sampling` is given the draw of `StepChoices`; its row's
+        features [1, F] per request or None)."""
         entry = self.graphs.replay(items, first_tokens)
         count = len(items)
-        logits = entry.logits[:count, 0]  # [requests, vocab], read before the next replay overwrites it
-        best = logits.argmax(dim=-1) if choose is None else choose(logits)  # [requests]: the argmax as `run`'s
+        if sampling is None:  # read before the next replay overwrites the logits
+            best = entry.logits[:count, 0].argmax(dim=-1)  # [requests]: the argmax as `run`'s
+        else:
+            best = self.choices.choose(entry.logits[:, 0], entry.batch.positions[:, 0], sampling)[:count]
         copied = entry.features[:count, :1].clone() if entry.features is not None else None
         features = RowViews(copied, [slice(0, 1)] * count) if copied is not None else None
         return best, features

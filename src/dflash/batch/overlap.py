@@ -20,7 +20,6 @@ graph, the same choices.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +30,7 @@ from dflash.batch.target_pass import RowViews, TargetRows
 
 if TYPE_CHECKING:
     from dflash.batch.graphs import GraphedTargetPasses
+    from dflash.batch.step_choice import StepSampling
 
 
 @dataclass
@@ -75,18 +75,17 @@ class OverlappedSteps:
         return launched is None or all(id(s) in launched.ids for s in seqs)
 
     def launch(
-        self, seqs: list[Sequence], items: list[TargetRows], now: float,
-        choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        self, seqs: list[Sequence], items: list[TargetRows], now: float, sampling: StepSampling | None = None
     ) -> Launched | None:
         """Launch one plain row per request of `seqs` (`items`: their rows, tokens from the host, replaced on the
-        device by the launched step's where it chose them). `choose`: logits [requests, vocab] -> tokens [requests]
-        on the device, where some request samples (None: every request takes the argmax). Returns the previously
-        launched step, for the caller to read and commit."""
+        device by the launched step's where it chose them). `sampling`: the requests' sampling, where some request
+        samples (None: every request takes the argmax). Returns the previously launched step, for the caller to
+        read and commit."""
         previous = self.launched
         first_tokens = None
         if previous is not None:
             first_tokens = _tokens_of(previous, seqs)
-        best, features = self.graphs.launch(items, first_tokens, choose)
+        best, features = self.graphs.launch(items, first_tokens, sampling)
         count = len(seqs)
         host = self._host[self._turn][:count]
         self._turn ^= 1

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-
-import torch
 
 from dflash.batch.core_parts import CoreParts
-from dflash.batch.device_sampling import choose_step_rows
 from dflash.batch.overlap import Launched
 from dflash.batch.rounds import Round, choice_stateless
 from dflash.batch.sequence import Sequence
+from dflash.batch.step_choice import StepSampling
 
 log = logging.getLogger("dflash.batch")
 
@@ -45,7 +42,7 @@ class PlainAheadSteps:
         if launch:
             seqs = [r.seq for r in launch]
             try:
-                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now, self._chooser_for(seqs))
+                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now, self._sampling_for(seqs))
             except Exception as exc:  # the launch failed: its requests and the unread step's end with the error
                 log.exception("batched step failed")
                 unread = self.overlap.take()
@@ -66,19 +63,14 @@ class PlainAheadSteps:
         self.last_batch = len(rounds)
         return len(rounds)
 
-    def _chooser_for(self: CoreParts, seqs: list[Sequence]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def _sampling_for(self: CoreParts, seqs: list[Sequence]) -> StepSampling | None:
         """How the launched step chooses its requests' tokens: None where all of them take the plain argmax; else
-        logits [requests, vocab] -> tokens [requests] on the device, every request at once: the argmax for greedy
-        ones, for sampled ones the draw of (its seed, its row's position) that the synchronous step makes
-        (`dflash.batch.device_sampling.choose_step_rows`). Every request here chooses from its logits alone (the
-        overlap's condition)."""
-        assert self.overlap is not None
+        their sampling, every request drawn at once on the device: the argmax for greedy ones, for sampled ones the
+        draw of (its seed, its row's position) that the synchronous step makes (`dflash.batch.step_choice`). Every
+        request here chooses from its logits alone (the overlap's condition)."""
         if all(s.chooser.params.greedy for s in seqs):
             return None
-        params = [s.chooser.params for s in seqs]
-        seeds = [s.row_seed() for s in seqs]
-        positions = [s.start for s in seqs]  # each request's row (its position advances after the launch)
-        return lambda logits: choose_step_rows(logits, params, seeds, positions)
+        return StepSampling([s.chooser.params for s in seqs], [s.row_seed() for s in seqs])
 
     def _read_launched(self: CoreParts) -> None:
         launched = self.overlap.take() if self.overlap is not None else None

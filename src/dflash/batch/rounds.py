@@ -63,7 +63,7 @@ def device_choice(seq: Sequence) -> bool:
 
 def drawn_plain(r: Round) -> bool:
     """Whether `r` is a sampled plain round that only its logits and seed decide: drawn with the others of its step
-    (`_choices`) by the uniforms of its seed and position, as a launched plain step draws it (`_chooser_for`)."""
+    (`_choices`) by the uniforms of its seed and position, as a launched plain step draws it (`_sampling_for`)."""
     seq = r.seq
     return r.kind == "plain" and not seq.chooser.params.greedy and choice_stateless(seq.chooser, seq.produced)
 

@@ -1,0 +1,98 @@
+"""The tokens of a launched plain step where some request samples: drawn on the device in one captured graph.
+
+A launched plain step (`dflash.batch.overlap`) of sampled requests draws each request's token from its row's logits
+by the uniform of (its seed, its row's position), every request at once (`device_sampling.choose_rows`). Run
+eagerly that is some twenty small operations a step, plus the host's work of making the uniforms and copying them:
+host time that the launched-ahead step exists to hide, and at a few dozen requests a step of a small model it is
+what the step waits for. Here the draw is captured once per (padded shape, choice mode) as a graph that reads the
+target pass's logits and the positions already in its padded batch, makes the uniforms on the device
+(`row_uniforms`, equal to the host's) and writes the tokens to a buffer of its own: a step sends one small table of
+parameters and replays one graph. The draws are the ones `choose_step_rows` makes (the same function, the same
+uniforms), graphed or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+
+from dflash.batch.device_sampling import (
+    PARAMETERS,
+    choice_mode,
+    choose_rows,
+    parameter_table,
+    row_uniforms,
+    table_sampling,
+)
+from dflash.fastpath.capture import capture_graph
+from dflash.generation.sampling import SamplingParams
+from dflash.host_copies import to_device
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """The sampling of a launched plain step's requests, in its rows' order."""
+
+    params: Sequence[SamplingParams]
+    seeds: Sequence[int]  # each request's row seed (`Sequence.row_seed`)
+
+
+def draw_step(logits: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, mode: str) -> torch.Tensor:
+    """logits [requests, vocab], table [requests, PARAMETERS] float64 (`StepChoices.table_of`),
+    positions [requests] long (each row's position) -> tokens [requests]: the argmax for greedy requests, else the
+    draw of (seed, position)."""
+    sampling = table_sampling(table)
+    uniforms = row_uniforms(sampling.seed, positions[:, None])  # [requests, 1]
+    greedy = logits.argmax(dim=-1)[:, None]  # [requests, 1]
+    return choose_rows(logits[:, None], sampling, uniforms, mode, greedy)[:, 0]
+
+
+@dataclass
+class _Choice:
+    graph: torch.cuda.CUDAGraph
+    table: torch.Tensor  # [requests, PARAMETERS] float64 on the device, the graph's input
+    tokens: torch.Tensor  # [requests] long, the graph's output
+
+
+class StepChoices:
+    """Graphs of the draw, one per (logits buffer, choice mode): the logits of one padded shape's target graph."""
+
+    def __init__(self, memory: Any, *, graphed: bool) -> None:
+        self._memory = memory
+        self.graphed = graphed
+        self._choices: dict[tuple[int, str], _Choice] = {}
+
+    @staticmethod
+    def table_of(sampling: StepSampling, requests: int) -> numpy.ndarray:
+        """float64 [requests, PARAMETERS]: each request's parameters, rows past them greedy (temperature 0)."""
+        table = numpy.zeros((requests, PARAMETERS), dtype=numpy.float64)
+        table[:, 2] = 1.0  # top_p of the padding rows: no filter
+        table[: len(sampling.params)] = parameter_table(sampling.params, sampling.seeds)
+        return table
+
+    def choose(self, logits: torch.Tensor, positions: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
+        """logits [requests, vocab] and positions [requests] long: a target graph's own buffers (the same tensors
+        at every replay of its shape; a padding request's row is drawn greedily and ignored) -> the tokens
+        [requests] on the device, queued without a wait (rewritten by this buffer's next draw)."""
+        mode = choice_mode(sampling.params)
+        table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
+        if not self.graphed:  # eager passes: each replay's logits are new tensors, nothing to capture
+            return draw_step(logits, to_device(table, logits.device), positions, mode)
+        key = (logits.data_ptr(), mode)
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._capture(logits, positions, mode)
+            self._choices[key] = choice
+        choice.table.copy_(table.pin_memory(), non_blocking=True)
+        choice.graph.replay()
+        return choice.tokens
+
+    def _capture(self, logits: torch.Tensor, positions: torch.Tensor, mode: str) -> _Choice:
+        table = torch.zeros((logits.shape[0], PARAMETERS), dtype=torch.float64, device=logits.device)
+        table[:, 2] = 1.0
+        graph, tokens = capture_graph(lambda: draw_step(logits, table, positions, mode), self._memory, warmups=2)
+        return _Choice(graph, table, tokens)
