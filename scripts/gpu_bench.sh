@@ -10,7 +10,8 @@
 #   scripts/gpu_bench.sh scale      # the random-weight Qwen3-8B-shaped scale study
 #   scripts/gpu_bench.sh batch-tests  # the batched core's GPU tests (device rounds, graphs, context writes)
 #   scripts/gpu_bench.sh concurrency  # plain, linear and DDTree under 8, 16 and 32 clients, twice each, greedy
-#                                     (TEMPERATURE=1: sampled, request i seeded with i)
+#                                     (TEMPERATURE=1: sampled, request i seeded with i; SPREAD=0.5: request i's
+#                                     length drawn from i in [128, 384], `--length-spread`)
 #   scripts/gpu_bench.sh trace        # where the engine loop's time goes at 32 clients, host phases and GPU passes
 #                                     (`benchmarks/engine_loop_trace.py`; MODES, LEVELS, TEMPERATURE as above)
 set -euo pipefail
@@ -47,12 +48,12 @@ case "$1" in
   concurrency)
     $DFLASH bench concurrency --model "$MODEL" --draft default --device cuda --modes "${MODES:-ar,linear,ddtree}" \
       --concurrency "${LEVELS:-8,16,32,8,16,32}" --max-batch 32 --requests 128 --max-tokens 256 \
-      --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --json \
-      --out "$RESULTS/gpu_concurrency_t${TEMPERATURE:-0}.json" ;;
+      --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --length-spread "${SPREAD:-0}" --json \
+      --out "$RESULTS/gpu_concurrency_t${TEMPERATURE:-0}${SPREAD:+_spread$SPREAD}.json" ;;
   trace)
     PYTHONPATH=$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/engine_loop_trace.py \
       "$RESULTS/gpu_engine_trace_t${TEMPERATURE:-0}.json" -- --model "$MODEL" --draft default --device cuda \
       --modes "${MODES:-ar,linear,ddtree}" --concurrency "${LEVELS:-32,32}" --max-batch 32 --requests 128 \
-      --max-tokens 256 --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --json ;;
+      --max-tokens 256 --warmup-requests 16 --temperature "${TEMPERATURE:-0}" --length-spread "${SPREAD:-0}" --json ;;
   *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -19,6 +19,7 @@ from dflash.bench.concurrency import (
     engine_takes_threads,
     measure_levels,
     percentile,
+    request_length,
     requests_per_level,
     summarise,
 )
@@ -118,6 +119,25 @@ def test_sampled_levels_seed_each_request_by_its_index() -> None:
     assert [r.sampling.seed for r in by_seed] == [0, 1, 2, 3, 4]
     assert [r.prompt_ids[0] for r in by_seed] == [PROMPTS[i % 3][0] for i in range(5)]
     assert all(r.sampling.temperature == 0.7 and r.sampling.top_p == 0.9 and r.ignore_eos for r in by_seed)
+
+
+def test_a_length_spread_gives_each_request_its_own_length_the_same_in_every_mode() -> None:
+    """With a spread, request i's length is drawn from i alone within [max_tokens (1 - R), max_tokens (1 + R)]: the
+    lengths differ between requests (the arrivals they cause spread out) and repeat in every mode and level."""
+    lengths = [request_length(i, 100, 0.5) for i in range(200)]
+    assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 50
+    assert lengths == [request_length(i, 100, 0.5) for i in range(200)]
+    assert [request_length(i, 100) for i in range(5)] == [100] * 5
+    with pytest.raises(DFlashError, match="spread"):
+        request_length(0, 100, 1.0)
+    engine = StandInEngine(first_s=0.0, rest_s=0.0)
+    rows = measure_levels(engine, PROMPTS, modes=["ar", "ddtree"], levels=[3], max_tokens=40, requests=9,
+                          warmup=False, length_spread=0.5)
+    expected = sum(request_length(i, 40, 0.5) for i in range(9))
+    assert rows["ar"][0]["tokens"] == rows["ddtree"][0]["tokens"] == expected != 9 * 40
+    by_mode = {spec: sorted(r.max_new_tokens for r, s in zip(engine.requests, engine.specs, strict=True) if s == spec)
+               for spec in ("none", "ddtree")}
+    assert by_mode["none"] == by_mode["ddtree"] == sorted(request_length(i, 40, 0.5) for i in range(9))
 
 
 def test_one_client_runs_requests_one_after_another() -> None:

@@ -3,8 +3,12 @@
 Each (mode, level) runs a closed loop of `level` clients: `level` threads share the level's requests and each issues
 its next request as soon as its previous one ends, so `level` requests stay in flight until the queue drains. Every
 request is greedy (or sampled at `--temperature`, request i with seed i, the same in every mode and level) with
-`ignore_eos=True`: it produces exactly `max_tokens` tokens whatever the model would answer, so every request does
-the same decoding work and tokens/s compare across levels and modes. Request i takes prompt i modulo the prompt list,
+`ignore_eos=True`: it produces exactly its length whatever the model would answer, so request i does the same decoding
+work in every mode and level, and tokens/s compare across them. Its length is `max_tokens`, or with a length spread
+R an integer in [max_tokens (1 - R), max_tokens (1 + R)] drawn from i alone (`request_length`): with one length
+the requests of a wave end at one step under plain decoding, and the next ones arrive together and prefill in one
+pass, while under speculation they end a few steps apart; a spread is the traffic a server meets, where answers
+differ in length (as the output-length range of vLLM's random dataset does). Request i takes prompt i modulo the prompt list,
 which alternates between the prompt files.
 
 Per request: TTFT (from submission to the first streamed text or token ids, so it includes any wait for the engine),
@@ -18,7 +22,9 @@ separate run with `--max-batch 1`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import random
 import statistics
 import threading
 import time
@@ -110,6 +116,18 @@ def percentile(values: Sequence[float], fraction: float) -> float:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def request_length(index: int, max_tokens: int, spread: float = 0.0) -> int:
+    """Request `index`'s tokens: `max_tokens`, or for a spread R in (0, 1) an integer drawn uniformly from
+    [max_tokens (1 - R), max_tokens (1 + R)] by a generator seeded with `index` (the same in every mode, level and
+    run)."""
+    if not 0.0 <= spread < 1.0:
+        raise DFlashError(f"the length spread must be in [0, 1), got {spread}")
+    if spread == 0.0:
+        return max_tokens
+    low = max(1, round(max_tokens * (1 - spread)))
+    return random.Random(index).randint(low, max(low, round(max_tokens * (1 + spread))))
+
+
 def timed_request(
     generator: Generator, prompt_ids: list[int], *, spec: str, max_tokens: int, sampling: SamplingParams = GREEDY
 ) -> RequestTiming:
@@ -135,10 +153,10 @@ def timed_request(
 
 def closed_loop(
     generator: Generator, prompts: Sequence[list[int]], *, spec: str, clients: int, requests: int, max_tokens: int,
-    sampling: SamplingParams = GREEDY,
+    sampling: SamplingParams = GREEDY, length_spread: float = 0.0,
 ) -> LoopRun:
-    """`requests` requests (request i on prompt i mod len(prompts), sampled with seed i unless greedy) from
-    `clients` threads, each starting its next request when its previous one ends."""
+    """`requests` requests (request i on prompt i mod len(prompts), `request_length(i, ...)` tokens, sampled with
+    seed i unless greedy) from `clients` threads, each starting its next request when its previous one ends."""
     if clients < 1 or requests < 1 or not prompts:
         raise ValueError(f"need clients, requests and prompts (got {clients}, {requests}, {len(prompts)})")
     # A pool of `clients` threads over a queue of all the requests is exactly `clients` closed-loop clients: a thread
@@ -146,7 +164,8 @@ def closed_loop(
     with ThreadPoolExecutor(max_workers=clients, thread_name_prefix="bench-client") as pool:
         started = time.perf_counter()
         futures = [
-            pool.submit(timed_request, generator, prompts[i % len(prompts)], spec=spec, max_tokens=max_tokens,
+            pool.submit(timed_request, generator, prompts[i % len(prompts)], spec=spec,
+                        max_tokens=request_length(i, max_tokens, length_spread),
                         sampling=sampling if sampling.greedy else dataclasses.replace(sampling, seed=i))
             for i in range(requests)
         ]
@@ -191,6 +210,7 @@ def measure_levels(
     advance: Callable[[int], None] = lambda n: None,
     warmup_requests: int | None = None,
     sampling: SamplingParams = GREEDY,
+    length_spread: float = 0.0,
 ) -> dict[str, list[dict[str, Any]]]:
     """Per mode, one summary per level. Levels run in the outer loop, so the modes of one level are measured close
     together in time. Warm-up (untimed): one request per client at every level, per mode, so that the batch shapes
@@ -204,26 +224,26 @@ def measure_levels(
         raise DFlashError(f"concurrency levels must be at least 1, got {list(levels)}")
     if requests is not None and requests < max(levels):
         raise DFlashError(f"--requests {requests} leaves concurrency {max(levels)} without enough requests")
+    request_length(0, max_tokens, length_spread)  # a bad spread fails before any level runs
+    loop = functools.partial(closed_loop, generator, prompts, max_tokens=max_tokens, sampling=sampling,
+                             length_spread=length_spread)
     if warmup:
         for mode, level in itertools.product(modes, levels):
             count = max(level, warmup_requests or 0)
-            closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens,
-                        sampling=sampling)
+            loop(spec=MODE_SPECS[mode], clients=level, requests=count)
             advance(count)
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     core = getattr(getattr(generator, "loop", None), "core", None)  # the batched core, where the engine has one
     for level, mode in itertools.product(levels, modes):
         count = requests_per_level(level, requests)
         before = _step_counts(core)
-        run = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=level, requests=count, max_tokens=max_tokens,
-                        sampling=sampling)
+        run = loop(spec=MODE_SPECS[mode], clients=level, requests=count)
         advance(count)
         row = summarise(run, level)
         if core is not None:
             row["steps"] = _step_difference(_step_counts(core), before)
         if sequential:
-            alone = closed_loop(generator, prompts, spec=MODE_SPECS[mode], clients=1, requests=count, max_tokens=max_tokens,
-                                sampling=sampling)
+            alone = loop(spec=MODE_SPECS[mode], clients=1, requests=count)
             advance(count)
             row["sequential_wall_s"] = round(alone.wall_s, 4)
             row["sequential_tokens_per_s"] = round(row["tokens"] / alone.wall_s, 3)
@@ -250,6 +270,7 @@ def measure_concurrency(
     warmup: bool = True,
     warmup_requests: int | None = None,
     sampling: SamplingParams = GREEDY,
+    length_spread: float = 0.0,
 ) -> dict[str, Any]:
     """The levels on `engine` (serialised with `OneAtATime` where it cannot batch), with provenance."""
     if engine.drafter is None and any(MODE_SPECS.get(m, "none") != "none" for m in modes):
@@ -266,7 +287,7 @@ def measure_concurrency(
         results = measure_levels(
             generator, prompts, modes=modes, levels=levels, max_tokens=max_tokens, requests=requests,
             sequential=sequential, warmup=warmup, advance=bar.advance, warmup_requests=warmup_requests,
-            sampling=sampling,
+            sampling=sampling, length_spread=length_spread,
         )
     return {
         **provenance(engine.device),
@@ -281,8 +302,10 @@ def measure_concurrency(
         "sampling": (
             "greedy" if sampling.greedy
             else f"temperature {sampling.temperature}, top_p {sampling.top_p}, request i seeded with i"
-        ) + ", ignore_eos (every request produces exactly max_tokens)",
+        ) + ", ignore_eos (every request produces exactly its length)",
         "max_tokens": max_tokens,
+        # request i's length: max_tokens, or drawn from i in [max_tokens (1 - spread), max_tokens (1 + spread)]
+        "length_spread": length_spread,
         "prompts": len(prompts),
         "prompt_files": [str(p) for p in prompt_files],
         "levels": list(levels),

@@ -59,6 +59,9 @@ def register(commands: Any) -> None:
     concurrency.add_argument("--requests", type=int, default=None,
                              help="requests per level (default: 2 x the level, at least 4)")
     concurrency.add_argument("--max-tokens", type=int, default=128, help="tokens of every request (EOS ignored)")
+    concurrency.add_argument("--length-spread", type=float, default=0.0, metavar="R",
+                             help="request i's tokens drawn from i in [max_tokens (1 - R), max_tokens (1 + R)], the "
+                                  "same in every mode (default 0: every request max_tokens)")
     concurrency.add_argument("--temperature", type=float, default=0.0,
                              help="sample every request at this temperature (request i seeded with i; default greedy)")
     concurrency.add_argument("--top-p", type=float, default=1.0)
@@ -153,7 +156,7 @@ def run_concurrency(args: argparse.Namespace) -> int:
         args.prompts_file or [DEFAULT_PROMPTS / "humaneval.jsonl", DEFAULT_PROMPTS / "mtbench.jsonl"],
         modes=[m.strip() for m in args.modes.split(",") if m.strip()], levels=levels, max_tokens=args.max_tokens,
         requests=args.requests, sequential=args.sequential, warmup=args.warmup, warmup_requests=args.warmup_requests,
-        sampling=sampling,
+        sampling=sampling, length_spread=args.length_spread,
     )
     _emit(result, args, format_concurrency_table(result))
     return 0
