@@ -22,12 +22,12 @@ PARAMS = [
 BUCKET = 8  # the padded pass's requests: rows past the real ones are padding
 
 
-def _draws(choices: StepChoices, logits: torch.Tensor, positions: torch.Tensor, params: list[SamplingParams],
-           seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _draws(choices: StepChoices, logits: torch.Tensor, positions: torch.Tensor, sampling: StepSampling
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the step's draw for the first len(params) rows, `choose_step_rows`'s for them)."""
-    count = len(params)
-    drawn = choices.choose(logits, positions, StepSampling(params, seeds))[:count].clone()
-    expected = choose_step_rows(logits[:count], params, seeds, positions[:count].tolist())
+    count = len(sampling.params)
+    drawn = choices.choose(logits, positions, sampling)[:count].clone()
+    expected = choose_step_rows(logits[:count], sampling.params, sampling.seeds, positions[:count].tolist())
     return drawn, expected
 
 
@@ -36,14 +36,16 @@ def _check_replays(device: torch.device, graphed: bool) -> None:
     logits = torch.empty((BUCKET, VOCAB), device=device)  # one buffer, rewritten between draws as a graph's is
     positions = torch.empty(BUCKET, dtype=torch.long, device=device)
     choices = StepChoices(torch.cuda.graph_pool_handle() if graphed else None, graphed=graphed)
-    for step in range(6):
+    sampling = StepSampling(PARAMS, list(range(len(PARAMS))))
+    for step in range(8):
         logits.copy_(torch.randn((BUCKET, VOCAB), generator=generator, device=device) * 3)
         positions.copy_(torch.arange(BUCKET, device=device) * 7 + 100 + step)
-        params = PARAMS[: 3 + step % 3] if step < 4 else [SamplingParams(temperature=0.9)] * 4  # modes change
-        seeds = [11 * index + step for index in range(len(params))]
-        drawn, expected = _draws(choices, logits, positions, params, seeds)
+        if step % 2 == 0:  # new requests (odd steps: the same ones again, their parameters already loaded)
+            params = PARAMS[: 3 + step % 3] if step < 4 else [SamplingParams(temperature=0.9)] * 4  # modes change
+            sampling = StepSampling(params, [11 * index + step for index in range(len(params))])
+        drawn, expected = _draws(choices, logits, positions, sampling)
         assert torch.equal(drawn, expected), step
-        greedy = [index for index, p in enumerate(params) if p.greedy]
+        greedy = [index for index, p in enumerate(sampling.params) if p.greedy]
         assert torch.equal(drawn[greedy], logits[greedy].argmax(dim=-1))
 
 

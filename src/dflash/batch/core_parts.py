@@ -46,6 +46,7 @@ class CoreParts(Protocol):
     _step_choice: tuple[TreeBudgetChooser, int, int] | None
     _step_prefilled: bool
     _last_step_captured: bool
+    _step_sampling: tuple[tuple[Sequence, ...], StepSampling | None] | None
 
     def positions_needed(self, seq: Sequence) -> int: ...
     def _target_pass(self, items: list[TargetRows], prefills: int, greedy: bool) -> TargetOutput: ...

@@ -17,6 +17,8 @@ log = logging.getLogger("dflash.batch")
 
 class PlainAheadSteps:
     last_batch: int
+    # the last launched step's requests, in order, and their sampling (`_sampling_for`)
+    _step_sampling: tuple[tuple[Sequence, ...], StepSampling | None] | None = None
 
     def _overlapped_rounds(self: CoreParts) -> list[Round] | None:
         """This step's rounds when it can be launched ahead: every active request decoding, each taking a plain
@@ -67,12 +69,20 @@ class PlainAheadSteps:
         """How the launched step chooses its requests' tokens: None where all of them take the plain argmax; else
         their sampling, every request drawn at once on the device: the argmax for greedy ones, for sampled ones the
         draw of (its seed, its row's position) that the synchronous step makes (`dflash.batch.step_choice`). Every
-        request here chooses from its logits alone (the overlap's condition)."""
-        if all(s.chooser.params.greedy for s in seqs):
-            return None
-        return StepSampling([s.chooser.params for s in seqs], [s.row_seed() for s in seqs])
+        request here chooses from its logits alone (the overlap's condition). The same requests in the same order
+        get the same object back, so the draw's parameters are sent once for a run of such steps."""
+        cached = self._step_sampling
+        # held, not their id()s: a new request could take an ended one's id
+        if cached is not None and len(cached[0]) == len(seqs) and all(a is b for a, b in zip(cached[0], seqs, strict=True)):
+            return cached[1]
+        sampling = None
+        if not all(s.chooser.params.greedy for s in seqs):
+            sampling = StepSampling([s.chooser.params for s in seqs], [s.row_seed() for s in seqs])
+        self._step_sampling = (tuple(seqs), sampling)
+        return sampling
 
     def _read_launched(self: CoreParts) -> None:
+        self._step_sampling = None  # the run of launched steps ends: its requests are not held any longer
         launched = self.overlap.take() if self.overlap is not None else None
         if launched is not None:
             self._commit_launched(launched)
@@ -87,10 +97,12 @@ class PlainAheadSteps:
             for seq in launched.seqs:
                 self._end(seq, exc)
             return
+        # every request's row [1, F] as views made in one call (indexing per request costs more host time)
+        rows = launched.features.source[: len(tokens), :1].unbind(0) if launched.features is not None else None
         for index, (seq, token) in enumerate(zip(launched.seqs, tokens, strict=True)):
             if seq.phase == "done":
                 continue
             if seq.mode == "ddtree":  # a root-only tree, counted as a round as the single-request loop does
                 seq.stats.record_round(0, 0)
-            features = launched.features[index] if seq.speculative and launched.features is not None else None
+            features = rows[index] if seq.speculative and rows is not None else None
             self._guarded(seq, self._commit, seq, [token], features)

@@ -56,6 +56,7 @@ class _Choice:
     graph: torch.cuda.CUDAGraph
     table: torch.Tensor  # [requests, PARAMETERS] float64 on the device, the graph's input
     tokens: torch.Tensor  # [requests] long, the graph's output
+    loaded: StepSampling | None = None  # the sampling whose parameters `table` holds
 
 
 class StepChoices:
@@ -79,15 +80,18 @@ class StepChoices:
         at every replay of its shape; a padding request's row is drawn greedily and ignored) -> the tokens
         [requests] on the device, queued without a wait (rewritten by this buffer's next draw)."""
         mode = choice_mode(sampling.params)
-        table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
         if not self.graphed:  # eager passes: each replay's logits are new tensors, nothing to capture
+            table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
             return draw_step(logits, to_device(table, logits.device), positions, mode)
         key = (logits.data_ptr(), mode)
         choice = self._choices.get(key)
         if choice is None:
             choice = self._capture(logits, positions, mode)
             self._choices[key] = choice
-        choice.table.copy_(table.pin_memory(), non_blocking=True)
+        if choice.loaded is not sampling:  # the same requests' steps in a row send their parameters once
+            table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
+            choice.table.copy_(table.pin_memory(), non_blocking=True)
+            choice.loaded = sampling
         choice.graph.replay()
         return choice.tokens
 
