@@ -4,6 +4,7 @@ request."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -316,3 +317,23 @@ def test_sequences_report_their_own_errors_through_result() -> None:
     with pytest.raises(GenerationError, match="boom"):
         seq.result()
     assert torch.equal(torch.tensor(seq.sink.token_ids, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+
+def test_a_prompt_s_time_runs_until_its_first_token_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prefill_s` ends when the first token is on the host, not when the prompt's passes were queued (on a GPU the
+    queuing is a fraction of the work): a first token that takes 50 ms to reach the host counts in it."""
+    from dflash.batch.prompt_steps import PromptSteps
+
+    target, _ = golden_pair()
+    start = PromptSteps._start_decoding
+
+    def slow_read(self: Any, seq: Sequence, first: int) -> None:
+        time.sleep(0.05)  # the read of the first token waiting for the device
+        start(self, seq, first)
+
+    monkeypatch.setattr(PromptSteps, "_start_decoding", slow_read)
+    core = make_core(target, None)
+    seq = make_sequence(target, random_prompts(1, target.config.vocab_size, seed=5, lengths=(12,))[0], 3, "none")
+    core.add(seq)
+    drain(core)
+    assert seq.error is None and seq.stats.prefill_s >= 0.05

@@ -101,8 +101,6 @@ class PromptSteps:
         seq.new_features = torch.cat(seq.prompt_features) if seq.speculative and seq.prompt_features else None
         seq.prompt_features = []
         self._absorb_prompt(seq)  # queued before the first token's read below waits for the GPU
-        seq.stats.prefill_s = time.perf_counter() - seq.prefill_started
-        seq.decode_started = time.perf_counter()
         chosen = seq.chooser.choose(logits, 0)[:1]  # [1]
         if self._first_tokens is None:
             self._start_decoding(seq, int(chosen[0]))
@@ -117,6 +115,9 @@ class PromptSteps:
         self._first_tokens.append(FirstToken(seq, host, event))
 
     def _start_decoding(self: CoreParts, seq: Sequence, first: int) -> None:
+        # the prompt's time ends with its first token on the host: on a GPU, queuing the passes takes a fraction of it
+        seq.decode_started = time.perf_counter()
+        seq.stats.prefill_s = seq.decode_started - seq.prefill_started
         seq.chooser.observe([first])
         seq.start, seq.pending = seq.prompt_length, first
         seq.phase = "decode"
