@@ -58,7 +58,8 @@ def register(commands: Any) -> None:
     concurrency.add_argument("--modes", default="ar,linear,ddtree", help="comma list of: ar, linear, ddtree")
     concurrency.add_argument("--requests", type=int, default=None,
                              help="requests per level (default: 2 x the level, at least 4)")
-    concurrency.add_argument("--max-tokens", type=int, default=128, help="tokens of every request (EOS ignored)")
+    concurrency.add_argument("--max-tokens", type=int, default=128,
+                             help="tokens of every request (EOS ignored; with --length-spread the centre of the range)")
     concurrency.add_argument("--length-spread", type=float, default=0.0, metavar="R",
                              help="request i's tokens drawn from i in [max_tokens (1 - R), max_tokens (1 + R)], the "
                                   "same in every mode (default 0: every request max_tokens)")
