@@ -46,6 +46,7 @@ from dflash.batch.rounds import (
     tree_candidates,
 )
 from dflash.batch.sequence import Sequence
+from dflash.batch.speculation_pause import SpeculationPause
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
 from dflash.batch.tree_budgets import TreeBudgetChooser
 from dflash.drafter.dflash2 import DFlash2Drafter
@@ -114,6 +115,7 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
         self.policy = SpeculationPolicy(
             settings.ddtree_budget, min(settings.linear_drafts, block - 1), settings.max_step_rows
         )
+        self.pause = SpeculationPause()  # speculation off for a while where it stopped paying under load
         self.tree_budgets = TreeBudgetChooser()  # steps of device-round DDTree requests only (`_tree_option`)
         self.chain_lengths = TreeBudgetChooser()  # steps of linear requests on the device, by chain length
         self._option_memo: tuple[tuple[int, tuple[int, ...]], int] | None = None
@@ -199,6 +201,9 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
     def _admit(self) -> None:
         while self.waiting and len(self.active) < self.settings.max_batch:
             seq = self.waiting[0]
+            if seq.speculative and self.pause.holds(self._step_index, len(self.active)):
+                seq.stop_speculating()  # speculation is paused under this load: the request starts plain
+                self.pause.paused_requests += 1
             positions = self.positions_needed(seq)
             pools = [self.target_pool] + ([self.drafter_pool] if seq.speculative and self.drafter_pool else [])
             if any(pool.blocks_for(positions) > pool.free_blocks for pool in pools):
@@ -372,6 +377,7 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
         kind = self._device_kind(decoders) if len(decoders) > 1 else None
         if kind is not None:
             option = self._tree_option(decoders, chain=kind == "chain")  # 0: a plain step
+            self._count_plain_step(decoders, speculating if option == 0 else 0)
             if option == 0:
                 return [Round(seq, "plain") for seq in decoders]
             if kind == "chain":  # chains of `option` drafts (on the device where the step fits it)
@@ -392,7 +398,24 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
             plain_rows=len(rounds) - len(drafting),
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
             rounds = [Round(r.seq, "plain") for r in rounds]
+            self._count_plain_step(decoders, speculating)
+        elif len(decoders) > 1:
+            self._count_plain_step(decoders, speculating if all(r.kind == "plain" for r in rounds) else 0)
         return rounds
+
+    def _count_plain_step(self, decoders: list[Sequence], speculating: int) -> None:
+        """A step whose `speculating` speculative requests all take plain steps (0: some speculates): after a run of
+        them under load, those requests stop speculating (`dflash.batch.speculation_pause`). Not while a device
+        round is in flight: its requests' state is the device's until it is read (the step plans again then)."""
+        if speculating and self.device_trees is not None and self.device_trees.launched is not None:
+            return
+        if not self.pause.due(self._step_index, speculating, speculating > 0):
+            return
+        for seq in decoders:
+            if seq.speculative:
+                seq.stop_speculating()
+                self.pause.paused_requests += 1
+        log.info("speculation paused under load: %d requests decode plainly", speculating)
 
     def _account_step(self, now: float) -> None:
         """The previous step's whole cost (to this step's start: its host work, its launch and the wait for the

@@ -98,6 +98,16 @@ class Sequence:
     def speculative(self) -> bool:
         return self.mode != "none"
 
+    def stop_speculating(self) -> None:
+        """Decode as a plain request from now on (`dflash.batch.speculation_pause`): the drafter's state goes (its
+        context rows, its table's blocks). Its outputs stay what they were going to be: its plain steps choose as its
+        rounds would."""
+        self.mode = "none"
+        self.feature_rows = None
+        if self.drafter is not None:
+            self.drafter.release()
+            self.drafter = None
+
     def expected_tokens(self, prior: float = PRIOR_ACCEPTANCE) -> float:
         """Tokens a drafted round of this request commits, as measured so far (`prior` before a few rounds)."""
         if self.drafted_rounds < 3:

@@ -341,13 +341,16 @@ def _step_difference(after: dict[str, Any], before: dict[str, Any]) -> dict[str,
 
 def _tree_budgets(engine: Engine) -> dict[str, Any]:
     """What the batched core's tree-budget choice did over the run (`dflash.batch.tree_budgets`) and its steps by
-    kind (count, time to the next step), where it ran."""
+    kind (count, time to the next step), where it ran; how often speculation paused under load, where it did."""
     core = getattr(getattr(engine, "loop", None), "core", None)
-    found = {}
+    found: dict[str, Any] = {}
     for name in ("tree_budgets", "chain_lengths"):
         chooser = getattr(core, name, None)
         if chooser is not None and chooser.chosen:
             found[name] = chooser.summary()
+    pause = getattr(core, "pause", None)  # speculation paused under load (`dflash.batch.speculation_pause`)
+    if pause is not None and pause.pauses:
+        found["speculation_pause"] = {"pauses": pause.pauses, "paused_requests": pause.paused_requests}
     return found
 
 

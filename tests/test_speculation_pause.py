@@ -1,0 +1,85 @@
+"""Speculation paused under sustained load (`dflash.batch.speculation_pause`): after a run of steps in which every one
+of many speculative requests took a plain step, they decode as plain requests (their drafter state freed), arrivals
+start plain while the pause holds, and no request's tokens change."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.batch import speculation_pause
+from dflash.batch.core import BatchCore
+from dflash.batch.sequence import Sequence
+from dflash.batch.speculation_pause import HOLD_STEPS, MIN_REQUESTS, PAUSE_AFTER, SpeculationPause
+from dflash.generation.sampling import SamplingParams
+from tests.batch_helpers import drain, make_core, make_sequence
+from tests.spec_helpers import golden_pair, one_torch_thread, random_prompts
+
+_one_thread = one_torch_thread  # autouse, module scope
+
+
+def test_a_pause_needs_a_run_of_plain_steps_of_enough_speculative_requests() -> None:
+    pause = SpeculationPause()
+    for step in range(PAUSE_AFTER - 1):
+        assert not pause.due(step, MIN_REQUESTS, True)
+    assert not pause.due(PAUSE_AFTER - 2, MIN_REQUESTS, True)  # a step planned twice counts once
+    assert not pause.due(PAUSE_AFTER - 1, MIN_REQUESTS, False)  # a round: the run starts again
+    for step in range(PAUSE_AFTER, 2 * PAUSE_AFTER - 1):
+        assert not pause.due(step, MIN_REQUESTS, True)
+    assert pause.due(2 * PAUSE_AFTER - 1, MIN_REQUESTS, True) and pause.pauses == 1
+    assert pause.holds(2 * PAUSE_AFTER, MIN_REQUESTS)
+    assert not pause.holds(2 * PAUSE_AFTER + HOLD_STEPS, MIN_REQUESTS)  # held long enough: arrivals speculate
+    few = SpeculationPause()
+    assert not any(few.due(step, MIN_REQUESTS - 1, True) for step in range(3 * PAUSE_AFTER))
+    dropping = SpeculationPause()
+    for step in range(PAUSE_AFTER):
+        dropping.due(step, MIN_REQUESTS, True)
+    assert not dropping.holds(PAUSE_AFTER, MIN_REQUESTS // 2 - 1)  # the load fell: the pause ends
+
+
+SAMPLING = [SamplingParams(temperature=1.0, seed=index) for index in range(MIN_REQUESTS + 1)]
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, pause_after: int) -> tuple[BatchCore, list[Sequence], list[list[int]]]:
+    """MIN_REQUESTS seeded sampled DDTree requests on a core whose chooser takes plain steps only, then one more
+    arriving after `pause_after` steps of decoding; speculation pauses after `pause_after` such steps."""
+    monkeypatch.setattr(speculation_pause, "PAUSE_AFTER", pause_after)
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=MIN_REQUESTS + 1, eager_padded=True, pool_tokens=16384)
+    core.tree_budgets.forced = False  # every step plain: speculation never pays here
+    prompts = random_prompts(MIN_REQUESTS + 1, target.config.vocab_size, seed=9, lengths=(7, 12, 20))
+    seqs = [make_sequence(target, p, 40, "ddtree", sampling=s) for p, s in zip(prompts, SAMPLING, strict=True)]
+    for seq in seqs[:-1]:
+        core.add(seq)
+    while any(seq.phase != "decode" for seq in seqs[:-1]):
+        core.step()
+    for _ in range(12):
+        core.step()
+    core.add(seqs[-1])
+    drain(core)
+    assert all(seq.error is None for seq in seqs)
+    return core, seqs, [seq.sink.token_ids for seq in seqs]
+
+
+def test_requests_decode_plainly_once_speculation_pauses_and_give_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    core, seqs, paused = _run(monkeypatch, pause_after=8)
+    assert core.pause.pauses == 1 and core.pause.paused_requests == MIN_REQUESTS + 1
+    assert all(seq.mode == "none" and seq.drafter is None for seq in seqs)  # the arrival started plain
+    assert core.drafter_pool is not None and core.drafter_pool.free_blocks == core.drafter_pool.num_blocks
+    control, control_seqs, speculating = _run(monkeypatch, pause_after=10_000)
+    assert control.pause.pauses == 0 and all(seq.mode == "ddtree" for seq in control_seqs)
+    assert paused == speculating  # seeded: the same draws whether a request speculates or not
+
+
+def test_a_few_requests_keep_speculating(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(speculation_pause, "PAUSE_AFTER", 2)
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=8, eager_padded=True)
+    core.tree_budgets.forced = False
+    prompts = random_prompts(4, target.config.vocab_size, seed=4, lengths=(9, 14))
+    seqs = [make_sequence(target, p, 20, "ddtree", sampling=SAMPLING[i]) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    assert core.pause.pauses == 0 and all(seq.mode == "ddtree" for seq in seqs)
