@@ -4,6 +4,8 @@ start plain while the pause holds, and no request's tokens change."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from dflash.batch import speculation_pause
@@ -83,3 +85,45 @@ def test_a_few_requests_keep_speculating(monkeypatch: pytest.MonkeyPatch) -> Non
         core.add(seq)
     drain(core)
     assert core.pause.pauses == 0 and all(seq.mode == "ddtree" for seq in seqs)
+
+
+def test_arrivals_after_a_pause_take_plain_steps_beside_the_paused_requests_then_speculate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the pause stops holding, an arriving speculative request takes plain steps while paused requests decode
+    (no round of mixed kinds), and speculates when they have ended; its tokens are the ones it draws alone."""
+    monkeypatch.setattr(speculation_pause, "PAUSE_AFTER", 4)
+    monkeypatch.setattr(speculation_pause, "HOLD_STEPS", 6)
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=MIN_REQUESTS + 1, eager_padded=True, pool_tokens=16384)
+    core.tree_budgets.forced = False
+    prompts = random_prompts(MIN_REQUESTS + 1, target.config.vocab_size, seed=12, lengths=(8, 15))
+    seqs = [make_sequence(target, p, 30, "ddtree", sampling=s) for p, s in zip(prompts, SAMPLING, strict=True)]
+    for seq in seqs[:-1]:
+        core.add(seq)
+    while core.pause.pauses == 0:
+        core.step()
+    for _ in range(8):  # the hold (6 steps) runs out
+        core.step()
+    late = seqs[-1]
+    core.add(late)
+    kinds: list[tuple[bool, str]] = []  # (paused requests still decoding, the late request's round kind)
+    plan = core._plan_rounds
+
+    def spy(decoders: list[Sequence]) -> list[Any]:
+        rounds = plan(decoders)
+        kinds.extend((any(s.paused for s in decoders), r.kind) for r in rounds if r.seq is late)
+        return rounds
+
+    monkeypatch.setattr(core, "_plan_rounds", spy)
+    core.tree_budgets.forced = True
+    drain(core)
+    assert late.error is None and not late.paused and late.mode == "ddtree"
+    beside = [kind for paused, kind in kinds if paused]
+    assert beside and set(beside) == {"plain"}
+    assert any(kind == "tree" for paused, kind in kinds if not paused) and late.drafted_rounds > 0
+    alone = make_core(target, drafter, max_batch=2, eager_padded=True)
+    again = make_sequence(target, prompts[-1], 30, "ddtree", sampling=SAMPLING[-1])
+    alone.add(again)
+    drain(alone)
+    assert again.sink.token_ids == late.sink.token_ids

@@ -373,6 +373,12 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
     # ---- decoding rounds ---------------------------------------------------------------------------------
     def _plan_rounds(self, decoders: list[Sequence]) -> list[Round]:
         speculating = sum(1 for s in decoders if s.speculative)
+        if speculating and any(s.paused for s in decoders):
+            # requests that speculate beside ones paused under load (they arrived after the pause): plain steps for
+            # everyone until the paused ones end (a batch of mixed kinds takes the host-built path), features kept;
+            # not counted towards another pause: the chooser decides once the batch speculates as one
+            self._count_plain_step(decoders, 0)
+            return [Round(seq, "plain") for seq in decoders]
         plan = self.policy.share(speculating, plain_rows=len(decoders) - speculating)
         kind = self._device_kind(decoders) if len(decoders) > 1 else None
         if kind is not None:

@@ -58,6 +58,7 @@ class Sequence:
     done: threading.Event = field(default_factory=threading.Event)
     resumed: int = 0  # output tokens at the end of the prompt: it began on the single-request path (`resume_from_output`)
     device_seed: int | None = None  # its rows' uniforms in sampled device rounds (`dflash.batch.device_sampling`)
+    paused: bool = False  # a speculative request made plain under load (`dflash.batch.speculation_pause`)
 
     def row_seed(self) -> int:
         """The seed of its sampled rows' uniforms (drawn at first use: from its own seed where it gave one)."""
@@ -103,6 +104,7 @@ class Sequence:
         context rows, its table's blocks). Its outputs stay what they were going to be: its plain steps choose as its
         rounds would."""
         self.mode = "none"
+        self.paused = True
         self.feature_rows = None
         if self.drafter is not None:
             self.drafter.release()

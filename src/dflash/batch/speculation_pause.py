@@ -8,16 +8,19 @@ drafter's rounds commit ~1.5 tokens, that is most of a loaded server's steps (re
 differ"). After `PAUSE_AFTER` consecutive steps in which every decoding request took a plain step, with at least
 `MIN_REQUESTS` of them speculative, those requests stop speculating: their drafter state (context rows, table) is
 dropped and they decode as plain requests; requests admitted while the pause holds start plain. The pause holds for
-`HOLD_STEPS` steps, or until fewer than `MIN_REQUESTS // 2` requests are active; then arrivals speculate again, and
-the chooser measures afresh. Outputs do not change: a plain step samples the target as a round does (greedy, or the
-same uniform of seed and position), only the speed does.
+`HOLD_STEPS` steps, or until fewer than `MIN_REQUESTS // 2` requests are active; then arrivals speculate again. Until
+the paused requests end, those arrivals take plain steps beside them (keeping their features: a batch of plain and
+speculative requests would take the host-built path, whose prompt steps cost twice plain decoding's under this load,
+results/gpu_concurrency_h200_speculation_pause_sampled.json); then the batch speculates as one and the chooser
+measures afresh. Outputs do not change: a plain step samples the target as a round does (greedy, or the same uniform
+of seed and position), only the speed does.
 """
 
 from __future__ import annotations
 
 MIN_REQUESTS = 16  # decoding speculative requests a step must have to count towards a pause
 PAUSE_AFTER = 64  # consecutive such steps of plain rows for everyone before speculation pauses
-HOLD_STEPS = 1024  # steps a pause holds for arrivals before they speculate again (a few requests' lifetimes)
+HOLD_STEPS = 2048  # steps a pause holds for arrivals before they speculate again (several requests' lifetimes)
 
 
 class SpeculationPause:
