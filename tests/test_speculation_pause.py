@@ -127,3 +127,25 @@ def test_arrivals_after_a_pause_take_plain_steps_beside_the_paused_requests_then
     alone.add(again)
     drain(alone)
     assert again.sink.token_ids == late.sink.token_ids
+
+
+@pytest.mark.parametrize(("gain", "pauses"), [(0.5, 1), (0.9, 0)])
+def test_only_rounds_predicted_clearly_slower_than_plain_steps_pause(
+    monkeypatch: pytest.MonkeyPatch, gain: float, pauses: int
+) -> None:
+    """Plain steps chosen near break-even (the chooser's best round predicted at 0.9x a plain step) never pause
+    speculation; chosen where rounds are predicted at half a plain step's speed, they do."""
+    monkeypatch.setattr(speculation_pause, "PAUSE_AFTER", 4)
+    target, drafter = golden_pair()
+    core = make_core(target, drafter, max_batch=MIN_REQUESTS, eager_padded=True, pool_tokens=16384)
+    monkeypatch.setattr(core.tree_budgets, "choose", lambda *args: 0)
+    monkeypatch.setattr(core.tree_budgets, "round_gain", lambda bucket: gain)
+    prompts = random_prompts(MIN_REQUESTS, target.config.vocab_size, seed=5, lengths=(6, 11))
+    sampling = SAMPLING[:MIN_REQUESTS]
+    seqs = [make_sequence(target, p, 24, "ddtree", sampling=s) for p, s in zip(prompts, sampling, strict=True)]
+    for seq in seqs:
+        core.add(seq)
+    drain(core)
+    assert all(seq.error is None for seq in seqs)
+    assert core.pause.pauses == pauses
+    assert all(seq.mode == ("none" if pauses else "ddtree") for seq in seqs)

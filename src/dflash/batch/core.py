@@ -46,7 +46,7 @@ from dflash.batch.rounds import (
     tree_candidates,
 )
 from dflash.batch.sequence import Sequence
-from dflash.batch.speculation_pause import SpeculationPause
+from dflash.batch.speculation_pause import PAUSE_BELOW, SpeculationPause
 from dflash.batch.target_pass import TargetOutput, TargetRows, run_target
 from dflash.batch.tree_budgets import TreeBudgetChooser
 from dflash.drafter.dflash2 import DFlash2Drafter
@@ -383,7 +383,7 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
         kind = self._device_kind(decoders) if len(decoders) > 1 else None
         if kind is not None:
             option = self._tree_option(decoders, chain=kind == "chain")  # 0: a plain step
-            self._count_plain_step(decoders, speculating if option == 0 else 0)
+            self._count_plain_step(decoders, speculating if option == 0 and self._rounds_lose() else 0)
             if option == 0:
                 return [Round(seq, "plain") for seq in decoders]
             if kind == "chain":  # chains of `option` drafts (on the device where the step fits it)
@@ -404,10 +404,18 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
             plain_rows=len(rounds) - len(drafting),
         ):  # speculation would not pay in this step: everyone takes a plain step (features kept for later)
             rounds = [Round(r.seq, "plain") for r in rounds]
-            self._count_plain_step(decoders, speculating)
-        elif len(decoders) > 1:
-            self._count_plain_step(decoders, speculating if all(r.kind == "plain" for r in rounds) else 0)
+        if len(decoders) > 1:
+            self._count_plain_step(decoders, 0)  # no measured comparison on this path: it never pauses
         return rounds
+
+    def _rounds_lose(self) -> bool:
+        """Whether the chooser that decided this step last predicted its best round clearly slower than a plain
+        step (`dflash.batch.speculation_pause.PAUSE_BELOW`)."""
+        if self._step_choice is None:
+            return False
+        chooser, bucket, _ = self._step_choice
+        gain = chooser.round_gain(bucket)
+        return gain is not None and gain < PAUSE_BELOW
 
     def _count_plain_step(self, decoders: list[Sequence], speculating: int) -> None:
         """A step whose `speculating` speculative requests all take plain steps (0: some speculates): after a run of

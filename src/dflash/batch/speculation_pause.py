@@ -1,23 +1,28 @@
 """Speculation paused under sustained load where it has stopped paying: speculative requests become plain ones.
 
-When many requests decode together and the step's chooser (`tree_budgets`, or the policy's plan on the host-built
-path) keeps taking plain steps for everyone, a speculative request still costs more than a plain one: each plain
-step keeps its row's features for the drafter, and every return to rounds (a re-measurement, a change of the
-choice) first writes the drafter context of every plain step since. Sampled at temperature 1, where the default
-drafter's rounds commit ~1.5 tokens, that is most of a loaded server's steps (results/README.md, "lengths that
-differ"). After `PAUSE_AFTER` consecutive steps in which every decoding request took a plain step, with at least
-`MIN_REQUESTS` of them speculative, those requests stop speculating: their drafter state (context rows, table) is
-dropped and they decode as plain requests; requests admitted while the pause holds start plain. The pause holds for
+When many requests decode together and the device rounds' chooser (`dflash.batch.tree_budgets`) keeps taking plain
+steps for everyone, a speculative request still costs more than a plain one: each plain step keeps its row's
+features for the drafter, and every return to rounds (a re-measurement, a change of the choice) first writes the
+drafter context of every plain step since. Sampled at temperature 1, where the default drafter's rounds commit ~1.5
+tokens, that is most of a loaded server's steps (results/README.md, "lengths that differ"). After `PAUSE_AFTER`
+consecutive steps in which every decoding request took a plain step, with at least `MIN_REQUESTS` of them
+speculative and the chooser predicting its best round clearly slower than a plain step (`PAUSE_BELOW`, from measured
+step times and acceptance), those requests stop speculating: their drafter state (context rows, table) is dropped
+and they decode as plain requests; requests admitted while the pause holds start plain. The pause holds for
 `HOLD_STEPS` steps, or until fewer than `MIN_REQUESTS // 2` requests are active; then arrivals speculate again. Until
 the paused requests end, those arrivals take plain steps beside them (keeping their features: a batch of plain and
 speculative requests would take the host-built path, whose prompt steps cost twice plain decoding's under this load,
 results/gpu_concurrency_h200_speculation_pause_sampled.json); then the batch speculates as one and the chooser
-measures afresh. Outputs do not change: a plain step samples the target as a round does (greedy, or the same uniform
-of seed and position), only the speed does.
+measures afresh. Steps planned on the host-built path (mixed strategies) never count. Outputs do not change: a plain
+step samples the target as a round does (greedy, or the same uniform of seed and position), only the speed does.
 """
 
 from __future__ import annotations
 
+# a step counts only where the step's chooser last predicted its best round at most this fraction of a plain step's
+# speed (`TreeBudgetChooser.round_gain`): near break-even (greedy at 32 clients, where the choice alternates) rounds
+# still pay at times and a pause would lose them; a chosen margin, not a measured figure
+PAUSE_BELOW = 0.8
 MIN_REQUESTS = 16  # decoding speculative requests a step must have to count towards a pause
 PAUSE_AFTER = 64  # consecutive such steps of plain rows for everyone before speculation pauses
 HOLD_STEPS = 2048  # steps a pause holds for arrivals before they speculate again (several requests' lifetimes)

@@ -29,6 +29,7 @@ depend on the choice (verification commits the target's own tokens, greedy or sa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 CANDIDATES = (7, 15, 31)  # tree budgets whose verification rows (budget + 1) fill a padded row bucket
@@ -83,6 +84,9 @@ class TreeBudgetChooser:
         # (bucket, option) -> [seconds, steps] of the steps right after a change to it, which its time leaves out:
         # what a change costs (a round loaded from the host rather than launched ahead, a chain's first launch)
         self._settling: dict[tuple[int, int], list[float]] = {}
+        # bucket -> the best round's predicted tokens per second over a plain step's, at the bucket's last choice made
+        # from measured times (inf / 0.0 where `forced` takes rounds / plain steps); what a speculation pause reads
+        self._round_gain: dict[int, float] = {}
 
     # ---- measurements ------------------------------------------------------------------------------------
     def observe(self, bucket: int, option: int, seconds: float) -> None:
@@ -124,6 +128,7 @@ class TreeBudgetChooser:
         """The option for a step of `requests` DDTree requests (request bucket `bucket`): 0 for a plain step
         or one of `budgets`; `expected(budget)`: the tokens a round at `budget` would commit over all of them."""
         if self.forced is not None:
+            self._round_gain[bucket] = math.inf if self.forced else 0.0
             return budgets[-1] if self.forced and budgets else 0
         steps = self._steps.get(bucket, 0) + 1
         self._steps[bucket] = steps
@@ -140,6 +145,8 @@ class TreeBudgetChooser:
             return self._pin(bucket, stale)
         tokens = {o: expected(o) if o else float(requests) for o in options}  # committed by one step of each
         rates = {o: tokens[o] / (self.step_time(bucket, o) or 1e-9) for o in options}
+        if budgets:
+            self._round_gain[bucket] = max(rates[b] for b in budgets) / rates[0]
         rates[0] *= TREE_GAIN  # a tree must beat a plain step by this much (the costs it adds at arrivals and ends)
         best = max(options, key=lambda o: rates[o])
         current = self._current.get(bucket)
@@ -149,6 +156,11 @@ class TreeBudgetChooser:
             if rates[current] * SWITCH_MARGIN >= rates[best] or saved <= self.change_cost(bucket, best):
                 best = current
         return self._take(bucket, best)
+
+    def round_gain(self, bucket: int) -> float | None:
+        """The best round's predicted speed over a plain step's at `bucket`'s last choice from measurements (>1:
+        rounds pay); None before one."""
+        return self._round_gain.get(bucket)
 
     def change_cost(self, bucket: int, option: int) -> float:
         """Seconds a change to `option` costs beyond its steady steps: its settling steps' excess over its measured
