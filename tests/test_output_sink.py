@@ -247,3 +247,72 @@ def test_the_sink_matches_the_reference_on_real_tokens(seed: int) -> None:
         start = generator.randrange(len(text) - 8)
         stop = [text[start : start + generator.randint(1, 6)], generator.choice(["😀", "\n", "x**", "é n"])]
         run_both(tokenizer.decode, stream, stop=stop, eos=tokenizer.eos_token_ids, max_new=len(stream), cancel_at=None)
+
+
+def _round_sizes(generator: random.Random, total: int) -> list[int]:
+    """Round sizes (1-16 tokens, as linear and DDTree rounds commit) covering `total` tokens."""
+    sizes: list[int] = []
+    while sum(sizes) < total:
+        sizes.append(generator.randint(1, 16))
+    return sizes
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rounds_pushed_at_once_give_what_one_token_at_a_time_gives(seed: int) -> None:
+    """`push_many` takes a round's tokens at once where no stop string is asked for (one decode of the window, one
+    release): SmolLM2's tokenizer with multi-byte characters split over byte tokens, random ids, EOS inside a round
+    and the token limit inside a round give the same tokens, final text, reasons and streamed text as pushing every
+    token alone; with a stop string both go one at a time, and agree too."""
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path()).metadata, source="smollm2")
+    text = "def f(x):\n    return x**2  # 平方 ✓ café 😀 naïve\n" * 3 + "Ünïcödé 漢字テスト 🚀🚀 end"
+    base = tokenizer.encode(text)
+    eos = tokenizer.eos_token_ids
+    generator = random.Random(seed)
+    for case in range(30):
+        stream: list[int] = []
+        while len(stream) < 120:
+            pick = generator.random()
+            if pick < 0.75:
+                start = generator.randrange(len(base))
+                stream.extend(base[start : start + generator.randint(1, 12)])
+            elif pick < 0.9:
+                stream.extend(tokenizer.encode(generator.choice(["😀", " 漢", "é", "🚀🚀"])))
+            else:
+                stream.append(generator.randrange(tokenizer.vocab_size))
+        if case % 3 == 0:
+            stream.insert(generator.randrange(len(stream)), eos[0])
+        stop = ["x**"] if case % 5 == 4 else []
+        max_new = generator.randint(1, len(stream) + 5)
+        pieces: tuple[list[str], list[str]] = ([], [])
+        alone = OutputSink(tokenizer.decode, eos_ids=eos, max_new_tokens=max_new, stop=stop,
+                           on_text=lambda t, i, into=pieces[0]: into.append(t))
+        rounds = OutputSink(tokenizer.decode, eos_ids=eos, max_new_tokens=max_new, stop=stop,
+                            on_text=lambda t, i, into=pieces[1]: into.append(t))
+        at = 0
+        for size in _round_sizes(generator, len(stream)):
+            chunk = stream[at : at + size]
+            at += size
+            assert any([alone.push(t) for t in chunk]) == rounds.push_many(chunk)
+            assert "".join(pieces[0]).startswith("".join(pieces[1])) or "".join(pieces[1]).startswith(
+                "".join(pieces[0]))
+        for sink in (alone, rounds):
+            sink.finish_cancelled()
+        assert (rounds.token_ids, rounds.text, rounds.finish_reason, rounds.stop_reason) == (
+            alone.token_ids, alone.text, alone.finish_reason, alone.stop_reason)
+        assert "".join(pieces[1]) == "".join(pieces[0]) == rounds.text
+
+
+def test_a_round_ending_in_an_incomplete_character_is_held_back() -> None:
+    """A round whose last token leaves a character incomplete releases nothing of that character (one push each,
+    as the window would end in U+FFFD); the next round completes it."""
+    tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path()).metadata, source="smollm2")
+    ids = tokenizer.encode("ok 😀 done")
+    whole = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    cut = next(i for i, decoded in enumerate(whole) if decoded.endswith(REPLACEMENT))  # inside the emoji
+    pieces: list[str] = []
+    sink = OutputSink(tokenizer.decode, eos_ids=(), max_new_tokens=100, on_text=lambda t, i: pieces.append(t))
+    assert sink.push_many(ids[: cut + 1]) is False
+    assert REPLACEMENT not in "".join(pieces) and "😀" not in "".join(pieces)
+    assert sink.push_many(ids[cut + 1 :]) is False
+    sink.finish_cancelled()
+    assert "".join(pieces) == sink.text == "ok 😀 done"

@@ -297,6 +297,25 @@ class StreamDecoder:
         self._ids.append(int(token_id))
         return self._emit(final=False)
 
+    def push_complete(self, token_ids: Sequence[int]) -> str | None:
+        """Several ids at once, decoded as one window: their text where it ends in complete characters, which is
+        the text pushing them one at a time gives (the window's text less the text already emitted: with no more
+        than `max_pending` ids waiting, no push in between would have given up an incomplete character); None,
+        with nothing taken, where it would end in U+FFFD or more ids would wait (then push them one at a time)."""
+        start = len(self._ids)
+        self._ids.extend(int(i) for i in token_ids)
+        if self._read == len(self._ids):
+            return ""
+        full = self._decode(self._ids[self._prefix :]) if len(self._ids) - self._read <= self._max_pending else ""
+        if not full or full.endswith("\ufffd"):
+            del self._ids[start:]
+            return None
+        seen = self._decode(self._ids[self._prefix : self._read])
+        if not full.startswith(seen):  # a decoder that rewrites earlier text: emit what differs
+            seen = seen[: len(_common_prefix(seen, full))]
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(seen) :]
+
     def flush(self) -> str:
         """Whatever is still held back (possibly ending in U+FFFD)."""
         return self._emit(final=True)

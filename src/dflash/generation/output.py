@@ -86,7 +86,36 @@ class OutputSink:
         return False
 
     def push_many(self, tokens: Sequence[int]) -> bool:
-        return any(self.push(t) for t in tokens)
+        """Commit several tokens in order (a round's); True once the generation is finished. Without stop strings
+        they are taken at once: the EOS and the token limit cut them as one push each would, and their text is
+        decoded as one window (`StreamDecoder.push_complete`) and released in one piece; with stop strings, or text
+        ending in an incomplete character, one push each."""
+        if self.finish_reason is not None:
+            return True
+        if len(tokens) < 2 or self.stop:
+            return any(self.push(t) for t in tokens)
+        taken = list(tokens[: self.max_new_tokens - len(self.token_ids)])
+        ends = next((index for index, token in enumerate(taken) if token in self.eos_ids), None)
+        if ends is not None:  # the EOS ends it: its text need not stream first
+            taken = taken[: ends + 1]
+            self.token_ids += taken
+            self._unreleased_ids += taken
+            self._text_ids += taken[:-1]
+            self._finish("stop", "eos", self.decode(self._text_ids))
+            return True
+        piece = self._stream.push_complete(taken)
+        if piece is None:
+            return any(self.push(t) for t in tokens)
+        self.token_ids += taken
+        self._unreleased_ids += taken
+        self._text_ids += taken
+        self._pending += piece
+        if len(self.token_ids) >= self.max_new_tokens:
+            self._finish("length", None, self.text + self._pending + self._stream.flush())
+            return True
+        if piece:
+            self._release_visible()
+        return False
 
     def finish_cancelled(self) -> None:
         if not self.finished:
