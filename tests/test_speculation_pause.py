@@ -147,5 +147,5 @@ def test_only_rounds_predicted_clearly_slower_than_plain_steps_pause(
         core.add(seq)
     drain(core)
     assert all(seq.error is None for seq in seqs)
-    assert core.pause.pauses == pauses
+    assert core.pause.pauses == pauses and core.pause.gains == [gain] * pauses
     assert all(seq.mode == ("none" if pauses else "ddtree") for seq in seqs)

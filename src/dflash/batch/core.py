@@ -408,13 +408,18 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
             self._count_plain_step(decoders, 0)  # no measured comparison on this path: it never pauses
         return rounds
 
-    def _rounds_lose(self) -> bool:
-        """Whether the chooser that decided this step last predicted its best round clearly slower than a plain
-        step (`dflash.batch.speculation_pause.PAUSE_BELOW`)."""
+    def _round_gain(self) -> float | None:
+        """The best round's predicted speed over a plain step's, as the chooser that decided this step last
+        predicted it (None: no such prediction)."""
         if self._step_choice is None:
-            return False
+            return None
         chooser, bucket, _ = self._step_choice
-        gain = chooser.round_gain(bucket)
+        return chooser.round_gain(bucket)
+
+    def _rounds_lose(self) -> bool:
+        """Whether this step's chooser last predicted its best round clearly slower than a plain step
+        (`dflash.batch.speculation_pause.PAUSE_BELOW`)."""
+        gain = self._round_gain()
         return gain is not None and gain < PAUSE_BELOW
 
     def _count_plain_step(self, decoders: list[Sequence], speculating: int) -> None:
@@ -429,7 +434,10 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
             if seq.speculative:
                 seq.stop_speculating()
                 self.pause.paused_requests += 1
-        log.info("speculation paused under load: %d requests decode plainly", speculating)
+        gain = self._round_gain()
+        self.pause.gains.append(gain)
+        log.info("speculation paused under load: %d requests decode plainly (best round predicted at %s x a plain "
+                 "step)", speculating, "?" if gain is None else f"{gain:.2f}")
 
     def _account_step(self, now: float) -> None:
         """The previous step's whole cost (to this step's start: its host work, its launch and the wait for the

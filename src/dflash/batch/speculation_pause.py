@@ -35,6 +35,7 @@ class SpeculationPause:
         self._until = -1  # step index up to which the pause holds
         self.pauses = 0  # times speculation paused
         self.paused_requests = 0  # speculative requests made plain (decoding ones and arrivals)
+        self.gains: list[float | None] = []  # per pause: the chooser's best round over a plain step when it paused
 
     def due(self, step: int, speculative: int, all_plain: bool) -> bool:
         """Count step `step`'s plan (`speculative` decoding requests that speculate, `all_plain`: every request

@@ -350,7 +350,10 @@ def _tree_budgets(engine: Engine) -> dict[str, Any]:
             found[name] = chooser.summary()
     pause = getattr(core, "pause", None)  # speculation paused under load (`dflash.batch.speculation_pause`)
     if pause is not None and pause.pauses:
-        found["speculation_pause"] = {"pauses": pause.pauses, "paused_requests": pause.paused_requests}
+        found["speculation_pause"] = {
+            "pauses": pause.pauses, "paused_requests": pause.paused_requests,
+            "round_gains": [None if g is None else round(g, 3) for g in pause.gains],
+        }
     return found
 
 
