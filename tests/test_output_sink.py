@@ -63,6 +63,23 @@ def test_pushes_after_finish_are_ignored() -> None:
     assert sink.push(1) is True and sink.token_ids == [0]
 
 
+def _mixed_stream(tokenizer: Tokenizer, base: list[int], generator: random.Random, length: int,
+                  pieces: list[str]) -> list[int]:
+    """At least `length` ids: slices of `base` (word pieces, spaces, multi-byte characters split over byte tokens),
+    random ids, and the ids of `pieces`."""
+    stream: list[int] = []
+    while len(stream) < length:
+        choice = generator.random()
+        if choice < 0.7:
+            start = generator.randrange(len(base))
+            stream.extend(base[start : start + generator.randint(1, 12)])
+        elif choice < 0.85:
+            stream.append(generator.randrange(tokenizer.vocab_size))
+        else:
+            stream.extend(tokenizer.encode(generator.choice(pieces)))
+    return stream
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_streamed_text_matches_decoding_everything(seed: int) -> None:
     """Real SmolLM2 tokenizer, token streams mixing word pieces, spaces, code, multi-byte characters split across
@@ -71,18 +88,8 @@ def test_streamed_text_matches_decoding_everything(seed: int) -> None:
     ends the text where the whole decode first contains it."""
     tokenizer = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path()).metadata, source="smollm2")
     text = "def f(x):\n    return x**2  # 平方 ✓ café 😀 naïve\n" * 3 + "Ünïcödé 漢字テスト 🚀🚀 end"
-    base = tokenizer.encode(text)
-    generator = random.Random(seed)
-    stream: list[int] = []
-    while len(stream) < 400:
-        choice = generator.random()
-        if choice < 0.7:
-            start = generator.randrange(len(base))
-            stream.extend(base[start : start + generator.randint(1, 12)])
-        elif choice < 0.85:
-            stream.append(generator.randrange(tokenizer.vocab_size))
-        else:
-            stream.extend(tokenizer.encode(generator.choice(["😀", " 漢", "é", "\n\n", "  ", "<|im_end|>"])))
+    stream = _mixed_stream(tokenizer, tokenizer.encode(text), random.Random(seed), 400,
+                           ["😀", " 漢", "é", "\n\n", "  ", "<|im_end|>"])
     whole = [tokenizer.decode(stream[: i + 1]) for i in range(len(stream))]  # the reference: decode everything
 
     pieces: list[str] = []
@@ -269,16 +276,7 @@ def test_rounds_pushed_at_once_give_what_one_token_at_a_time_gives(seed: int) ->
     eos = tokenizer.eos_token_ids
     generator = random.Random(seed)
     for case in range(30):
-        stream: list[int] = []
-        while len(stream) < 120:
-            pick = generator.random()
-            if pick < 0.75:
-                start = generator.randrange(len(base))
-                stream.extend(base[start : start + generator.randint(1, 12)])
-            elif pick < 0.9:
-                stream.extend(tokenizer.encode(generator.choice(["😀", " 漢", "é", "🚀🚀"])))
-            else:
-                stream.append(generator.randrange(tokenizer.vocab_size))
+        stream = _mixed_stream(tokenizer, base, generator, 120, ["😀", " 漢", "é", "🚀🚀"])
         if case % 3 == 0:
             stream.insert(generator.randrange(len(stream)), eos[0])
         stop = ["x**"] if case % 5 == 4 else []
