@@ -178,6 +178,7 @@ class Engine:
         )
         self._serial = threading.Lock()  # max_batch 1: one generation at a time
         self._loop: BatchLoop | None = None
+        self._closed_pauses = (0, 0)  # speculation pauses of engine loops stopped since (pauses, requests made plain)
         self._loop_lock = threading.Lock()
         if self.options.cuda_graphs and self.device.type == "cuda" and target.config.is_hybrid:
             from dflash.kernels.triton_delta_rule import delta_rule_program_serves
@@ -417,8 +418,18 @@ class Engine:
         """Stop the engine loop (generations still running end with an error)."""
         with self._loop_lock:
             if self._loop is not None:
+                self._closed_pauses = self.speculation_pauses()
                 self._loop.stop()
                 self._loop = None
+
+    def speculation_pauses(self) -> tuple[int, int]:
+        """(times speculation paused under load, speculative requests it made plain) since the engine was made
+        (`dflash.batch.speculation_pause`); read from the running engine loop without starting one."""
+        pause = self._loop.core.pause if self._loop is not None else None
+        pauses, requests = self._closed_pauses
+        if pause is None:
+            return pauses, requests
+        return pauses + pause.pauses, requests + pause.paused_requests
 
     def _run(
         self,

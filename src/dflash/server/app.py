@@ -45,6 +45,9 @@ def create_app(engine: EnginePort, settings: ServerSettings | None = None) -> Fa
     prefix_cache = getattr(engine, "prefix_cache", None)  # only the real engine has one
     if prefix_cache is not None:
         metrics.bind_prefix_cache(prefix_cache.stats)
+    speculation_pauses = getattr(engine, "speculation_pauses", None)  # only the real engine batches and pauses
+    if speculation_pauses is not None:
+        metrics.bind_speculation_pauses(speculation_pauses)
     ctx = ServerContext(
         engine=engine,
         settings=settings,

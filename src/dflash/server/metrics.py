@@ -91,6 +91,9 @@ class Metrics:
     def bind_prefix_cache(self, stats: Callable[[], PrefixCacheStats]) -> None:
         self.registry.register(PrefixCacheCollector(stats))
 
+    def bind_speculation_pauses(self, pauses: Callable[[], tuple[int, int]]) -> None:
+        self.registry.register(SpeculationPauseCollector(pauses))
+
     def observe_outcome(self, api: str, outcome: Outcome, latency_s: float) -> None:
         self.requests.labels(api, outcome.finish_reason).inc()
         if outcome.finish_reason == "cancelled":
@@ -148,3 +151,20 @@ class PrefixCacheCollector(Collector):
         yield GaugeMetricFamily("dflash_prefix_cache_bytes", "Bytes held in the prefix cache", value=s.bytes)
         yield GaugeMetricFamily("dflash_prefix_cache_budget_bytes", "Memory budget of the prefix cache",
                                 value=s.budget_bytes)
+
+
+class SpeculationPauseCollector(Collector):
+    """The batched engine's speculation pauses under load (`dflash.batch.speculation_pause`), read at scrape time:
+    why speculative requests decode plainly while many requests share the server."""
+
+    def __init__(self, pauses: Callable[[], tuple[int, int]]) -> None:
+        self.pauses = pauses
+
+    def collect(self) -> Iterator[Metric]:
+        pauses, requests = self.pauses()
+        yield CounterMetricFamily("dflash_speculation_pauses",
+                                  "Times speculation paused under load where rounds were predicted slower than plain "
+                                  "steps", value=pauses)
+        yield CounterMetricFamily("dflash_speculation_paused_requests",
+                                  "Speculative requests that decoded plainly because speculation paused under load",
+                                  value=requests)
