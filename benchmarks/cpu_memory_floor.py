@@ -1,6 +1,6 @@
 """Resident memory a CPU process needs before any engine work, stage by stage: the interpreter, the packages a
 runtime without torch would import (numpy, tokenizers, gguf), the default GGUF mapped and every page of it read,
-then `import torch` on top. Each stage runs in a fresh process, so the figures are not each other's leftovers.
+then `import torch` on top; and torch's C++ library loaded without its Python module. Each stage runs in a fresh process, so the figures are not each other's leftovers.
 
 Against llama.cpp's resident memory on the same file (`results/cpu_vs_llama_cpp_epyc_avx512_panels.json`) this says
 how far the interpreter and the weights alone are from the issue's bar (2x llama.cpp), with and without torch.
@@ -25,6 +25,13 @@ STAGES = {
     "with_gguf_mapped_and_read": "import numpy, tokenizers, gguf; {read}",
     "with_gguf_and_torch": "import numpy, tokenizers, gguf; {read}; import torch",
     "torch_alone": "import torch",
+    # torch's C++ library loaded without its Python module: what native kernels linked against libtorch cost even
+    # where Python never imports torch
+    "libtorch_cpu_alone": (
+        "import ctypes, importlib.util, os; "
+        "lib = os.path.join(os.path.dirname(importlib.util.find_spec('torch').origin), 'lib'); "
+        "[ctypes.CDLL(os.path.join(lib, name), mode=ctypes.RTLD_GLOBAL) for name in ('libc10.so', 'libtorch_cpu.so')]"
+    ),
 }
 # every page of the file mapped read-only and touched once: the weights resident as a runtime reading them in place
 READ = (
