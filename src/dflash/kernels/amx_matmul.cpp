@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
+#include "kernel_checks.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512F__) && \
     defined(__linux__)
@@ -253,7 +254,7 @@ bool available() {
 
 torch::Tensor amx_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype) {
   // x: [M, K] float32; blocks: [N, K / 32 * block bytes] uint8 -> y: [M, N] float32
-  TORCH_CHECK(available(), "AMX tile products are not available on this CPU or build");
+  DFLASH_CHECK(available(), "AMX tile products are not available on this CPU or build");
   const auto [input, out] = product_operands(x, blocks, qtype);
   const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
   if (m == 0 || n == 0) return out;

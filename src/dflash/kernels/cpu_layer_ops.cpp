@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "attention_rows.h"
+#include "kernel_checks.h"
 #include "packed_segments.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -157,7 +158,7 @@ void weighted_values(const float* weights, const Rows& values, int64_t count, in
 }
 
 void check_float_cpu(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
+  DFLASH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
 }
 
 // Work units per task for at::parallel_for: small problems stay on the calling thread.
@@ -274,12 +275,12 @@ void attend_entries(const std::vector<AttentionEntry>& entries, int64_t heads, i
 
 // A request's keys as pool slots: the slots checked in range, contiguous.
 torch::Tensor checked_slots(const torch::Tensor& slots, int64_t pool) {
-  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1,
+  DFLASH_CHECK(slots.device().is_cpu() && slots.scalar_type() == torch::kLong && slots.dim() == 1,
               "slots must be a 1-D int64 CPU tensor");
   torch::Tensor order = slots.contiguous();
   const int64_t* slot = order.data_ptr<int64_t>();
   for (int64_t l = 0; l < order.size(0); ++l) {
-    TORCH_CHECK(slot[l] >= 0 && slot[l] < pool, "slot ", slot[l], " at ", l, " is outside the pool of ", pool);
+    DFLASH_CHECK(slot[l] >= 0 && slot[l] < pool, "slot ", slot[l], " at ", l, " is outside the pool of ", pool);
   }
   return order;
 }
@@ -289,11 +290,11 @@ void check_pool_operands(const torch::Tensor& q, const torch::Tensor& k_pool, co
   check_float_cpu(q, "q");
   check_float_cpu(k_pool, "k_pool");
   check_float_cpu(v_pool, "v_pool");
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-D");
-  TORCH_CHECK(v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == q.size(2),
+  DFLASH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-D");
+  DFLASH_CHECK(v_pool.sizes() == k_pool.sizes() && k_pool.size(2) == q.size(2),
               "k_pool and v_pool must both be [kv_heads, slots, head_dim] matching q");
-  TORCH_CHECK(k_pool.size(0) > 0 && q.size(0) % k_pool.size(0) == 0, "query heads must be a multiple of key heads");
-  TORCH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
+  DFLASH_CHECK(k_pool.size(0) > 0 && q.size(0) % k_pool.size(0) == 0, "query heads must be a multiple of key heads");
+  DFLASH_CHECK(q.stride(2) == 1 && k_pool.stride(2) == 1 && v_pool.stride(2) == 1,
               "q, k_pool and v_pool must be contiguous in head_dim");
 }
 
@@ -304,8 +305,8 @@ AttentionEntry pool_entry(const torch::Tensor& q, int64_t start, int64_t count, 
   int64_t mask_row_stride = 0, mask_key_stride = 0;
   if (mask.has_value()) {
     const torch::Tensor& m = *mask;
-    TORCH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kBool, "mask must be bool on the CPU");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == count && m.size(1) == keys, "mask must be [rows, keys]");
+    DFLASH_CHECK(m.device().is_cpu() && m.scalar_type() == torch::kBool, "mask must be bool on the CPU");
+    DFLASH_CHECK(m.dim() == 2 && m.size(0) == count && m.size(1) == keys, "mask must be [rows, keys]");
     visible = m.data_ptr<bool>();
     mask_row_stride = m.stride(0);
     mask_key_stride = m.stride(1);
@@ -322,7 +323,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   check_float_cpu(x, "x");
   check_float_cpu(weight, "weight");
   const int64_t d = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "weight must have ", d, " values");
+  DFLASH_CHECK(weight.dim() == 1 && weight.size(0) == d, "weight must have ", d, " values");
   const torch::Tensor input = x.contiguous();
   const torch::Tensor w = weight.contiguous();
   torch::Tensor out = torch::empty_like(input);
@@ -350,13 +351,13 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
   check_float_cpu(x, "x");
   check_float_cpu(cos, "cos");
   check_float_cpu(sin, "sin");
-  TORCH_CHECK(x.dim() == 4 && cos.dim() == 4 && sin.dim() == 4, "x, cos and sin must be 4-D");
+  DFLASH_CHECK(x.dim() == 4 && cos.dim() == 4 && sin.dim() == 4, "x, cos and sin must be 4-D");
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), d = x.size(3), half = d / 2;
-  TORCH_CHECK(d % 2 == 0, "head_dim must be even");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(2) == seq && cos.size(3) == d &&
+  DFLASH_CHECK(d % 2 == 0, "head_dim must be even");
+  DFLASH_CHECK(cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(2) == seq && cos.size(3) == d &&
                   (cos.size(0) == 1 || cos.size(0) == batch),
               "cos and sin must be [batch or 1, 1, seq, head_dim]");
-  TORCH_CHECK(x.stride(3) == 1, "x must be contiguous in its last dimension");
+  DFLASH_CHECK(x.stride(3) == 1, "x must be contiguous in its last dimension");
   const torch::Tensor c = cos.contiguous(), s = sin.contiguous();
   torch::Tensor out = torch::empty({batch, heads, seq, d}, x.options());
   const float* xs = x.data_ptr<float>();
@@ -391,21 +392,21 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   check_float_cpu(q, "q");
   check_float_cpu(k, "k");
   check_float_cpu(v, "v");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must be 4-D");
+  DFLASH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must be 4-D");
   const int64_t batch = q.size(0), heads = q.size(1), seq = q.size(2), d = q.size(3);
   const int64_t kv_heads = k.size(1), keys = k.size(2);
-  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == kv_heads && v.size(2) == keys &&
+  DFLASH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == kv_heads && v.size(2) == keys &&
                   k.size(3) == d && v.size(3) == d,
               "k and v must be [batch, kv_heads, keys, head_dim] matching q");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of key heads");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k and v must be contiguous in head_dim");
+  DFLASH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of key heads");
+  DFLASH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "q, k and v must be contiguous in head_dim");
   const bool* visible = nullptr;
   int64_t mask_batch_stride = 0, mask_row_stride = 0, mask_key_stride = 0;
   torch::Tensor mask_tensor;
   if (mask.has_value()) {
     mask_tensor = *mask;
-    TORCH_CHECK(mask_tensor.device().is_cpu() && mask_tensor.scalar_type() == torch::kBool, "mask must be bool on the CPU");
-    TORCH_CHECK(mask_tensor.dim() == 4 && (mask_tensor.size(0) == 1 || mask_tensor.size(0) == batch) &&
+    DFLASH_CHECK(mask_tensor.device().is_cpu() && mask_tensor.scalar_type() == torch::kBool, "mask must be bool on the CPU");
+    DFLASH_CHECK(mask_tensor.dim() == 4 && (mask_tensor.size(0) == 1 || mask_tensor.size(0) == batch) &&
                     mask_tensor.size(1) == 1 && mask_tensor.size(2) == seq && mask_tensor.size(3) == keys,
                 "mask must be [batch or 1, 1, seq, keys]");
     visible = mask_tensor.data_ptr<bool>();
@@ -466,15 +467,15 @@ torch::Tensor attention_segments(const torch::Tensor& q, const torch::Tensor& k_
   entries.reserve(segments.size());
   int64_t next = 0;
   for (const packed::Segment& segment : segments) {
-    TORCH_CHECK(segment.start == next && segment.count >= 0, "segments must cover the rows in order: one starts at ",
+    DFLASH_CHECK(segment.start == next && segment.count >= 0, "segments must cover the rows in order: one starts at ",
                 segment.start, ", not ", next);
     next += segment.count;
-    TORCH_CHECK(next <= q.size(1), "segments cover ", next, " rows, q has ", q.size(1));
+    DFLASH_CHECK(next <= q.size(1), "segments cover ", next, " rows, q has ", q.size(1));
     orders.push_back(checked_slots(segment.read_slots, k_pool.size(1)));
     entries.push_back(
         pool_entry(q, segment.start, segment.count, orders.back().size(0), segment.mask, out.data_ptr<float>()));
   }
-  TORCH_CHECK(next == q.size(1), "segments cover ", next, " rows, q has ", q.size(1));
+  DFLASH_CHECK(next == q.size(1), "segments cover ", next, " rows, q has ", q.size(1));
   std::vector<const int64_t*> slots;
   for (const torch::Tensor& order : orders) slots.push_back(order.data_ptr<int64_t>());
   const float* ks = k_pool.data_ptr<float>();
@@ -491,7 +492,7 @@ torch::Tensor attention_segments_lists(const torch::Tensor& q, const torch::Tens
                                        const torch::Tensor& v_pool, const std::vector<int64_t>& starts,
                                        const std::vector<int64_t>& counts, const std::vector<torch::Tensor>& slots,
                                        const std::vector<c10::optional<torch::Tensor>>& masks, double scale) {
-  TORCH_CHECK(counts.size() == starts.size() && slots.size() == starts.size() && masks.size() == starts.size(),
+  DFLASH_CHECK(counts.size() == starts.size() && slots.size() == starts.size() && masks.size() == starts.size(),
               "starts, counts, slots and masks must have one entry per segment");
   std::vector<packed::Segment> segments;
   segments.reserve(starts.size());
@@ -503,7 +504,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   // gate_up: [..., 2I] -> [..., I]: silu(gate) * up with gate the first I values, up the last I
   check_float_cpu(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1);
-  TORCH_CHECK(width % 2 == 0, "gate_up must have an even last dimension");
+  DFLASH_CHECK(width % 2 == 0, "gate_up must have an even last dimension");
   const torch::Tensor input = gate_up.contiguous();
   const int64_t half = width / 2, rows = width == 0 ? 0 : input.numel() / width;
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
@@ -528,7 +529,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   // logits: [rows, vocab] -> int64 [rows]: torch.argmax(logits, dim=-1), the first index of the maximum, or of the
   // first NaN where a row holds one (torch ranks NaN above every number).
   check_float_cpu(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
+  DFLASH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be [rows, vocab] with vocab > 0");
   const torch::Tensor input = logits.contiguous();
   const int64_t rows = input.size(0), vocab = input.size(1);
   torch::Tensor out = torch::empty({rows}, input.options().dtype(torch::kLong));

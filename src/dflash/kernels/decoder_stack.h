@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernel_checks.h"
 #include "native_layers.h"
 #include "packed_segments.h"
 
@@ -42,9 +43,9 @@ class DecoderStack {
                                                             const c10::optional<torch::Tensor>& mask,
                                                             const torch::Tensor& keys, const torch::Tensor& values,
                                                             int64_t length, const std::vector<int64_t>& capture) const {
-    TORCH_CHECK(x.dim() == 3, "x must be [batch, seq, hidden]");
+    DFLASH_CHECK(x.dim() == 3, "x must be [batch, seq, hidden]");
     const int64_t seq = x.size(1), end = length + seq;
-    TORCH_CHECK(end <= keys.size(3), "the cache holds ", keys.size(3), " slots, not ", end);
+    DFLASH_CHECK(end <= keys.size(3), "the cache holds ", keys.size(3), " slots, not ", end);
     return layers(x, cos, sin, capture, [&](const Layer& layer, const torch::Tensor& q, const torch::Tensor& k,
                                                const torch::Tensor& v) {
       const torch::Tensor layer_keys = keys.select(0, layer.index).narrow(1, 0, layer.kv_heads);
@@ -64,9 +65,9 @@ class DecoderStack {
       const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& pool_keys,
       const torch::Tensor& pool_values, const torch::Tensor& write_slots, const std::vector<Segment>& segments,
       const std::vector<int64_t>& capture) const {
-    TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "x must be [1, rows, hidden]");
-    TORCH_CHECK(functions.attention_segments != nullptr, "the fused layer operations are not bound");
-    TORCH_CHECK(!segments.empty(), "a packed forward has a segment at least");
+    DFLASH_CHECK(x.dim() == 3 && x.size(0) == 1, "x must be [1, rows, hidden]");
+    DFLASH_CHECK(functions.attention_segments != nullptr, "the fused layer operations are not bound");
+    DFLASH_CHECK(!segments.empty(), "a packed forward has a segment at least");
     return layers(x, cos, sin, capture, [&](const Layer& layer, const torch::Tensor& q, const torch::Tensor& k,
                                                const torch::Tensor& v) {
       torch::Tensor keys = pool_keys.select(0, layer.index).narrow(0, 0, layer.kv_heads).narrow(2, 0, layer.head_dim);
@@ -86,7 +87,7 @@ class DecoderStack {
                                                                const torch::Tensor& sin,
                                                                const std::vector<int64_t>& capture,
                                                                Attend&& attend) const {
-    TORCH_CHECK(functions.rms_norm && functions.rotary && functions.attention && functions.silu_mul,
+    DFLASH_CHECK(functions.rms_norm && functions.rotary && functions.attention && functions.silu_mul,
                 "the fused layer operations are not bound");
     const int64_t batch = x.size(0), seq = x.size(1);
     std::vector<torch::Tensor> captured(capture.size());

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernel_checks.h"
 #include "native_layers.h"
 
 namespace native_layers {
@@ -36,7 +37,7 @@ class DrafterStack {
               const torch::Tensor& values, int64_t length) const {
     check_bound();
     const int64_t rows = ctx.size(1);
-    TORCH_CHECK(length + rows <= keys.size(3), "the drafter cache holds ", keys.size(3), " slots, not ", length + rows);
+    DFLASH_CHECK(length + rows <= keys.size(3), "the drafter cache holds ", keys.size(3), " slots, not ", length + rows);
     for (const DrafterLayer& layer : layers_) {
       const int64_t size = layer.kv_heads * layer.head_dim;
       const std::vector<torch::Tensor> kv = apply(layer.kv, ctx).split_with_sizes({size, size}, -1);
@@ -56,7 +57,7 @@ class DrafterStack {
                       int64_t q_stop) const {
     check_bound();
     const int64_t rows = x.size(1), end = length + rows, context_rows = length - first;
-    TORCH_CHECK(end <= keys.size(3), "the drafter cache holds ", keys.size(3), " slots, not ", end);
+    DFLASH_CHECK(end <= keys.size(3), "the drafter cache holds ", keys.size(3), " slots, not ", end);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DrafterLayer& layer = layers_[i];
       const bool some = i + 1 == layers_.size() && q_start >= 0;  // the last layer's wanted rows alone
@@ -93,7 +94,7 @@ class DrafterStack {
 
  private:
   static void check_bound() {
-    TORCH_CHECK(functions.rms_norm && functions.rotary && functions.attention && functions.silu_mul,
+    DFLASH_CHECK(functions.rms_norm && functions.rotary && functions.attention && functions.silu_mul,
                 "the fused layer operations are not bound");
   }
 

@@ -25,6 +25,8 @@
 #include <cstring>
 #include <utility>
 
+#include "kernel_checks.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -306,7 +308,7 @@ struct BlockLayout {
 int64_t block_bytes(int64_t qtype) {
   if (qtype == kTypeQ4_1) return Q4_1::kBytes;
   if (qtype == kTypeQ8_0) return Q8_0::kBytes;
-  TORCH_CHECK(false, "unsupported quantisation type ", qtype, " (supported: Q4_1 = 3, Q8_0 = 8)");
+  ::kernel_checks::refuse("unsupported quantisation type ", qtype, " (supported: Q4_1 = 3, Q8_0 = 8)");
 }
 
 // The formats of the int8 kernel (int8_matmul.cpp): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K.
@@ -319,17 +321,17 @@ BlockLayout int8_layout(int64_t qtype) {
     case kTypeQ5_K: return {kSuperBlockValues, 176};
     case kTypeQ6_K: return {kSuperBlockValues, 210};
     default:
-      TORCH_CHECK(false, "unsupported quantisation type ", qtype,
+      ::kernel_checks::refuse("unsupported quantisation type ", qtype,
                   " (supported: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
   }
 }
 
 void check_blocks(const torch::Tensor& blocks, BlockLayout layout, int64_t k) {
-  TORCH_CHECK(blocks.device().is_cpu(), "quantised blocks must be on the CPU");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8, "quantised blocks must be uint8");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), "quantised blocks must be a contiguous [rows, bytes] tensor");
-  TORCH_CHECK(k % layout.values == 0, "row length ", k, " is not a multiple of ", layout.values);
-  TORCH_CHECK(blocks.size(1) == k / layout.values * layout.bytes, "blocks have ", blocks.size(1),
+  DFLASH_CHECK(blocks.device().is_cpu(), "quantised blocks must be on the CPU");
+  DFLASH_CHECK(blocks.scalar_type() == torch::kUInt8, "quantised blocks must be uint8");
+  DFLASH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(), "quantised blocks must be a contiguous [rows, bytes] tensor");
+  DFLASH_CHECK(k % layout.values == 0, "row length ", k, " is not a multiple of ", layout.values);
+  DFLASH_CHECK(blocks.size(1) == k / layout.values * layout.bytes, "blocks have ", blocks.size(1),
               " bytes per row, expected ", k / layout.values * layout.bytes, " for ", k, " values");
 }
 
@@ -340,7 +342,7 @@ void check_blocks(const torch::Tensor& blocks, int64_t qtype, int64_t k) {
 // The checked, contiguous input x [M, K] of a product with `blocks` of `layout` and its float32 output y [M, N].
 std::pair<torch::Tensor, torch::Tensor> product_operands(const torch::Tensor& x, const torch::Tensor& blocks,
                                                          BlockLayout layout) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+  DFLASH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
   torch::Tensor input = x.contiguous();
   check_blocks(blocks, layout, input.size(1));

@@ -52,6 +52,7 @@
 
 #include "gguf_blocks.h"
 #include "int8_formats.h"
+#include "kernel_checks.h"
 
 #if defined(DFLASH_INT8_512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define DFLASH_INT8_AMX 1
@@ -704,7 +705,7 @@ void with_format(int64_t qtype, Body&& body) {
     case kTypeQ4_K: body(Q4_KInt8{}); break;
     case kTypeQ5_K: body(Q5_KInt8{}); break;
     case kTypeQ6_K: body(Q6_KInt8{}); break;
-    default: TORCH_CHECK(false, "unsupported quantisation type ", qtype);
+    default: ::kernel_checks::refuse("unsupported quantisation type ", qtype);
   }
 }
 #endif
@@ -744,8 +745,8 @@ void products(const QuantizedRows& rows, const uint8_t* weights, int64_t row_byt
 torch::Tensor int8_matmul(const torch::Tensor& x, const torch::Tensor& blocks, int64_t qtype, bool tiles,
                           int64_t parts) {
   // x: [M, K] float32; blocks: [N, K / (block values) * block bytes] uint8 -> y: [M, N] float32
-  TORCH_CHECK(available(), "int8 products need AVX2 (with FMA and F16C) or AVX-512 VNNI; this build has neither");
-  TORCH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
+  DFLASH_CHECK(available(), "int8 products need AVX2 (with FMA and F16C) or AVX-512 VNNI; this build has neither");
+  DFLASH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
   const auto [input, out] = product_operands(x, blocks, int8_layout(qtype));
   const int64_t m = input.size(0), k = input.size(1), n = blocks.size(0);
   if (m == 0 || n == 0) return out;
@@ -771,7 +772,7 @@ bool panels_available() {
 torch::Tensor to_panels(const torch::Tensor& blocks, int64_t qtype) {
   // blocks: [N, K / 32 * block bytes] uint8 (GGUF rows) -> [ceil(N / 16), K / 32 * record bytes] uint8 panels
   const PanelFormat f = panel_format(qtype);
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+  DFLASH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
                   blocks.is_contiguous() && blocks.size(1) % f.source_bytes == 0,
               "blocks must be a contiguous 2-D uint8 CPU tensor of whole blocks");
   const int64_t n = blocks.size(0), n_blocks = blocks.size(1) / f.source_bytes;
@@ -795,7 +796,7 @@ torch::Tensor to_panels(const torch::Tensor& blocks, int64_t qtype) {
 torch::Tensor panel_rows(const torch::Tensor& panels, int64_t qtype, const torch::Tensor& ids) {
   // panels: [groups, K / 32 * record bytes] uint8, ids: [R] int64 row numbers -> [R, K / 32 * block bytes] uint8
   const PanelFormat f = panel_format(qtype);
-  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kUInt8 && panels.dim() == 2 &&
+  DFLASH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kUInt8 && panels.dim() == 2 &&
                   panels.is_contiguous() && panels.size(1) % f.record_bytes() == 0,
               "panels must be a contiguous 2-D uint8 CPU tensor of whole records");
   const torch::Tensor rows = ids.to(torch::kLong).contiguous();
@@ -804,7 +805,7 @@ torch::Tensor panel_rows(const torch::Tensor& panels, int64_t qtype, const torch
   const int64_t* id = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t g = id[i] / kPanelRows, r = id[i] % kPanelRows;
-    TORCH_CHECK(id[i] >= 0 && g < panels.size(0), "row ", id[i], " is outside the panels");
+    DFLASH_CHECK(id[i] >= 0 && g < panels.size(0), "row ", id[i], " is outside the panels");
     const uint8_t* group = panels.data_ptr<uint8_t>() + g * panels.size(1);
     for (int64_t b = 0; b < n_blocks; ++b) {
       panel_to_block(f, group + b * f.record_bytes(), r,
@@ -818,16 +819,16 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
                            int64_t parts) {
   // x: [M, K] float32; panels: [ceil(n / 16), K / 32 * record bytes] uint8 (`to_panels`) -> y: [M, n] float32,
   // bitwise `int8_matmul` of the same rows
-  TORCH_CHECK(panels_available(), "panel products need AVX-512 VNNI; this build has ", kInt8Isa);
-  TORCH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
+  DFLASH_CHECK(panels_available(), "panel products need AVX-512 VNNI; this build has ", kInt8Isa);
+  DFLASH_CHECK(parts == 1 || parts == 2, "inputs are rounded to one or two 8-bit parts, not ", parts);
   const PanelFormat f = panel_format(qtype);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+  DFLASH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
-  TORCH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kUInt8 && panels.dim() == 2 &&
+  DFLASH_CHECK(panels.device().is_cpu() && panels.scalar_type() == torch::kUInt8 && panels.dim() == 2 &&
                   panels.is_contiguous(), "panels must be a contiguous 2-D uint8 CPU tensor");
   const torch::Tensor input = x.contiguous();
   const int64_t m = input.size(0), k = input.size(1), n_blocks = k / kBlockValues;
-  TORCH_CHECK(k % kBlockValues == 0 && panels.size(1) == n_blocks * f.record_bytes() &&
+  DFLASH_CHECK(k % kBlockValues == 0 && panels.size(1) == n_blocks * f.record_bytes() &&
                   panels.size(0) == (n + kPanelRows - 1) / kPanelRows,
               "panels [", panels.size(0), ", ", panels.size(1), "] do not hold ", n, " rows of ", k, " values");
   torch::Tensor out = torch::empty({m, n}, input.options());
@@ -860,9 +861,9 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& panels, 
 
 std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x) {
   // x: [M, K] float32 -> (q: [M, K] int8, scales: [M, K / 32] float32), as the products quantise their inputs
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
+  DFLASH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2,
               "x must be a 2-D float32 CPU tensor");
-  TORCH_CHECK(x.size(1) % kBlockValues == 0, "row length ", x.size(1), " is not a multiple of ", kBlockValues);
+  DFLASH_CHECK(x.size(1) % kBlockValues == 0, "row length ", x.size(1), " is not a multiple of ", kBlockValues);
   const torch::Tensor input = x.contiguous();
   const int64_t m = input.size(0), k = input.size(1);
   const QuantizedRows rows = quantize_rows(input.data_ptr<float>(), m, k, 1);

@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "gguf_blocks.h"
+#include "kernel_checks.h"
 
 namespace {
 
@@ -47,7 +48,7 @@ inline PanelFormat panel_format(int64_t qtype) {
   if (qtype == kTypeQ4_0) return {18, 32, 256, true, false};
   if (qtype == kTypeQ4_1) return {20, 64, 256, true, true};
   if (qtype == kTypeQ8_0) return {34, 32, 512, false, false};
-  TORCH_CHECK(false, "no panel layout for quantisation type ", qtype, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 have one)");
+  ::kernel_checks::refuse("no panel layout for quantisation type ", qtype, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 have one)");
 }
 
 // Byte `offset` of the value vectors that holds value `i` (0..31) of lane `r`, and whether it is the high nibble.

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernel_checks.h"
 #include "packed_segments.h"
 
 namespace native_layers {
@@ -89,21 +90,21 @@ struct Linear {
 inline torch::Tensor block_product(const Product& p, const torch::Tensor& rows) {
   switch (p.kind) {
     case kFloat32:
-      TORCH_CHECK(functions.float_matmul != nullptr, "the float32 products kernel is not bound");
+      DFLASH_CHECK(functions.float_matmul != nullptr, "the float32 products kernel is not bound");
       return functions.float_matmul(rows, p.weights, p.qtype);
     case kAmx:
-      TORCH_CHECK(functions.amx_matmul != nullptr, "the AMX products kernel is not bound");
+      DFLASH_CHECK(functions.amx_matmul != nullptr, "the AMX products kernel is not bound");
       return functions.amx_matmul(rows, p.weights, p.qtype);
     case kInt8:
     case kInt8x2:
-      TORCH_CHECK(functions.int8_matmul != nullptr, "the int8 products kernel is not bound");
+      DFLASH_CHECK(functions.int8_matmul != nullptr, "the int8 products kernel is not bound");
       return functions.int8_matmul(rows, p.weights, p.qtype, true, p.kind == kInt8x2 ? 2 : 1);
     case kPanels:
     case kPanelsx2:
-      TORCH_CHECK(functions.panel_matmul != nullptr, "the int8 panel products are not bound");
+      DFLASH_CHECK(functions.panel_matmul != nullptr, "the int8 panel products are not bound");
       return functions.panel_matmul(rows, p.weights, p.qtype, p.out, p.kind == kPanelsx2 ? 2 : 1);
     default:
-      TORCH_CHECK(false, "unknown product kind ", p.kind);
+      ::kernel_checks::refuse("unknown product kind ", p.kind);
   }
 }
 
@@ -145,13 +146,13 @@ inline torch::Tensor normed(const Norm& norm, const torch::Tensor& x) {
 }
 
 inline Product make_product(int64_t kind, torch::Tensor weights, int64_t qtype, int64_t out) {
-  TORCH_CHECK(kind >= kDense && kind <= kPanelsx2, "unknown product kind ", kind);
+  DFLASH_CHECK(kind >= kDense && kind <= kPanelsx2, "unknown product kind ", kind);
   return Product{kind, std::move(weights), qtype, out};
 }
 
 inline Linear make_linear(std::vector<Product> parts, c10::optional<torch::Tensor> bias, bool stacked, int64_t in) {
-  TORCH_CHECK(!parts.empty(), "a linear layer needs a product");
-  TORCH_CHECK(stacked || parts.size() == 1, "only a stack has several products");
+  DFLASH_CHECK(!parts.empty(), "a linear layer needs a product");
+  DFLASH_CHECK(stacked || parts.size() == 1, "only a stack has several products");
   return Linear{std::move(parts), std::move(bias), stacked, in};
 }
 
