@@ -302,19 +302,17 @@ class StreamDecoder:
         the text pushing them one at a time gives (the window's text less the text already emitted: with no more
         than `max_pending` ids waiting, no push in between would have given up an incomplete character); None,
         with nothing taken, where it would end in U+FFFD or more ids would wait (then push them one at a time)."""
+        if len(self._ids) + len(token_ids) - self._read > self._max_pending:
+            return None
         start = len(self._ids)
         self._ids.extend(int(i) for i in token_ids)
         if self._read == len(self._ids):
             return ""
-        full = self._decode(self._ids[self._prefix :]) if len(self._ids) - self._read <= self._max_pending else ""
-        if not full or full.endswith("\ufffd"):
+        full = self._decode(self._ids[self._prefix :])
+        if full.endswith("\ufffd"):
             del self._ids[start:]
             return None
-        seen = self._decode(self._ids[self._prefix : self._read])
-        if not full.startswith(seen):  # a decoder that rewrites earlier text: emit what differs
-            seen = seen[: len(_common_prefix(seen, full))]
-        self._prefix, self._read = self._read, len(self._ids)
-        return full[len(seen) :]
+        return self._advance(full)
 
     def flush(self) -> str:
         """Whatever is still held back (possibly ending in U+FFFD)."""
@@ -323,16 +321,19 @@ class StreamDecoder:
     def _emit(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        seen = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])
         pending = len(self._ids) - self._read
         if not final and full.endswith("\ufffd") and pending <= self._max_pending:
             return ""
+        return self._advance(full)
+
+    def _advance(self, full: str) -> str:
+        """Emit `full` (the text of the window from `_prefix`) past the text of the ids emitted before."""
+        seen = self._decode(self._ids[self._prefix : self._read])
         if not full.startswith(seen):  # a decoder that rewrites earlier text: emit what differs
             seen = seen[: len(_common_prefix(seen, full))]
         self._prefix, self._read = self._read, len(self._ids)
         return full[len(seen) :]
-
 
 # ------------------------------------------------------------------------------------------- helpers
 def conversation_text(messages: Sequence[Mapping[str, Any]]) -> str:
