@@ -108,9 +108,9 @@ def count_launches(core: BatchCore) -> list[int]:
     launches: list[int] = []
     launch = core.overlap.launch
 
-    def counted(seqs: list[Sequence], *args: Any) -> Any:
+    def counted(seqs: list[Sequence], *args: Any, **kwargs: Any) -> Any:
         launches.append(len(seqs))
-        return launch(seqs, *args)
+        return launch(seqs, *args, **kwargs)
 
     core.overlap.launch = counted  # type: ignore[method-assign]
     return launches

@@ -146,3 +146,63 @@ def test_seeded_sampled_requests_draw_the_same_tokens_launched_ahead(monkeypatch
     outputs, launched = overlap_on_and_off(monkeypatch, target, prompts, sampling, 18, eager_padded=True)
     assert outputs[0] == outputs[1]
     assert launched[0] > 10 and launched[1] == 0
+
+
+def _arrivals_beside_launched_steps(
+    core: Any, target: Any, prompts: list[list[int]], sampling: list[SamplingParams], lengths: list[int],
+    arrive_at: list[int],
+) -> tuple[list[Any], int]:
+    """Requests added at the given steps of a running core: (their sequences, how many steps read a launched step
+    before launching the next: the chain broken)."""
+    breaks = {"count": 0}
+    read = core._read_launched
+
+    def counted() -> None:
+        breaks["count"] += core.overlap is not None and core.overlap.launched is not None
+        read()
+
+    core._read_launched = counted
+    seqs = [make_sequence(target, p, n, "none", sampling=s)
+            for p, n, s in zip(prompts, lengths, sampling, strict=True)]
+    step = 0
+    while step <= max(arrive_at) or core.active or core.waiting:
+        for seq, at in zip(seqs, arrive_at, strict=True):
+            if at == step:
+                core.add(seq)
+        core.step()
+        step += 1
+        assert step < 2_000, "the core did not finish"
+    return seqs, breaks["count"]
+
+
+def test_prompts_run_beside_launched_steps_and_their_requests_join_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests arriving one by one while others run ahead, prompts of several chunks among them, one request ending
+    early (a later one takes its place), greedy and seeded sampled ones: their prompts run beside the launched steps
+    and they join the next launch, so after the first launch no step reads the chain first; every request gets the
+    tokens it gets without launched steps (greedy ones: alone)."""
+    target, _ = golden_pair()
+    prompts = random_prompts(6, target.config.vocab_size, seed=37, lengths=(12, 40, 7))
+    sampling = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.9, seed=4), SamplingParams(),
+                SamplingParams(temperature=1.1, top_k=30, seed=5), SamplingParams(), SamplingParams()]
+    lengths = [24, 20, 6, 18, 22, 15]
+    arrive_at = [0, 0, 3, 5, 9, 12]
+    outputs, breaks, prefill_steps = [], [], []
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("DFLASH_BATCH_OVERLAP", overlap)
+        core = make_core(target, None, max_batch=6, prefill_chunk=16, eager_padded=True)
+        assert (core.overlap is not None) == (overlap == "1")
+        launches = count_launches(core) if core.overlap is not None else []
+        seqs, broken = _arrivals_beside_launched_steps(core, target, prompts, sampling, lengths, arrive_at)
+        assert all(seq.error is None for seq in seqs)
+        assert core.target_pool.free_blocks == core.target_pool.num_blocks
+        outputs.append([seq.sink.token_ids for seq in seqs])
+        breaks.append(broken)
+        prefill_steps.append(core.step_kinds.get("prefill", [0])[0])
+        if overlap == "1":
+            assert len(launches) > 20 and max(launches) >= 4
+    assert outputs[0] == outputs[1]
+    assert [len(tokens) for tokens in outputs[0]] == lengths
+    for index in (0, 2, 4, 5):  # greedy: the tokens alone
+        assert outputs[0][index] == run(target, None, prompts[index], lengths[index])[0]
+    assert breaks[0] == 0
+    assert prefill_steps[0] >= 5  # every arrival's prompt (40 tokens: three chunks) ran in some step

@@ -281,8 +281,9 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
         if self.overlap is not None:
             plain = self._overlapped_rounds()
             if plain is not None:
-                self._step_kind = "plain_ahead"
-                return self._overlapped_step(plain)
+                stepped = self._overlapped_step(plain)
+                self._step_kind = "prefill" if self._step_prefilled else "plain_ahead"
+                return stepped
             self._read_launched()  # this step needs every request's committed state
         if not self.active:
             return 0

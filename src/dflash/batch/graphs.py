@@ -22,6 +22,7 @@ from dflash.batch.padded import (
     ROW_BUCKETS,
     PaddedBatch,
     PaddedShape,
+    PlacedTokens,
     padded_forward,
 )
 from dflash.batch.pool import BlockPool
@@ -69,13 +70,13 @@ class PaddedGraphs:
         entry = self._graphs.get(shape)
         return entry if entry is not None else self._capture(shape)
 
-    def replay(self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None = None) -> _Captured:
-        """Load `items` and run their shape's pass. `first_tokens` [n] on the device: the first row's token of the
-        first n requests, in place of the loaded ones (tokens a launched step chose and the host has not read)."""
+    def replay(self, items: Sequence[TargetRows], placed: PlacedTokens | None = None) -> _Captured:
+        """Load `items` and run their shape's pass. `placed`: first-row tokens on the device for some requests, in
+        place of the loaded ones (tokens a launched step chose and the host has not read)."""
         entry = self.ensure(PaddedShape.of(items, self.max_requests))
         entry.batch.load(items)
-        if first_tokens is not None:
-            entry.batch.tokens[: first_tokens.shape[0], 0].copy_(first_tokens)
+        if placed is not None:
+            placed.write(entry.batch.tokens)
         if entry.graph is not None:
             entry.graph.replay()
         else:
@@ -171,12 +172,12 @@ class GraphedTargetPasses:
         return TargetOutput(RowViews(entry.logits, wanted), features)
 
     def launch(
-        self, items: Sequence[TargetRows], first_tokens: torch.Tensor | None, sampling: StepSampling | None = None
+        self, items: Sequence[TargetRows], placed: PlacedTokens | None, sampling: StepSampling | None = None
     ) -> tuple[torch.Tensor, RowViews | None]:
         """One plain row per request, nothing read back (`dflash.batch.overlap`): -> (each request's token
         [requests] on the device: the argmax, or where `sampling` is given the draw of `StepChoices`; its row's
         features [1, F] per request or None)."""
-        entry = self.graphs.replay(items, first_tokens)
+        entry = self.graphs.replay(items, placed)
         count = len(items)
         if sampling is None:  # read before the next replay overwrites the logits
             best = entry.logits[:count, 0].argmax(dim=-1)  # [requests]: the argmax as `run`'s

@@ -10,6 +10,10 @@ N+1 with those tokens copied on the device, and only then reads step N's tokens 
 landing while N+1 runs) and does N's host work: commits, detokenisation, stop checks, callbacks. The device has N+1 queued while the host works, so
 a step costs the larger of the two instead of their sum.
 
+Requests whose prompts end join the chain: their first token is on the host, the launched ones' on the device (`_tokens_of`
+merges them), and the prompt chunks due run in a pass of their own launched beside the plain step
+(`dflash.batch.plain_ahead`), so a request in its prompt breaks the chain neither while it prefills nor when it joins.
+
 A plain step's K/V row is kept whatever its token, so a request's position and table advance at launch; only its
 token, output and stop come one step late. A request that stops at step N (EOS, a stop string, cancellation) has one
 more row computed in N+1, written to its own reserved positions (admission reserves a round past the output) and
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash.batch.padded import PlacedTokens
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import RowViews, TargetRows
 
@@ -44,6 +49,7 @@ class Launched:
     features: RowViews | None  # per request [1, F] on the device: the row's captured features
     launched_at: float
     ids: frozenset[int] = frozenset()  # id() of each sequence in it
+    beside_prompts: bool = False  # launched in a step that ran prompt chunks (its time is no plain step's cost)
 
     def tokens(self) -> list[int]:
         """Each request's token (waits for the copy)."""
@@ -68,24 +74,17 @@ class OverlappedSteps:
         """The tokens `seq` will have once the launched step is read: its output so far, plus one if it is in it."""
         return seq.produced + (self.launched is not None and id(seq) in self.launched.ids)
 
-    def takes(self, seqs: list[Sequence]) -> bool:
-        """Whether `seqs` can be launched next: their tokens are all on the host (nothing launched) or all in the
-        launched step (a request that joined since went through a synchronous step, which reads everything)."""
-        launched = self.launched
-        return launched is None or all(id(s) in launched.ids for s in seqs)
-
     def launch(
-        self, seqs: list[Sequence], items: list[TargetRows], now: float, sampling: StepSampling | None = None
+        self, seqs: list[Sequence], items: list[TargetRows], now: float, sampling: StepSampling | None = None,
+        *, beside_prompts: bool = False,
     ) -> Launched | None:
         """Launch one plain row per request of `seqs` (`items`: their rows, tokens from the host, replaced on the
         device by the launched step's where it chose them). `sampling`: the requests' sampling, where some request
         samples (None: every request takes the argmax). Returns the previously launched step, for the caller to
         read and commit."""
         previous = self.launched
-        first_tokens = None
-        if previous is not None:
-            first_tokens = _tokens_of(previous, seqs)
-        best, features = self.graphs.launch(items, first_tokens, sampling)
+        placed = _tokens_of(previous, seqs) if previous is not None else None
+        best, features = self.graphs.launch(items, placed, sampling)
         count = len(seqs)
         host = self._host[self._turn][:count]
         self._turn ^= 1
@@ -96,7 +95,7 @@ class OverlappedSteps:
             ready.record()
         else:
             host.copy_(best)
-        self.launched = Launched(seqs, best, host, ready, features, now, frozenset(map(id, seqs)))
+        self.launched = Launched(seqs, best, host, ready, features, now, frozenset(map(id, seqs)), beside_prompts)
         return previous
 
     def take(self) -> Launched | None:
@@ -105,10 +104,16 @@ class OverlappedSteps:
         return launched
 
 
-def _tokens_of(previous: Launched, seqs: list[Sequence]) -> torch.Tensor:
-    """The launched step's tokens [len(seqs)] on the device, in the order of `seqs` (all of them in it)."""
+def _tokens_of(previous: Launched, seqs: list[Sequence]) -> PlacedTokens | None:
+    """The launched step's tokens of those of `seqs` in it, on the device, and their rows in `seqs` (the others'
+    tokens, requests that joined since, are on the host in their rows already); None where none of them is in it."""
     index = {id(s): i for i, s in enumerate(previous.seqs)}
-    order = [index[id(s)] for s in seqs]
-    if order == list(range(len(seqs))):
-        return previous.best[: len(seqs)]
-    return previous.best[torch.tensor(order, dtype=torch.long).to(previous.best.device, non_blocking=True)]
+    rows = [row for row, s in enumerate(seqs) if id(s) in index]
+    if not rows:
+        return None
+    order = [index[id(seqs[row])] for row in rows]
+    if order == rows == list(range(len(rows))):  # the usual step: the same requests in the same order
+        return PlacedTokens(previous.best[: len(rows)], None)
+    device = previous.best.device
+    taken = previous.best[torch.tensor(order, dtype=torch.long).to(device, non_blocking=True)]
+    return PlacedTokens(taken, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))

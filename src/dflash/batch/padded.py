@@ -54,6 +54,22 @@ class PaddedShape:
         return min(1 << max(0, (count - 1).bit_length()), max(max_requests, count))
 
 
+@dataclass(frozen=True)
+class PlacedTokens:
+    """First-row tokens already on the device (chosen by a launched step the host has not read), for some requests
+    of a batch: `rows` None means the first `len(tokens)` requests, else their request indices [n]."""
+
+    tokens: torch.Tensor  # [n] int64
+    rows: torch.Tensor | None  # [n] int64, or None
+
+    def write(self, batch_tokens: torch.Tensor) -> None:
+        """Put them in a loaded batch's token buffer [requests, rows] in place of the host's."""
+        if self.rows is None:
+            batch_tokens[: self.tokens.shape[0], 0].copy_(self.tokens)
+        else:
+            batch_tokens[self.rows, 0] = self.tokens
+
+
 class PaddedBatch:
     """Device buffers of one shape, loaded from the step's rows before each replay.
 

@@ -1,5 +1,6 @@
 """Plain steps launched one ahead of reading their tokens in the batched core (`dflash.batch.overlap`): where every
-decoding request takes a plain step that its logits and seed alone decide."""
+decoding request takes a plain step that its logits and seed alone decide. Prompt chunks due run in a pass of their
+own launched beside the step, and a request whose prompt ended joins the next launch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 from dflash.batch.core_parts import CoreParts
 from dflash.batch.overlap import Launched
-from dflash.batch.rounds import Round, choice_stateless
+from dflash.batch.rounds import FirstToken, Round, choice_stateless
 from dflash.batch.sequence import Sequence
 from dflash.batch.step_choice import StepSampling
 
@@ -17,16 +18,17 @@ log = logging.getLogger("dflash.batch")
 
 class PlainAheadSteps:
     last_batch: int
+    _first_tokens: list[FirstToken] | None
     # the last launched step's requests, in order, and their sampling (`_sampling_for`)
     _step_sampling: tuple[tuple[Sequence, ...], StepSampling | None] | None = None
 
     def _overlapped_rounds(self: CoreParts) -> list[Round] | None:
-        """This step's rounds when it can be launched ahead: every active request decoding, each taking a plain
-        step whose choice depends on nothing chosen before (`choice_stateless`), all of them in the launched step
-        or none; None otherwise."""
+        """This step's rounds when it can be launched ahead: every decoding request (the others are in their
+        prompts) taking a plain step whose choice depends on nothing chosen before (`choice_stateless`); None
+        otherwise."""
         assert self.overlap is not None
-        decoders = self.active
-        if not decoders or any(s.phase != "decode" for s in decoders) or not self.overlap.takes(decoders):
+        decoders = [s for s in self.active if s.phase == "decode"]
+        if not decoders:
             return None
         rounds = self._plan_rounds(decoders)
         for r in rounds:
@@ -35,7 +37,23 @@ class PlainAheadSteps:
         return rounds
 
     def _overlapped_step(self: CoreParts, rounds: list[Round]) -> int:
-        """Launch this step's plain rows, then read and commit the step launched before it."""
+        """Launch the prompt chunks due (their first tokens copied back without a wait), then this step's plain rows,
+        then read and commit the step launched before it, and last read the prompts' first tokens: the host reads
+        nothing the GPU has not reached before the plain step it just queued."""
+        assert self.overlap is not None
+        prefills = self._prefill_work()
+        self._first_tokens = []
+        try:
+            if prefills:
+                self._step_prefilled = True
+                self._prefill_alone(prefills)
+            self._launch_plain(rounds)
+        finally:
+            self._read_first()
+        self.last_batch = len(rounds) + len(prefills)
+        return self.last_batch
+
+    def _launch_plain(self: CoreParts, rounds: list[Round]) -> None:
         assert self.overlap is not None
         now = time.perf_counter()
         # a request whose in-flight token is its last allowed one gets no further row
@@ -44,13 +62,16 @@ class PlainAheadSteps:
         if launch:
             seqs = [r.seq for r in launch]
             try:
-                previous = self.overlap.launch(seqs, self._decoding_rows(launch), now, self._sampling_for(seqs))
+                previous = self.overlap.launch(
+                    seqs, self._decoding_rows(launch), now, self._sampling_for(seqs),
+                    beside_prompts=self._step_prefilled,
+                )
             except Exception as exc:  # the launch failed: its requests and the unread step's end with the error
                 log.exception("batched step failed")
                 unread = self.overlap.take()
                 for seq in {id(s): s for s in [*seqs, *(unread.seqs if unread else [])]}.values():
                     self._end(seq, exc)
-                return len(rounds)
+                return
             for seq in seqs:  # a plain row is kept whatever its token: the position advances now
                 assert seq.target is not None
                 seq.target.crop(seq.start + 1)
@@ -58,12 +79,10 @@ class PlainAheadSteps:
         else:
             self.overlap.take()
         if previous is not None:
-            if launch and not self._last_step_captured:
+            if launch and not self._last_step_captured and not previous.beside_prompts:
                 # consecutive launches: the time between them (the last step) is what a plain step costs here
                 self.policy.costs.observe(len(previous.seqs), False, now - previous.launched_at)
             self._commit_launched(previous)
-        self.last_batch = len(rounds)
-        return len(rounds)
 
     def _sampling_for(self: CoreParts, seqs: list[Sequence]) -> StepSampling | None:
         """How the launched step chooses its requests' tokens: None where all of them take the plain argmax; else
