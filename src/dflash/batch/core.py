@@ -254,9 +254,11 @@ class BatchCore(PromptSteps, DeviceRoundSteps, PlainAheadSteps):
                     for budget in sorted(budgets_of.get(requests, ())):
                         self.device_trees.ensure(TreeShape(requests, keys, budget, chains))
                 keys *= 2
+            if self.overlap is not None:
+                self.graphs.ensure_choices(requests)
         drafter = self.drafter_graphs.graphs.captured if self.drafter_graphs is not None else 0
         trees = self.device_trees.captured if self.device_trees is not None else 0
-        return self.graphs.captured + drafter + trees
+        return self.graphs.captured + self.graphs.choices.captured + drafter + trees
 
     # ---- the step ----------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -41,6 +41,9 @@ _UNIFORM_BITS = 24  # float32 holds them exactly
 T = TypeVar("T", torch.Tensor, numpy.ndarray)
 
 
+SAMPLED_MODES = ("sampled", "filtered", "mixed")  # `choice_mode`'s modes where some request samples
+
+
 def choice_mode(params: Sequence[SamplingParams]) -> str:
     """"greedy", "sampled", "filtered" or "mixed" for a round of requests with these sampling parameters."""
     filtered = [_filtered(p) for p in params if not p.greedy]

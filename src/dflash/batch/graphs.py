@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from dflash.batch.context_store import ContextStores
+from dflash.batch.device_sampling import SAMPLED_MODES
 from dflash.batch.padded import (
+    MIN_KEY_BUCKET,
     ROW_BUCKETS,
     PaddedBatch,
     PaddedShape,
@@ -138,6 +140,16 @@ class GraphedTargetPasses:
 
     def ensure(self, shape: PaddedShape) -> None:
         self.graphs.ensure(shape)
+
+    def ensure_choices(self, requests: int) -> None:
+        """Capture the launched plain steps' draws of `requests` requests for every mode where some request samples
+        (ahead of traffic: a capture in a step holds up every request of it)."""
+        entry = self.graphs.ensure(PaddedShape(requests, 1, MIN_KEY_BUCKET))
+        if entry.graph is None:  # eager passes: nothing is captured
+            return
+        logits = entry.logits[:, 0]  # [requests, vocab]
+        for mode in SAMPLED_MODES:
+            self.choices.ensure(requests, logits.shape[1], logits.dtype, logits.device, mode)
 
     def run(self, items: Sequence[TargetRows], *, argmax: bool = True) -> TargetOutput:
         """`argmax`: also give every logits row's argmax on the host (some request of the step chooses greedily)."""

@@ -9,6 +9,10 @@ target pass's logits and the positions already in its padded batch, makes the un
 (`row_uniforms`, equal to the host's) and writes the tokens to a buffer of its own: a step sends one small table of
 parameters and replays one graph. The draws are the ones `choose_step_rows` makes (the same function, the same
 uniforms), graphed or not.
+
+A graph serves every target shape of its request count: it reads copies of the logits and positions in buffers of
+its own (a copy of a few megabytes on the device), so requests joining and leaving a run of launched steps, as key
+lengths grow, meet a handful of graphs, each captured once, and not one per padded shape.
 """
 
 from __future__ import annotations
@@ -54,18 +58,20 @@ def draw_step(logits: torch.Tensor, table: torch.Tensor, positions: torch.Tensor
 @dataclass
 class _Choice:
     graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [requests, vocab], the graph's input: a copy of the target pass's
+    positions: torch.Tensor  # [requests] long, the graph's input
     table: torch.Tensor  # [requests, PARAMETERS] float64 on the device, the graph's input
     tokens: torch.Tensor  # [requests] long, the graph's output
     loaded: StepSampling | None = None  # the sampling whose parameters `table` holds
 
 
 class StepChoices:
-    """Graphs of the draw, one per (logits buffer, choice mode): the logits of one padded shape's target graph."""
+    """Graphs of the draw, one per (requests, vocab, logits dtype, choice mode)."""
 
     def __init__(self, memory: Any, *, graphed: bool) -> None:
         self._memory = memory
         self.graphed = graphed
-        self._choices: dict[tuple[int, str], _Choice] = {}
+        self._choices: dict[tuple[int, int, torch.dtype, str], _Choice] = {}
 
     @staticmethod
     def table_of(sampling: StepSampling, requests: int) -> numpy.ndarray:
@@ -75,6 +81,10 @@ class StepChoices:
         table[: len(sampling.params)] = parameter_table(sampling.params, sampling.seeds)
         return table
 
+    @property
+    def captured(self) -> int:
+        return len(self._choices)
+
     def choose(self, logits: torch.Tensor, positions: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
         """logits [requests, vocab] and positions [requests] long: a target graph's own buffers (the same tensors
         at every replay of its shape; a padding request's row is drawn greedily and ignored) -> the tokens
@@ -83,11 +93,9 @@ class StepChoices:
         if not self.graphed:  # eager passes: each replay's logits are new tensors, nothing to capture
             table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
             return draw_step(logits, to_device(table, logits.device), positions, mode)
-        key = (logits.data_ptr(), mode)
-        choice = self._choices.get(key)
-        if choice is None:
-            choice = self._capture(logits, positions, mode)
-            self._choices[key] = choice
+        choice = self.ensure(logits.shape[0], logits.shape[1], logits.dtype, logits.device, mode)
+        choice.logits.copy_(logits)
+        choice.positions.copy_(positions)
         if choice.loaded is not sampling:  # the same requests' steps in a row send their parameters once
             table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
             choice.table.copy_(table.pin_memory(), non_blocking=True)
@@ -95,8 +103,19 @@ class StepChoices:
         choice.graph.replay()
         return choice.tokens
 
-    def _capture(self, logits: torch.Tensor, positions: torch.Tensor, mode: str) -> _Choice:
-        table = torch.zeros((logits.shape[0], PARAMETERS), dtype=torch.float64, device=logits.device)
+    def ensure(self, requests: int, vocab: int, dtype: torch.dtype, device: torch.device, mode: str) -> _Choice:
+        """The graph of this draw, captured on first use (or ahead of traffic)."""
+        key = (requests, vocab, dtype, mode)
+        choice = self._choices.get(key)
+        if choice is None:
+            choice = self._capture(requests, vocab, dtype, device, mode)
+            self._choices[key] = choice
+        return choice
+
+    def _capture(self, requests: int, vocab: int, dtype: torch.dtype, device: torch.device, mode: str) -> _Choice:
+        logits = torch.zeros((requests, vocab), dtype=dtype, device=device)
+        positions = torch.zeros(requests, dtype=torch.long, device=device)
+        table = torch.zeros((requests, PARAMETERS), dtype=torch.float64, device=device)
         table[:, 2] = 1.0
         graph, tokens = capture_graph(lambda: draw_step(logits, table, positions, mode), self._memory, warmups=2)
-        return _Choice(graph, table, tokens)
+        return _Choice(graph, logits, positions, table, tokens)
