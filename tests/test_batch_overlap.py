@@ -206,3 +206,39 @@ def test_prompts_run_beside_launched_steps_and_their_requests_join_the_chain(mon
         assert outputs[0][index] == run(target, None, prompts[index], lengths[index])[0]
     assert breaks[0] == 0
     assert prefill_steps[0] >= 5  # every arrival's prompt (40 tokens: three chunks) ran in some step
+
+
+def test_speculative_requests_join_the_chain_from_their_prompts_and_speculate_later() -> None:
+    """DDTree and linear requests arriving while others run ahead on plain steps (the policy keeps everyone plain):
+    their prompts run beside the launched steps, they join the chain with their prompt's drafter context, and once
+    speculation is on again they draft from it: their tokens alone."""
+    target, drafter = golden_pair()
+    prompts = random_prompts(4, target.config.vocab_size, seed=41, lengths=(9, 35, 14))
+    references = [run(target, None, p, 26)[0] for p in prompts]
+    core = make_core(target, drafter, max_batch=4, prefill_chunk=16, eager_padded=True)
+    launches = count_launches(core)
+    speculate = {"on": False}
+    core.policy.plan = lambda *args, **kwargs: speculate["on"]
+    seqs = [make_sequence(target, p, 26, ("ddtree", "linear")[i % 2]) for i, p in enumerate(prompts)]
+    joined = {"breaks": 0}
+    read = core._read_launched
+
+    def counted() -> None:
+        joined["breaks"] += core.overlap is not None and core.overlap.launched is not None
+        read()
+
+    core._read_launched = counted  # type: ignore[method-assign]
+    core.add(seqs[0])
+    for step, seq in ((2, seqs[1]), (5, seqs[2]), (8, seqs[3])):
+        while core._step_index < step:
+            core.step()
+        core.add(seq)
+    while core._step_index < 16:
+        core.step()
+    assert launches and joined["breaks"] == 0  # every arrival joined the running chain
+    speculate["on"] = True
+    drain(core)
+    for seq, reference in zip(seqs, references, strict=True):
+        assert seq.error is None
+        assert seq.sink.token_ids == reference, seq.mode
+    assert all(seq.stats.draft_tokens for seq in seqs)  # they did speculate after the plain steps
