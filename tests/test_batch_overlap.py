@@ -227,7 +227,7 @@ def test_speculative_requests_join_the_chain_from_their_prompts_and_speculate_la
         joined["breaks"] += core.overlap is not None and core.overlap.launched is not None
         read()
 
-    core._read_launched = counted  # type: ignore[method-assign]
+    core._read_launched = counted
     core.add(seqs[0])
     for step, seq in ((2, seqs[1]), (5, seqs[2]), (8, seqs[3])):
         while core._step_index < step:
