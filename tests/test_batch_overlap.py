@@ -88,6 +88,11 @@ def test_speculative_requests_ride_overlapped_plain_steps_and_speculate_again() 
     for _ in range(12):
         core.step()
     assert launches
+    _speculate_to_the_end(core, speculate, seqs, references)
+
+
+def _speculate_to_the_end(core: Any, speculate: dict[str, bool], seqs: list[Any], references: list[list[int]]) -> None:
+    """Speculation on again until every request ends: each gets its tokens alone, and each did speculate."""
     speculate["on"] = True
     drain(core)
     for seq, reference in zip(seqs, references, strict=True):
@@ -148,20 +153,26 @@ def test_seeded_sampled_requests_draw_the_same_tokens_launched_ahead(monkeypatch
     assert launched[0] > 10 and launched[1] == 0
 
 
+def _count_chain_breaks(core: Any) -> list[int]:
+    """Count the core's steps that read a launched step before launching the next (the chain broken): [count]."""
+    breaks = [0]
+    read = core._read_launched
+
+    def counted() -> None:
+        breaks[0] += core.overlap is not None and core.overlap.launched is not None
+        read()
+
+    core._read_launched = counted
+    return breaks
+
+
 def _arrivals_beside_launched_steps(
     core: Any, target: Any, prompts: list[list[int]], sampling: list[SamplingParams], lengths: list[int],
     arrive_at: list[int],
 ) -> tuple[list[Any], int]:
     """Requests added at the given steps of a running core: (their sequences, how many steps read a launched step
     before launching the next: the chain broken)."""
-    breaks = {"count": 0}
-    read = core._read_launched
-
-    def counted() -> None:
-        breaks["count"] += core.overlap is not None and core.overlap.launched is not None
-        read()
-
-    core._read_launched = counted
+    breaks = _count_chain_breaks(core)
     seqs = [make_sequence(target, p, n, "none", sampling=s)
             for p, n, s in zip(prompts, lengths, sampling, strict=True)]
     step = 0
@@ -172,7 +183,7 @@ def _arrivals_beside_launched_steps(
         core.step()
         step += 1
         assert step < 2_000, "the core did not finish"
-    return seqs, breaks["count"]
+    return seqs, breaks[0]
 
 
 def test_prompts_run_beside_launched_steps_and_their_requests_join_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,14 +231,7 @@ def test_speculative_requests_join_the_chain_from_their_prompts_and_speculate_la
     speculate = {"on": False}
     core.policy.plan = lambda *args, **kwargs: speculate["on"]
     seqs = [make_sequence(target, p, 26, ("ddtree", "linear")[i % 2]) for i, p in enumerate(prompts)]
-    joined = {"breaks": 0}
-    read = core._read_launched
-
-    def counted() -> None:
-        joined["breaks"] += core.overlap is not None and core.overlap.launched is not None
-        read()
-
-    core._read_launched = counted
+    breaks = _count_chain_breaks(core)
     core.add(seqs[0])
     for step, seq in ((2, seqs[1]), (5, seqs[2]), (8, seqs[3])):
         while core._step_index < step:
@@ -235,10 +239,5 @@ def test_speculative_requests_join_the_chain_from_their_prompts_and_speculate_la
         core.add(seq)
     while core._step_index < 16:
         core.step()
-    assert launches and joined["breaks"] == 0  # every arrival joined the running chain
-    speculate["on"] = True
-    drain(core)
-    for seq, reference in zip(seqs, references, strict=True):
-        assert seq.error is None
-        assert seq.sink.token_ids == reference, seq.mode
-    assert all(seq.stats.draft_tokens for seq in seqs)  # they did speculate after the plain steps
+    assert launches and breaks == [0]  # every arrival joined the running chain
+    _speculate_to_the_end(core, speculate, seqs, references)

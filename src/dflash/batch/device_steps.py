@@ -136,14 +136,9 @@ class DeviceRoundSteps:
             assert unread is not None
             self._commit_device_round(unread)
             return None
-        # prompt chunks due go first, their first tokens copied back without waiting: the host reads them after
-        # launching the next round and committing the last, so it does not wait for the next round to run
-        prefills = self._prefill_work()
-        self._first_tokens = []
-        try:
-            if prefills:
-                self._step_prefilled = True
-                self._prefill_alone(prefills)
+        # prompt chunks due go first: the host reads their first tokens after launching the next round and
+        # committing the last, so it does not wait for the next round to run
+        with self._prompts_beside_launch() as prefills:
             try:
                 # an ended request's slot rides as padding until the requests change (no chain break at its end)
                 ended = [index for index, seq in enumerate(seqs) if seq.phase == "done"]
@@ -156,8 +151,6 @@ class DeviceRoundSteps:
                 return len(seqs) + len(prefills)
             assert previous is not None
             self._commit_device_round(previous)
-        finally:
-            self._read_first()
         self.last_batch = len(seqs) + len(prefills)
         return self.last_batch
 

@@ -9,7 +9,7 @@ import time
 
 from dflash.batch.core_parts import CoreParts
 from dflash.batch.overlap import Launched
-from dflash.batch.rounds import FirstToken, Round, choice_stateless
+from dflash.batch.rounds import Round, choice_stateless
 from dflash.batch.sequence import Sequence
 from dflash.batch.step_choice import StepSampling
 
@@ -18,7 +18,6 @@ log = logging.getLogger("dflash.batch")
 
 class PlainAheadSteps:
     last_batch: int
-    _first_tokens: list[FirstToken] | None
     # the last launched step's requests, in order, and their sampling (`_sampling_for`)
     _step_sampling: tuple[tuple[Sequence, ...], StepSampling | None] | None = None
 
@@ -41,15 +40,8 @@ class PlainAheadSteps:
         then read and commit the step launched before it, and last read the prompts' first tokens: the host reads
         nothing the GPU has not reached before the plain step it just queued."""
         assert self.overlap is not None
-        prefills = self._prefill_work()
-        self._first_tokens = []
-        try:
-            if prefills:
-                self._step_prefilled = True
-                self._prefill_alone(prefills)
+        with self._prompts_beside_launch() as prefills:
             self._launch_plain(rounds)
-        finally:
-            self._read_first()
         self.last_batch = len(rounds) + len(prefills)
         return self.last_batch
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -123,6 +125,21 @@ class PromptSteps:
         seq.phase = "decode"
         if seq.sink.push(first):
             self._end(seq)
+
+    @contextmanager
+    def _prompts_beside_launch(self: CoreParts) -> Iterator[list[tuple[Sequence, int, int]]]:
+        """Around a step that launches ahead (a device round or a plain step): the prompt chunks due run first in a
+        pass of their own, their first tokens copied back without a wait, and are read once the step's work is
+        queued (so the host does not wait for the launched step to run). Yields the chunks."""
+        prefills = self._prefill_work()
+        self._first_tokens = []
+        try:
+            if prefills:
+                self._step_prefilled = True
+                self._prefill_alone(prefills)
+            yield prefills
+        finally:
+            self._read_first()
 
     def _read_first(self: CoreParts) -> None:
         """The prompts' first tokens copied back by `_after_prefill` this step: each request starts decoding."""
