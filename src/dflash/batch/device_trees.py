@@ -194,7 +194,7 @@ class DeviceTrees:
             assert previous is None, "a round loaded from the host needs every earlier round read"
             self._load(entry, seqs, budget)
         elif ended:  # requests that ended: padding from now on (no rows, nothing read or written in their blocks)
-            index = torch.tensor(ended, dtype=torch.long).to(entry.out.device, non_blocking=True)
+            index = to_device(torch.tensor(ended, dtype=torch.long), entry.out.device)  # queued: no wait
             for batch in (entry.drafter_batch, entry.target_batch):
                 batch.counts.index_fill_(0, index, 0)
                 batch.past.index_fill_(0, index, 0)

@@ -32,6 +32,7 @@ import torch
 from dflash.batch.padded import PlacedTokens
 from dflash.batch.sequence import Sequence
 from dflash.batch.target_pass import RowViews, TargetRows
+from dflash.host_copies import to_device
 
 if TYPE_CHECKING:
     from dflash.batch.graphs import GraphedTargetPasses
@@ -114,6 +115,7 @@ def _tokens_of(previous: Launched, seqs: list[Sequence]) -> PlacedTokens | None:
     order = [index[id(seqs[row])] for row in rows]
     if order == rows == list(range(len(rows))):  # the usual step: the same requests in the same order
         return PlacedTokens(previous.best[: len(rows)], None)
+    # through pinned memory: a copy from pageable memory would wait for the launched step to run
     device = previous.best.device
-    taken = previous.best[torch.tensor(order, dtype=torch.long).to(device, non_blocking=True)]
-    return PlacedTokens(taken, torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
+    taken = previous.best[to_device(torch.tensor(order, dtype=torch.long), device)]
+    return PlacedTokens(taken, to_device(torch.tensor(rows, dtype=torch.long), device))
