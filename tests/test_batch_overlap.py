@@ -41,8 +41,8 @@ def test_overlapped_plain_requests_get_their_tokens_alone() -> None:
 
 def test_requests_joining_and_cancelled_between_launched_steps() -> None:
     """A request cancelled while its next token is in flight ends with a prefix of its tokens alone; requests that
-    arrive while others run ahead (a prompt-cache hit among them) make the core read the launched step first and
-    still get their tokens alone; a sampled request in the batch takes the synchronous steps."""
+    arrive while others run ahead (a prompt-cache hit among them) join the launched steps and still get their tokens
+    alone; a sampled request among them gets all its tokens."""
     target, _ = golden_pair()
     prompts = random_prompts(3, target.config.vocab_size, seed=13, lengths=(40, 9))
     prompts.append(list(prompts[0]))  # the same prompt again: its blocks come from the prefix cache if one is set

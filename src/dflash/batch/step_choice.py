@@ -4,7 +4,7 @@ A launched plain step (`dflash.batch.overlap`) of sampled requests draws each re
 by the uniform of (its seed, its row's position), every request at once (`device_sampling.choose_rows`). Run
 eagerly that is some twenty small operations a step, plus the host's work of making the uniforms and copying them:
 host time that the launched-ahead step exists to hide, and at a few dozen requests a step of a small model it is
-what the step waits for. Here the draw is captured once per (padded shape, choice mode) as a graph that reads the
+what the step waits for. Here the draw is captured once per (request count, choice mode) as a graph that reads the
 target pass's logits and the positions already in its padded batch, makes the uniforms on the device
 (`row_uniforms`, equal to the host's) and writes the tokens to a buffer of its own: a step sends one small table of
 parameters and replays one graph. The draws are the ones `choose_step_rows` makes (the same function, the same
@@ -86,9 +86,9 @@ class StepChoices:
         return len(self._choices)
 
     def choose(self, logits: torch.Tensor, positions: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
-        """logits [requests, vocab] and positions [requests] long: a target graph's own buffers (the same tensors
-        at every replay of its shape; a padding request's row is drawn greedily and ignored) -> the tokens
-        [requests] on the device, queued without a wait (rewritten by this buffer's next draw)."""
+        """logits [requests, vocab] and positions [requests] long, on the device (copied into the graph's inputs; a
+        padding request's row is drawn greedily and ignored) -> the tokens [requests] on the device, queued without
+        a wait (rewritten by the next draw of the same request count and mode)."""
         mode = choice_mode(sampling.params)
         if not self.graphed:  # eager passes: each replay's logits are new tensors, nothing to capture
             table = torch.from_numpy(self.table_of(sampling, logits.shape[0]))
